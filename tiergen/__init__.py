@@ -1,0 +1,9 @@
+"""tiergen: run large language models across device memory, host RAM and disk."""
+
+from tiergen import _platform  # noqa: F401  (must run before torch executes a kernel)
+from tiergen.engine.llm import LLM, GenerationResult, StreamEvent
+from tiergen.engine.sampler import SamplingParams
+from tiergen.errors import TiergenError
+
+__all__ = ["LLM", "GenerationResult", "SamplingParams", "StreamEvent", "TiergenError"]
+__version__ = "0.1.0"

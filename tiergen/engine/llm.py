@@ -1,0 +1,177 @@
+"""The LLM facade: load a model once, then generate for batches of prompts or chat."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tiergen.engine.executor import Executor
+from tiergen.engine.generate import Sequence, make_sequences, run_batch
+from tiergen.engine.sampler import SamplingParams
+from tiergen.errors import TiergenError
+from tiergen.models import build_model
+from tiergen.weights import open_model
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's output. ``token_ids`` are the generated ids (including a final EOS)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StreamEvent:
+    """A piece of one prompt's output, as soon as it is produced."""
+
+    index: int  # which prompt
+    token_id: int
+    text: str  # new text since the last event of this prompt
+    finish_reason: str | None
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device,
+                   checkpoint: torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32  # fastest on CPUs without native half-precision matmul
+        return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if dtype not in DTYPES:
+        raise TiergenError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class LLM:
+    """A loaded model.
+
+    >>> llm = LLM("smollm2")
+    >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
+    """
+
+    def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
+                 device: str | None = None, max_batch_size: int = 64) -> None:
+        if max_batch_size < 1:
+            raise TiergenError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        files = open_model(model)
+        self.name = files.name
+        self.config = files.config
+        self.tokenizer = files.tokenizer
+        self.dtype = _resolve_dtype(dtype, self.device, files.default_dtype)
+        self.eos_token_ids = sorted(set(self.config.eos_token_ids) |
+                                    set(self.tokenizer.eos_token_ids if self.tokenizer else []))
+        self.max_batch_size = max_batch_size
+        self.executor = Executor(build_model(self.config), files.source, self.dtype, self.device)
+
+    # -- prompts -------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TiergenError(f"model {self.name} has no tokenizer files: pass prompts as "
+                                   "lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Seq) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise TiergenError(f"token id {bad[0]} is outside the vocabulary "
+                                   f"(0..{self.config.vocab_size - 1})")
+        else:
+            raise TiergenError("a prompt must be a string or a list of token ids, "
+                               f"got {type(prompt).__name__}")
+        if not ids:
+            raise TiergenError("a prompt is empty: give at least one token")
+        return ids
+
+    def _check_length(self, ids: list[int], params: SamplingParams) -> None:
+        limit = self.config.context_length
+        if len(ids) + params.max_tokens > limit:
+            raise TiergenError(
+                f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the "
+                f"model's context of {limit} tokens; shorten the prompt or lower max_tokens")
+
+    def _prepare(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None
+                 ) -> tuple[list[Prompt], list[Sequence]]:
+        if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise TiergenError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.encode(p) for p in prompts]
+        for i, p in zip(ids, plist):
+            self._check_length(i, p)
+            if p.stop and self.tokenizer is None:
+                raise TiergenError("stop strings need a tokenizer; this model has none")
+        return prompts, make_sequences(ids, plist, self.eos_token_ids, self.tokenizer)
+
+    def _batches(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
+        """Group prompts of similar length so that little padding is computed."""
+        order = sorted(seqs, key=lambda s: len(s.prompt_ids), reverse=True)
+        for i in range(0, len(order), self.max_batch_size):
+            yield order[i:i + self.max_batch_size]
+
+    # -- generation ----------------------------------------------------------------------
+    def stream(self, prompts: Prompt | Seq[Prompt],
+               params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[StreamEvent]:
+        """Yield text as it is produced, for every prompt (events of a batch interleave)."""
+        _, seqs = self._prepare(prompts, params)
+        for batch in self._batches(seqs):
+            for ev in run_batch(self.executor, batch):
+                yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason)
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationResult]:
+        """Generate for every prompt; results come back in prompt order."""
+        texts, seqs = self._prepare(prompts, params)
+        with tqdm(total=len(seqs), disable=not use_tqdm, unit="prompt") as bar:
+            for batch in self._batches(seqs):
+                for ev in run_batch(self.executor, batch):
+                    bar.update(ev.seq.finish_reason is not None)
+        return [GenerationResult(t if isinstance(t, str) else None, s.prompt_ids, s.text,
+                                 s.token_ids, s.finish_reason or "length")
+                for t, s in zip(texts, seqs)]
+
+    def chat_prompt(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise TiergenError(f"model {self.name} has no tokenizer, so it cannot chat")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  template=chat_template)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             params: SamplingParams | None = None,
+             chat_template: str | None = None) -> GenerationResult | list[GenerationResult]:
+        """Answer one conversation (a list of messages) or several (a list of lists)."""
+        if messages and isinstance(messages[0], list):
+            prompts = [self.chat_prompt(m, chat_template) for m in messages]
+            return self.generate(prompts, params)
+        return self.generate([self.chat_prompt(messages, chat_template)], params)[0]

@@ -1,0 +1,44 @@
+"""What a model family tells the executor: the tensors it needs and how to compute with them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tiergen.cache.kv import KVView
+from tiergen.config import ModelConfig
+from tiergen.engine.step import StepMeta
+
+Weights = dict[str, torch.Tensor]
+
+
+class ModelFamily(Protocol):
+    """A family is stateless apart from its config: weights arrive as arguments."""
+
+    cfg: ModelConfig
+
+    def global_specs(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint names and shapes of the tensors outside the layers."""
+
+    def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Checkpoint names and shapes of layer i's tensors."""
+
+    def pack_globals(self, raw: Weights) -> Weights:
+        """Rename/fuse loaded global tensors into the form :meth:`embed`/:meth:`head` use."""
+
+    def pack_layer(self, i: int, raw: Weights) -> Weights:
+        """Rename/fuse layer i's loaded tensors into the form :meth:`layer` uses."""
+
+    def prepare(self, meta: StepMeta, dtype: torch.dtype) -> object:
+        """Per-step tables shared by all layers (e.g. RoPE cos/sin)."""
+
+    def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> hidden states (B, T, H)."""
+
+    def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
+              shared: object) -> torch.Tensor:
+        """One decoder layer: hidden states in, hidden states out."""
+
+    def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: (B, T, H) -> logits (B, T, V)."""

@@ -1,0 +1,72 @@
+"""Shared building blocks. Every function takes its weights as arguments: layers never own
+or move tensors, the executor hands them what they need."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tiergen.config import RopeConfig
+from tiergen.engine.step import StepMeta
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """SwiGLU MLP with gate and up projections fused into one (2*I, H) matrix."""
+    gate, up = linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, down, down_bias)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) in float32 for the configured RoPE variant."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by factor, blend in between.
+        old_ctx = rope.original_max_position or 8192
+        low_wavelen = old_ctx / rope.low_freq_factor
+        high_wavelen = old_ctx / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > low_wavelen, inv_freq / rope.factor,
+                               torch.where(wavelen < high_wavelen, inv_freq, blended))
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (B, 1, T, head_dim) for positions (B, T), computed in float32."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, D) in the half-split layout Hugging Face uses."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, H, T, D) over cached k, v (B, KVH, S, D).
+
+    Grouped-query attention shares each K/V head among H/KVH query heads without
+    repeating K/V in memory.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if meta.mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=gqa)

@@ -1,0 +1,118 @@
+"""The Llama family: Llama 2/3.x, Mistral (full attention), Qwen2 (q/k/v biases) and
+Qwen3 (per-head q/k RMSNorm). The differences are config flags.
+
+Per layer: h += o_proj(attn(rope(q), rope(k), v)) over rms_norm(h); h += mlp(rms_norm(h)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiergen.cache.kv import KVView
+from tiergen.config import ModelConfig
+from tiergen.engine.step import StepMeta
+from tiergen.models.base import Weights
+from tiergen.models.layers import (apply_rope, attention, linear, rms_norm, rope_cos_sin,
+                                   rope_inv_freq, swiglu_mlp)
+
+
+class Llama:
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+
+    def global_specs(self) -> dict[str, tuple[int, ...]]:
+        c = self.cfg
+        specs = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                 "model.norm.weight": (c.hidden_size,)}
+        if not c.tie_word_embeddings:
+            specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        return specs
+
+    def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
+        c = self.cfg
+        p = f"model.layers.{i}."
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        specs = {
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "self_attn.q_proj.weight": (q, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }
+        if c.qkv_bias:
+            specs |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                      p + "self_attn.v_proj.bias": (kv,)}
+        if c.o_bias:
+            specs[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
+        if c.qk_norm:
+            specs |= {p + "self_attn.q_norm.weight": (c.head_dim,),
+                      p + "self_attn.k_norm.weight": (c.head_dim,)}
+        if c.mlp_bias:
+            specs |= {p + "mlp.gate_proj.bias": (c.intermediate_size,),
+                      p + "mlp.up_proj.bias": (c.intermediate_size,),
+                      p + "mlp.down_proj.bias": (c.hidden_size,)}
+        return specs
+
+    def pack_globals(self, raw: Weights) -> Weights:
+        embed = raw["model.embed_tokens.weight"]
+        return {"embed": embed, "norm": raw["model.norm.weight"],
+                "lm_head": embed if self.cfg.tie_word_embeddings else raw["lm_head.weight"]}
+
+    def pack_layer(self, i: int, raw: Weights) -> Weights:
+        """Fuse q/k/v and gate/up into single matrices: fewer, larger matmuls."""
+        r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
+        w = {
+            "input_norm": r["input_layernorm.weight"],
+            "qkv": torch.cat([r[f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+            "o": r["self_attn.o_proj.weight"],
+            "post_norm": r["post_attention_layernorm.weight"],
+            "gate_up": torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
+            "down": r["mlp.down_proj.weight"],
+        }
+        if self.cfg.qkv_bias:
+            w["qkv_bias"] = torch.cat([r[f"self_attn.{n}_proj.bias"] for n in "qkv"])
+        if self.cfg.o_bias:
+            w["o_bias"] = r["self_attn.o_proj.bias"]
+        if self.cfg.qk_norm:
+            w["q_norm"], w["k_norm"] = r["self_attn.q_norm.weight"], r["self_attn.k_norm.weight"]
+        if self.cfg.mlp_bias:
+            w["gate_up_bias"] = torch.cat([r["mlp.gate_proj.bias"], r["mlp.up_proj.bias"]])
+            w["down_bias"] = r["mlp.down_proj.bias"]
+        return w
+
+    def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.inv_freq.to(meta.positions.device), meta.positions, dtype)
+
+    def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
+        return w["embed"][ids]
+
+    def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
+              shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        c = self.cfg
+        B, T, _ = h.shape
+        x = rms_norm(h, w["input_norm"], c.rms_norm_eps)
+        qkv = linear(x, w["qkv"], w.get("qkv_bias"))
+        q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                             c.num_kv_heads * c.head_dim], dim=-1)
+        q = q.view(B, T, c.num_heads, c.head_dim)
+        k = k.view(B, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
+        cos, sin = shared
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KVH, T, D)
+        v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        k_all, v_all = cache.update(k, v, meta)
+        o = attention(q, k_all, v_all, meta).transpose(1, 2).reshape(B, T, -1)
+        h = h + linear(o, w["o"], w.get("o_bias"))
+        x = rms_norm(h, w["post_norm"], c.rms_norm_eps)
+        return h + swiglu_mlp(x, w["gate_up"], w["down"], w.get("gate_up_bias"), w.get("down_bias"))
+
+    def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        return linear(rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])

@@ -1,0 +1,138 @@
+"""GGUF files as a model source: metadata into a ModelConfig, llama.cpp tensor names into
+Hugging Face names, and llama.cpp's Q/K row permutation undone."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from tiergen.config import ModelConfig, RopeConfig
+from tiergen.errors import TiergenError
+from tiergen.weights.gguf import GGUFFile
+
+# general.architecture -> Hugging Face architecture
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# llama.cpp RoPE is interleaved for these: their converter permuted q/k rows.
+PERMUTED_QK = {"llama", "mistral"}
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Hugging Face name of a GGUF tensor, or None for tensors tiergen does not use."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time permutation of Q or K rows (weight or bias).
+
+    llama.cpp stores each head's rotary pairs interleaved (x0, x_{d/2}, x1, ...); Hugging Face
+    keeps the two halves apart. The converter did reshape(heads, 2, d/2).swapaxes(1, 2).
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise TiergenError(f"unsupported GGUF architecture {arch!r}; tiergen supports "
+                           + ", ".join(f"{k} ({v})" for k, v in GGUF_ARCHITECTURES.items()))
+
+    def key(name: str, default: object = None) -> object:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise TiergenError(f"GGUF metadata lacks {arch}.{name}; the file is incomplete")
+        return value
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    if vocab is None:
+        raise TiergenError("GGUF metadata gives no vocabulary size; the file is incomplete")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    rope = RopeConfig(theta=float(key("rope.freq_base", 10000.0)))
+    if scaling == "linear":
+        rope.kind, rope.factor = "linear", float(key("rope.scaling.factor"))
+    eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if k in meta]
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(kv_heads if not hasattr(kv_heads, "__len__") else kv_heads[0]),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        max_position=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope=rope,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        o_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=meta.get(f"{arch}.attention.sliding_window"),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=sorted(set(eos)),
+    )
+
+
+class GGUFSource:
+    """Tensors of a GGUF file under Hugging Face names, dequantised on read."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = GGUFFile(path)
+        self.config = config_from_gguf(self.file.metadata, set(self.file.tensors))
+        self._arch = self.file.metadata["general.architecture"]
+        self._names = {hf: g for g in self.file.tensors if (hf := hf_name(g)) is not None}
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise TiergenError(f"the GGUF file has no tensor for {name!r}; it may be incomplete")
+        t = self.file.read(self._names[name])
+        if self._arch in PERMUTED_QK:
+            if ".self_attn.q_proj." in name:
+                t = unpermute_qk(t, self.config.num_heads)
+            elif ".self_attn.k_proj." in name:
+                t = unpermute_qk(t, self.config.num_kv_heads)
+        return t
