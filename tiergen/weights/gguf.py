@@ -164,7 +164,9 @@ class GGUFFile:
         except FileNotFoundError:
             raise TiergenError(f"GGUF file {self.path} not found; check the path") from None
         except OSError as e:
-            raise TiergenError(f"cannot open GGUF file {self.path}: {e.strerror}") from None
+            raise TiergenError(
+                f"cannot open GGUF file {self.path}: {e.strerror}; pass a readable .gguf file"
+            ) from None
         with f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
@@ -182,7 +184,7 @@ class GGUFFile:
     def _parse(self, buf: mmap.mmap) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
         if buf[:4] != GGUF_MAGIC:
             raise self._error(
-                f"it does not start with the GGUF magic (found {bytes(buf[:4])!r}); "
+                f"it does not start with the GGUF magic (found {buf[:4]!r}); "
                 "pass a .gguf model file"
             )
         p = _HeaderParser(buf)
@@ -190,15 +192,16 @@ class GGUFFile:
         where = "the header"
         try:
             version = p.u32()
-            if version not in SUPPORTED_VERSIONS:
-                hint = (
-                    "it is big-endian, which tiergen does not read"
-                    if version & 0xFFFF == 0
-                    else "re-convert the model with a current llama.cpp"
+            if version & 0xFFFF == 0 and version >> 24 in SUPPORTED_VERSIONS:
+                raise self._error(
+                    "it is a big-endian GGUF file; tiergen reads only little-endian ones "
+                    "(convert the model again on or for a little-endian machine)"
                 )
+            if version not in SUPPORTED_VERSIONS:
                 raise self._error(
                     f"unsupported GGUF version {version} (tiergen reads versions "
-                    f"{', '.join(map(str, SUPPORTED_VERSIONS))}); {hint}"
+                    f"{', '.join(map(str, SUPPORTED_VERSIONS))}); "
+                    "re-convert the model with a current llama.cpp"
                 )
             n_tensors = p.u64()
             n_kv = p.u64()
@@ -230,7 +233,9 @@ class GGUFFile:
 
         alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise self._error(f"general.alignment is {alignment!r}, not a power of two; the file is corrupt")
+            raise self._error(
+                f"general.alignment is {alignment!r}, not a power of two; the file is corrupt"
+            )
         data_offset = -(-p.pos // alignment) * alignment
         tensors = {}
         for name, dims, ggml_type, offset in raw_tensors:
@@ -240,7 +245,13 @@ class GGUFFile:
         return metadata, tensors
 
     def _tensor_info(
-        self, name: str, dims: list[int], ggml_type: int, offset: int, alignment: int, data_offset: int
+        self,
+        name: str,
+        dims: list[int],
+        ggml_type: int,
+        offset: int,
+        alignment: int,
+        data_offset: int,
     ) -> GGUFTensorInfo:
         try:
             block_size = ggml_type_sizes(ggml_type)[0]
@@ -297,7 +308,9 @@ class GGUFFile:
         try:
             return dequantize(torch.from_numpy(data), info.ggml_type, info.shape, dtype)
         except TiergenError as e:
-            raise TiergenError(f"cannot read tensor {name!r} of GGUF file {self.path}: {e}") from None
+            raise TiergenError(
+                f"cannot read tensor {name!r} of GGUF file {self.path}: {e}"
+            ) from None
 
     def close(self) -> None:
         """Drop the map; tensors already read stay valid (they keep their pages alive)."""
@@ -307,6 +320,9 @@ class GGUFFile:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
