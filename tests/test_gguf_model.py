@@ -1,0 +1,98 @@
+"""The same random model written as GGUF (as llama.cpp's converter would) loads to the same weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tiergen import LLM, SamplingParams
+from tiergen.weights.gguf_map import GLOBAL_NAMES, LAYER_NAMES, unpermute_qk
+from tiny_models import build
+
+GGUF_ARCH = {"llama-gqa-tied": "llama", "llama-mha": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_TO_GGUF = {v: k for k, v in GLOBAL_NAMES.items()} | {
+    f"{v}.{kind}": f"{k}.{kind}" for k, v in LAYER_NAMES.items() for kind in ("weight", "bias")}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to q/k rows of Llama-family models."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf, arch: str, path, qtype: gguf.GGMLQuantizationType) -> None:
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        key = name.removeprefix("model.")
+        if key.startswith("layers."):
+            _, i, rest = key.split(".", 2)
+            gname = f"blk.{i}.{HF_TO_GGUF[rest]}"
+        else:
+            gname = HF_TO_GGUF[name]
+        data = t.numpy().astype(np.float32)
+        if arch == "llama" and ("attn_q." in gname or "attn_k." in gname):
+            heads = c.num_attention_heads if "attn_q." in gname else c.num_key_value_heads
+            data = llama_cpp_permute(data, heads)
+        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unpermute_inverts_llama_cpp():
+    w = np.arange(4 * 6 * 8 * 3, dtype=np.float32).reshape(4 * 6 * 2, 12)[:48]
+    back = unpermute_qk(torch.from_numpy(llama_cpp_permute(w, 4).copy()), 4)
+    assert torch.equal(back, torch.from_numpy(w))
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_ARCH))
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
+def test_gguf_loads_same_weights(case, qtype, tmp_path):
+    hf = build(case, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_gguf(hf, GGUF_ARCH[case], path, gguf.GGMLQuantizationType[qtype])
+    from_dir = LLM(tmp_path / "hf", dtype="float32").executor
+    from_gguf = LLM(path, dtype="float32").executor
+    assert _same_shape_config(from_gguf.cfg, from_dir.cfg)
+    # F32 is exact; F16 and Q8_0 are within their rounding of the original weights.
+    atol = {"F32": 0.0, "F16": 1e-3, "Q8_0": 5e-3}[qtype]
+    for a, b in zip(from_gguf.layers, from_dir.layers):
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0)
+    for k in from_dir.globals:
+        torch.testing.assert_close(from_gguf.globals[k], from_dir.globals[k], atol=atol, rtol=0)
+    if qtype == "F32":
+        prompts = [[5], list(range(3, 30)), [7, 8, 9]]
+        p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        assert ([r.token_ids for r in LLM(path).generate(prompts, p)]
+                == [r.token_ids for r in LLM(tmp_path / "hf").generate(prompts, p)])
+
+
+def _same_shape_config(a, b) -> bool:
+    """GGUF carries no EOS/BOS for these token-less files and stores eps as float32;
+    everything else must agree."""
+    fields = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+              "num_heads", "num_kv_heads", "head_dim", "max_position", "rope",
+              "tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm")
+    return (all(getattr(a, f) == getattr(b, f) for f in fields)
+            and a.rms_norm_eps == pytest.approx(b.rms_norm_eps, rel=1e-6))

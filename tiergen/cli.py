@@ -1,0 +1,166 @@
+"""Command line: ``tiergen generate`` for batches of prompts, ``tiergen chat`` to talk."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tiergen import _platform  # noqa: F401  (before torch)
+from tiergen.errors import TiergenError
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("-m", "--model", default="smollm2",
+                   help="short name (smollm2), a Hugging Face model directory, a .gguf file, "
+                        "or a hub id org/name (default: smollm2)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: float32 on CPU, the checkpoint's half type on GPU)")
+    g.add_argument("--device", default=None,
+                   help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
+    g.add_argument("--max-batch-size", type=int, default=64,
+                   help="most prompts run together in one batch (default: 64)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per prompt (default: 256)")
+    g.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 = greedy; higher = more random (default: {temperature})")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already seen (default: 1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when this text appears (repeatable); the text is not returned")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def _params(args: argparse.Namespace):
+    from tiergen.engine.sampler import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _load(args: argparse.Namespace):
+    from tiergen.engine.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file:
+        try:
+            stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
+        except OSError as e:
+            raise TiergenError(f"cannot read prompts from {args.file}: {e.strerror}") from None
+        with stream:
+            prompts += [line.rstrip("\n") for line in stream if line.strip()]
+    elif not prompts and not sys.stdin.isatty():
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise TiergenError("no prompts: pass them as arguments, with --file FILE (one per line), "
+                           "or on standard input")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    prompts = _read_prompts(args)
+    params = _params(args)
+    llm = _load(args)
+    inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+    if len(prompts) == 1 and not args.json:
+        for ev in llm.stream(inputs, params):
+            print(ev.text, end="", flush=True)
+        print()
+        return
+    results = llm.generate(inputs, params, use_tqdm=True)
+    for prompt, r in zip(prompts, results):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": r.text, "finish_reason": r.finish_reason,
+                              "prompt_tokens": r.num_prompt_tokens,
+                              "completion_tokens": r.num_generated_tokens}, ensure_ascii=False))
+        else:
+            print(f"### {prompt}\n{r.text}\n")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    params = _params(args)
+    llm = _load(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print(f"Chatting with {llm.name}. /reset clears the conversation, /exit or Ctrl-D quits.",
+          file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if user.strip() == "/exit":
+            return
+        if user.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not user.strip():
+            continue
+        messages.append({"role": "user", "content": user})
+        reply = []
+        try:
+            for ev in llm.stream([llm.chat_prompt(messages, args.chat_template)], params):
+                print(ev.text, end="", flush=True)
+                reply.append(ev.text)
+        except KeyboardInterrupt:
+            pass
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiergen", description="Run large language models across device memory, host RAM "
+                                    "and disk at the highest throughput the hardware allows.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or many prompts",
+                         description="Generate for prompts given as arguments, from a file (one "
+                                     "per line) or from standard input. One prompt streams its "
+                                     "text; many run in batches with a progress bar.")
+    gen.add_argument("prompts", nargs="*", help="prompt texts")
+    gen.add_argument("-f", "--file", help="read prompts from FILE, one per line ('-' = stdin)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each prompt as a user message in the model's chat template")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt (prompt, text, finish_reason, token counts)")
+    _add_model_options(gen)
+    _add_sampling_options(gen, temperature=0.0)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="talk with a model interactively (streams its replies)")
+    chat.add_argument("--system", help="system message that opens the conversation")
+    chat.add_argument("--chat-template", help="a Jinja chat template to use instead of the model's")
+    _add_model_options(chat)
+    _add_sampling_options(chat, temperature=0.7)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except TiergenError as e:
+        print(f"tiergen: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
