@@ -1,25 +1,32 @@
 """Process-wide settings that must be in place before torch runs its first kernel.
 
-Some virtual machines advertise Intel AMX in /proc/cpuinfo but hide the CPUID leaves that
-describe the tiles; oneDNN then takes its AMX path on the first bfloat16 matmul and the
-process dies with SIGILL. Capping oneDNN at AVX512_CORE_BF16 on CPUs that advertise AMX
-avoids that. A user who knows their AMX works sets ONEDNN_MAX_CPU_ISA themselves (e.g. to
-"ALL"), and tiergen leaves it alone.
+Some x86 virtual machines advertise Intel AMX in CPUID but hide the leaves that describe
+the tiles; oneDNN then takes its AMX path on the first bfloat16 matmul and the process
+dies with SIGILL, without a traceback. /proc/cpuinfo does not reliably show this, so on
+x86 tiergen caps oneDNN at AVX512_CORE_BF16 (a ceiling: CPUs below it are unaffected; only
+real AMX hardware gives up its tile units for bfloat16). A user who knows their AMX works
+sets ONEDNN_MAX_CPU_ISA themselves (e.g. to "ALL"), and tiergen leaves it alone.
 """
 
 import os
+import platform
 
 
-def _cpu_advertises_amx() -> bool:
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "amx_tile" in line.split()
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return set()
 
 
-if "ONEDNN_MAX_CPU_ISA" not in os.environ and _cpu_advertises_amx():
+def cpu_has_fast_bfloat16() -> bool:
+    """True when the CPU multiplies bfloat16 natively (then it beats float32 here)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+if platform.machine().lower() in ("x86_64", "amd64") and "ONEDNN_MAX_CPU_ISA" not in os.environ:
     os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"

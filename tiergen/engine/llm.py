@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tiergen._platform import cpu_has_fast_bfloat16
 from tiergen.engine.executor import Executor
 from tiergen.engine.generate import Sequence, make_sequences, run_batch
 from tiergen.engine.sampler import SamplingParams
@@ -57,7 +58,9 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device,
         return dtype
     if dtype == "auto":
         if device.type == "cpu":
-            return torch.float32  # fastest on CPUs without native half-precision matmul
+            # Native bfloat16 (AVX512-BF16) halves the bytes read per token and more than
+            # doubles batched matmul throughput; without it float32 is fastest.
+            return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
         return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype not in DTYPES:
         raise TiergenError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
