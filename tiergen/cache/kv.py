@@ -15,10 +15,13 @@ class KVView:
         self.v = v
 
     def update(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k, v (B, KVH, T, D) and return all keys/values so far."""
+        """Store this step's k, v (B, KVH, T, D) and return what the step attends to: its own
+        k, v when it starts the sequence, else the whole buffer (see StepMeta)."""
         self.k[:, :, meta.start:meta.end] = k
         self.v[:, :, meta.start:meta.end] = v
-        return self.k[:, :, :meta.end], self.v[:, :, :meta.end]
+        if meta.start == 0:
+            return k, v
+        return self.k, self.v
 
 
 class KVCache:
@@ -27,8 +30,9 @@ class KVCache:
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, capacity: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # Zeroed: masked slots get probability 0, and 0 * (uninitialised NaN) would be NaN.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def layer(self, i: int) -> KVView:
         return KVView(self.k[i], self.v[i])

@@ -13,23 +13,26 @@ class StepMeta:
 
     Prompts are left-padded to one length, so every row writes its new K/V at the same
     cache slots ``[start, start + T)``; ``positions`` count from each row's first real
-    token and drive RoPE.
+    token and drive RoPE. A step that starts at slot 0 attends only to its own tokens; a
+    later step attends to the whole preallocated cache (static shapes: no per-step copy of
+    a growing slice), its unwritten slots masked out.
 
-    Example: prompts of 3 and 1 tokens, prefill (start=0, T=3), then one decode step
-    (start=3, T=1)::
+    Example: prompts of 3 and 1 tokens in a cache of 5 slots, prefill (start=0, T=3),
+    then one decode step (start=3, T=1)::
 
-        valid (B, S)    = [[1, 1, 1],        [[1, 1, 1, 1],
-                           [0, 0, 1]]         [0, 0, 1, 1]]
-        positions (B,T) = [[0, 1, 2],        [[3],
-                           [0, 0, 0]]         [1]]
-        mask (B,1,T,S)  = causal & valid keys, each query always seeing itself so that
-                          padding rows stay finite; None when no row is padded
-                          (then prefill is plain causal and decode unmasked).
+        valid (B, 5)    = [[1, 1, 1, 0, 0],      [[1, 1, 1, 1, 0],
+                           [0, 0, 1, 0, 0]]       [0, 0, 1, 1, 0]]
+        positions (B,T) = [[0, 1, 2],            [[3],
+                           [0, 0, 0]]             [1]]
+        mask            = (B, 1, 3, 3): causal   (B, 1, 1, 5): valid slots up to 3
+                          & valid keys, each
+                          query always seeing itself so that padding rows stay finite;
+                          None when no row is padded (then plain causal).
     """
 
     start: int
     positions: torch.Tensor  # (B, T) int64
-    mask: torch.Tensor | None  # (B, 1, T, start+T) bool, True = attend
+    mask: torch.Tensor | None  # (B, 1, T, keys) bool, True = attend
 
     @property
     def end(self) -> int:
@@ -37,14 +40,14 @@ class StepMeta:
 
     @staticmethod
     def build(valid: torch.Tensor, start: int, num_tokens: int) -> StepMeta:
-        """Metadata for tokens at slots [start, start+num_tokens) given key validity (B, S)."""
+        """Metadata for tokens at slots [start, start+num_tokens) given slot validity (B, capacity)."""
         end = start + num_tokens
-        valid = valid[:, :end]
-        positions = (valid.cumsum(-1) - 1).clamp(min=0)[:, start:end]
-        if bool(valid.all()) and (start == 0 or num_tokens == 1):
+        positions = (valid[:, :end].cumsum(-1) - 1).clamp(min=0)[:, start:end]
+        keys = valid[:, :end] if start == 0 else valid
+        if start == 0 and bool(keys.all()):
             return StepMeta(start, positions, None)
         q_slots = torch.arange(start, end, device=valid.device)[:, None]
-        k_slots = torch.arange(end, device=valid.device)[None, :]
-        mask = (k_slots <= q_slots)[None] & valid[:, None, :]
+        k_slots = torch.arange(keys.shape[1], device=valid.device)[None, :]
+        mask = (k_slots <= q_slots)[None] & keys[:, None, :]
         mask |= k_slots == q_slots
         return StepMeta(start, positions, mask[:, None])
