@@ -55,15 +55,20 @@ def _load(args: argparse.Namespace):
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompts)
-    if args.file:
-        try:
+    source = "standard input" if args.file == "-" else args.file
+    try:
+        if args.file:
             stream = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
-        except OSError as e:
-            raise TiergenError(f"cannot read prompts from {args.file}: {e.strerror}") from None
-        with stream:
-            prompts += [line.rstrip("\n") for line in stream if line.strip()]
-    elif not prompts and not sys.stdin.isatty():
-        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+            with stream:
+                prompts += [line.rstrip("\n") for line in stream if line.strip()]
+        elif not prompts and not sys.stdin.isatty():
+            source = "standard input"
+            prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    except OSError as e:
+        raise TiergenError(f"cannot read prompts from {source}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise TiergenError(f"cannot read prompts from {source}: it is not UTF-8 text (byte "
+                           f"{e.object[e.start:e.start + 1]!r} at offset {e.start})") from None
     if not prompts:
         raise TiergenError("no prompts: pass them as arguments, with --file FILE (one per line), "
                            "or on standard input")
@@ -94,6 +99,9 @@ def cmd_chat(args: argparse.Namespace) -> None:
     params = _params(args)
     llm = _load(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
+    # Fail now, not after the first message, if the model cannot chat (no tokenizer, no
+    # chat template, a template that does not render).
+    llm.chat_prompt(messages + [{"role": "user", "content": "Hello"}], args.chat_template)
     print(f"Chatting with {llm.name}. /reset clears the conversation, /exit or Ctrl-D quits.",
           file=sys.stderr)
     while True:
@@ -117,6 +125,10 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 reply.append(ev.text)
         except KeyboardInterrupt:
             pass
+        except TiergenError as e:  # e.g. the conversation outgrew the context: keep chatting
+            messages.pop()
+            print(f"tiergen: error: {e} (/reset starts a new conversation)", file=sys.stderr)
+            continue
         print()
         messages.append({"role": "assistant", "content": "".join(reply)})
 

@@ -148,3 +148,5 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         )
     except KeyError as e:
         raise TiergenError(f"config.json lacks the required field {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise TiergenError(f"config.json has a field of the wrong type or value ({e})") from None

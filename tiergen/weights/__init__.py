@@ -50,9 +50,12 @@ def _packaged_file(short: str) -> Path:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise TiergenError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise TiergenError(f"{path} should hold a JSON object, not a {type(value).__name__}")
+    return value
 
 
 def _from_hf_dir(directory: Path) -> ModelFiles:

@@ -19,9 +19,14 @@ class SafetensorsSource:
         if index.exists():
             try:
                 weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise TiergenError(f"{index} is not a valid safetensors index ({e}); "
                                    "re-download the checkpoint") from None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()):
+                raise TiergenError(f"{index} is not a valid safetensors index (its weight_map "
+                                   "should map tensor names to shard files); re-download the "
+                                   "checkpoint")
             shards = sorted(set(weight_map.values()))
         else:
             shards = sorted(p.name for p in directory.glob("*.safetensors"))
