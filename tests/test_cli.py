@@ -94,14 +94,14 @@ def test_missing_model_path(tmp_path, capsys):
 
 def test_invalid_temperature(capsys):
     assert cli.main(["generate", "--temperature", "-1", "Hello"]) == 2
-    one_error_line(capsys.readouterr().err, "temperature must be >= 0")
+    one_error_line(capsys.readouterr().err, "temperature must be a number >= 0")
 
 
 @pytest.mark.parametrize("option, value, match", [
     ("--top-p", "0", "top_p must be in (0, 1]"),
     ("--top-k", "-1", "top_k must be an integer >= 0"),
     ("--max-tokens", "0", "max_tokens must be a positive integer"),
-    ("--repetition-penalty", "0", "repetition_penalty must be > 0"),
+    ("--repetition-penalty", "0", "repetition_penalty must be a number > 0"),
     ("--stop", "", "stop strings must be non-empty"),
 ])
 def test_invalid_sampling_options(capsys, option, value, match):
@@ -157,7 +157,7 @@ def test_chat_with_invalid_template_fails_before_reading(use_smol, monkeypatch, 
 
 @pytest.mark.parametrize("args, match", [
     (["generate", "-m", "{tmp}/nope", "Hello"], "not found"),
-    (["generate", "--temperature", "-1", "Hello"], "temperature must be >= 0"),
+    (["generate", "--temperature", "-1", "Hello"], "temperature must be a number >= 0"),
     (["generate"], "no prompts"),  # standard input is empty and not a terminal
 ])
 def test_process_error_is_one_line_and_status_2(tmp_path, args, match):

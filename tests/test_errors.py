@@ -13,6 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from tiergen import LLM, SamplingParams, TiergenError
 from tiergen.config import SUPPORTED_ARCHITECTURES
@@ -262,7 +263,31 @@ def test_unknown_dtype(model_dir):
         LLM(model_dir, dtype="float8")
 
 
+@pytest.mark.parametrize("device, match", [("nonsense", "unknown device 'nonsense'"),
+                                           ("meta", "device type 'meta' is not supported")])
+def test_bad_device(model_dir, device, match):
+    with pytest.raises(TiergenError, match=match):
+        LLM(model_dir, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_cuda_without_gpu(model_dir):
+    with pytest.raises(TiergenError, match="torch sees no CUDA GPU"):
+        LLM(model_dir, device="cuda")
+
+
 # ---- prompts ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompts", [5, None])
+def test_prompts_of_wrong_type(llm, prompts):
+    with pytest.raises(TiergenError, match="prompts must be a string, a list of token ids"):
+        llm.generate(prompts, GREEDY)
+
+
+def test_params_of_wrong_type(llm):
+    with pytest.raises(TiergenError, match="params must be a SamplingParams"):
+        llm.generate([[1, 2]], {"temperature": 0})
+
 
 def test_model_without_tokenizer_generates_from_token_ids(llm):
     assert llm.tokenizer is None
@@ -329,14 +354,18 @@ def test_prompt_of_wrong_type(llm):
 # ---- sampling parameters ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature=-0.5), "temperature must be a number >= 0"),
+    (dict(temperature="hot"), "temperature must be a number >= 0"),
+    (dict(max_tokens=True), "max_tokens must be a positive integer, got True"),
+    (dict(seed=True), "seed must be an integer, got True"),
+    (dict(stop=3), "stop must be a string or a list of strings, got 3"),
     (dict(top_p=0), r"top_p must be in \(0, 1\], got 0"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
     (dict(top_k=-1), "top_k must be an integer >= 0"),
     (dict(top_k=2.5), "top_k must be an integer >= 0"),
     (dict(max_tokens=0), "max_tokens must be a positive integer, got 0"),
     (dict(max_tokens=-3), "max_tokens must be a positive integer, got -3"),
-    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(repetition_penalty=0), "repetition_penalty must be a number > 0"),
     (dict(seed=1.5), "seed must be an integer, got 1.5"),
     (dict(seed="42"), "seed must be an integer, got '42'"),
     (dict(stop=""), "stop strings must be non-empty strings"),

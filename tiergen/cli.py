@@ -171,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BrokenPipeError:
         pass
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     return 0
 
 

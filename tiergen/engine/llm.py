@@ -67,6 +67,20 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device,
     return DTYPES[dtype]
 
 
+def _resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise TiergenError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TiergenError(f"device {device!r} asked for, but torch sees no CUDA GPU; use cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise TiergenError(f"device type {dev.type!r} is not supported; use cpu or cuda")
+    return dev
+
+
 class LLM:
     """A loaded model.
 
@@ -78,7 +92,7 @@ class LLM:
                  device: str | None = None, max_batch_size: int = 64) -> None:
         if max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = _resolve_device(device)
         files = open_model(model)
         self.name = files.name
         self.config = files.config
@@ -122,10 +136,15 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Seq):
+            raise TiergenError("prompts must be a string, a list of token ids, or a list of those; "
+                               f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in plist):
+            raise TiergenError("params must be a SamplingParams or a list of them, one per prompt")
         if len(plist) != len(prompts):
             raise TiergenError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         ids = [self.encode(p) for p in prompts]

@@ -27,19 +27,29 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        def integer(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise TiergenError(f"invalid sampling parameter: stop must be a string or a list of "
+                               f"strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            (integer(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be a positive integer, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0,
+            (number(self.temperature) and self.temperature >= 0,
+             f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}"),
+            (number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (integer(self.top_k) and self.top_k >= 0,
              f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (number(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a number > 0 (1 = off), got {self.repetition_penalty!r}"),
+            (self.seed is None or integer(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
         ]
         for ok, message in checks:
