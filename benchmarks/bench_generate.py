@@ -16,7 +16,6 @@ import json
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,11 +48,13 @@ def run_tiergen(dtype: str, batch: int, gguf: str) -> dict:
     return {"seconds": gen(NEW_TOKENS), "ttft": ttft}
 
 
-def run_transformers(dtype: str, batch: int, hf_dir: str) -> dict:
+def run_transformers(dtype: str, batch: int, gguf: str) -> dict:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))
+    path = Path(gguf)  # transformers reads the same GGUF, dequantised
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=getattr(torch, dtype))
     model.eval()
     ids = torch.tensor(prompts(batch, model.config.vocab_size))
     mask = torch.ones_like(ids)
@@ -78,7 +79,7 @@ def weight_read_bound(gguf: str) -> dict:
 
     llm = LLM(gguf, dtype="float32")
     ex = llm.executor
-    per_token = sum(t.nbytes for w in ex.layers for t in w.values()) + ex.globals["lm_head"].nbytes
+    per_token = sum(t.nbytes for w in ex.weights.resident for t in w.values()) + ex.globals["lm_head"].nbytes
     a = torch.randn(8192, 8192)
     x = torch.randn(8192)
     for _ in range(3):
@@ -111,28 +112,21 @@ def main() -> None:
         child(argparse.Namespace(engine=engine, dtype=dtype, batch=int(batch), path=path))
         return
 
-    import transformers
-
     from tiergen.weights import _packaged_file
 
-    gguf = _packaged_file("smollm2")
-    with tempfile.TemporaryDirectory() as hf_dir:
-        # transformers reads the same GGUF (dequantised); saving it once keeps loads fast.
-        model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model.save_pretrained(hf_dir)
-        del model
-        rows = []
-        for dtype in args.dtypes:
-            for batch in args.batches:
-                for engine, path in (("tiergen", str(gguf)), ("transformers", hf_dir)):
-                    out = subprocess.run([sys.executable, __file__, "--child", engine, dtype,
-                                          str(batch), path], capture_output=True, text=True)
-                    if out.returncode:
-                        sys.exit(f"{engine} {dtype} batch {batch} failed:\n{out.stderr}")
-                    r = json.loads(out.stdout.strip().splitlines()[-1])
-                    rows.append({"engine": engine, "dtype": dtype, "batch": batch, **r})
-                    print(f"{engine:12s} {dtype:8s} batch {batch:3d}: {r['tok_s']:7.1f} tok/s  "
-                          f"ttft {r['ttft']:.3f}s  peak {r['peak_rss_mb']:.0f} MB", flush=True)
+    gguf = str(_packaged_file("smollm2"))
+    rows = []
+    for dtype in args.dtypes:
+        for batch in args.batches:
+            for engine in ("tiergen", "transformers"):
+                out = subprocess.run([sys.executable, __file__, "--child", engine, dtype,
+                                      str(batch), gguf], capture_output=True, text=True)
+                if out.returncode:
+                    sys.exit(f"{engine} {dtype} batch {batch} failed:\n{out.stderr}")
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                rows.append({"engine": engine, "dtype": dtype, "batch": batch, **r})
+                print(f"{engine:12s} {dtype:8s} batch {batch:3d}: {r['tok_s']:7.1f} tok/s  "
+                      f"ttft {r['ttft']:.3f}s  peak {r['peak_rss_mb']:.0f} MB", flush=True)
     bound = weight_read_bound(str(gguf))
     report(rows, bound, args)
 

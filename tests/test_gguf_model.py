@@ -76,7 +76,7 @@ def test_gguf_loads_same_weights(case, qtype, tmp_path):
     assert _same_shape_config(from_gguf.cfg, from_dir.cfg)
     # F32 is exact; F16 and Q8_0 are within their rounding of the original weights.
     atol = {"F32": 0.0, "F16": 1e-3, "Q8_0": 5e-3}[qtype]
-    for a, b in zip(from_gguf.layers, from_dir.layers):
+    for a, b in zip(from_gguf.weights.resident, from_dir.weights.resident):
         for k in b:
             torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0)
     for k in from_dir.globals:

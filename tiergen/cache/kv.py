@@ -1,4 +1,4 @@
-"""Dense KV cache: preallocated once per batch, handed to layers as per-layer views."""
+"""The view of one layer's dense KV cache that a layer receives; the executor owns the storage."""
 
 from __future__ import annotations
 
@@ -22,26 +22,3 @@ class KVView:
         if meta.start == 0:
             return k, v
         return self.k, self.v
-
-
-class KVCache:
-    """K/V for every layer of a batch, sized for the longest sequence it will hold."""
-
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, capacity: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-        # Zeroed: masked slots get probability 0, and 0 * (uninitialised NaN) would be NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    def layer(self, i: int) -> KVView:
-        return KVView(self.k[i], self.v[i])
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop finished sequences so later steps compute only the live ones."""
-        self.k = self.k[:, rows]
-        self.v = self.v[:, rows]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiergen.engine.executor import Executor
+from tiergen.engine.executor import Executor, MicroBatch
 from tiergen.engine.sampler import Sampler, SamplingParams
 from tiergen.engine.step import StepMeta
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -74,43 +74,69 @@ def make_sequences(prompts: list[list[int]], params: list[SamplingParams], eos_i
             for i, (ids, p) in enumerate(zip(prompts, params))]
 
 
-def run_batch(executor: Executor, seqs: list[Sequence]) -> Iterator[StepEvent]:
-    """Generate for a batch of sequences, yielding each new token as it is produced.
+class MicroBatchState:
+    """The sequences of one micro-batch between steps: next input, slot validity, cache."""
 
-    Prompts are left-padded to one length; finished sequences are dropped from the batch
-    once enough of them have stopped to make the cache copy worth it.
-    """
-    device = executor.device
-    longest = max(len(s.prompt_ids) for s in seqs)
-    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-    valid = torch.zeros(len(seqs), longest + max(s.params.max_tokens for s in seqs), dtype=torch.bool)
-    for row, s in enumerate(seqs):
-        ids[row, longest - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
-        valid[row, longest - len(s.prompt_ids):longest] = True
-    ids, valid = ids.to(device), valid.to(device)
-    cache = executor.new_cache(len(seqs), valid.shape[1])
-    sampler = Sampler([s.params for s in seqs], [s.prompt_ids for s in seqs],
-                      executor.cfg.vocab_size, device)
-    live = list(seqs)
-    start, num_tokens = 0, longest
-    while True:
-        logits = executor.forward(ids, StepMeta.build(valid, start, num_tokens), cache)
-        tokens = sampler(logits)
-        for s, token in zip(live, tokens.tolist()):
+    def __init__(self, executor: Executor, seqs: list[Sequence]) -> None:
+        device = executor.device
+        longest = max(len(s.prompt_ids) for s in seqs)
+        capacity = longest + max(s.params.max_tokens for s in seqs)
+        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+        valid = torch.zeros(len(seqs), capacity, dtype=torch.bool)
+        for row, s in enumerate(seqs):
+            ids[row, longest - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
+            valid[row, longest - len(s.prompt_ids):longest] = True
+        self.ids, self.valid = ids.to(device), valid.to(device)
+        self.cache = executor.new_cache(len(seqs), capacity)
+        self.sampler = Sampler([s.params for s in seqs], [s.prompt_ids for s in seqs],
+                               executor.cfg.vocab_size, device)
+        self.live = list(seqs)
+        self.start, self.num_tokens = 0, longest
+        self.done = False
+
+    def work(self) -> MicroBatch:
+        return MicroBatch(self.ids, StepMeta.build(self.valid, self.start, self.num_tokens), self.cache)
+
+    def advance(self, logits: torch.Tensor) -> Iterator[StepEvent]:
+        """Sample this step's tokens, report them, and prepare the next step."""
+        tokens = self.sampler(logits)
+        for s, token in zip(self.live, tokens.tolist()):
             if s.finish_reason is None:
                 s.append(token)
                 yield StepEvent(s, token, s.take_delta())
-        start += num_tokens
-        num_tokens = 1
-        valid[:, start] = True
-        done = [s.finish_reason is not None for s in live]
-        if all(done):
+        self.start += self.num_tokens
+        self.num_tokens = 1
+        finished = [s.finish_reason is not None for s in self.live]
+        if all(finished):
+            self.done = True
+            self.cache.close()
             return
-        if sum(done) * 4 >= len(live):
-            rows = [r for r, d in enumerate(done) if not d]
-            live = [live[r] for r in rows]
-            rows_t = torch.tensor(rows, device=device)
-            cache.keep_rows(rows_t)
-            sampler.keep_rows(rows)
-            valid, tokens = valid[rows_t], tokens[rows_t]
-        ids = tokens[:, None]
+        self.valid[:, self.start] = True
+        if sum(finished) * 4 >= len(self.live):  # drop finished rows once it pays
+            rows = [r for r, f in enumerate(finished) if not f]
+            rows_t = torch.tensor(rows, device=self.valid.device)
+            self.live = [self.live[r] for r in rows]
+            self.cache.keep_rows(rows_t)
+            self.sampler.keep_rows(rows)
+            self.valid, tokens = self.valid[rows_t], tokens[rows_t]
+        self.ids = tokens[:, None]
+
+
+def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int) -> Iterator[StepEvent]:
+    """Generate for a block of sequences, yielding each new token as it is produced.
+
+    The block is cut into micro-batches of ``micro_batch`` sequences (the last may be
+    smaller) that share each trip of a layer's weights; prompts are left-padded to one
+    length within a micro-batch; a micro-batch leaves the block when all its sequences stop.
+    """
+    states = [MicroBatchState(executor, seqs[i:i + micro_batch])
+              for i in range(0, len(seqs), micro_batch)]
+    try:
+        while states:
+            logits = executor.forward_block([s.work() for s in states])
+            for state, lg in zip(states, logits):
+                yield from state.advance(lg)
+            states = [s for s in states if not s.done]
+    finally:
+        for s in states:
+            s.cache.close()

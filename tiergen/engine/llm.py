@@ -11,10 +11,11 @@ from tqdm import tqdm
 
 from tiergen._platform import cpu_has_fast_bfloat16
 from tiergen.engine.executor import Executor
-from tiergen.engine.generate import Sequence, make_sequences, run_batch
+from tiergen.engine.generate import Sequence, make_sequences, run_block
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
+from tiergen.offload.policy import Policy
 from tiergen.weights import open_model
 
 Prompt = str | list[int]
@@ -89,9 +90,11 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
-                 device: str | None = None, max_batch_size: int = 64) -> None:
-        if max_batch_size < 1:
-            raise TiergenError(f"max_batch_size must be >= 1, got {max_batch_size}")
+                 device: str | None = None, max_batch_size: int = 64,
+                 policy: Policy | None = None) -> None:
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        self.policy = policy or Policy()
         self.device = _resolve_device(device)
         files = open_model(model)
         self.name = files.name
@@ -100,8 +103,9 @@ class LLM:
         self.dtype = _resolve_dtype(dtype, self.device, files.default_dtype)
         self.eos_token_ids = sorted(set(self.config.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else []))
-        self.max_batch_size = max_batch_size
-        self.executor = Executor(build_model(self.config), files.source, self.dtype, self.device)
+        self.micro_batch = self.policy.gpu_batch_size or max_batch_size
+        self.executor = Executor(build_model(self.config), files.source, self.dtype, self.device,
+                                 self.policy, files.fingerprint)
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -154,19 +158,21 @@ class LLM:
                 raise TiergenError("stop strings need a tokenizer; this model has none")
         return prompts, make_sequences(ids, plist, self.eos_token_ids, self.tokenizer)
 
-    def _batches(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
-        """Group prompts of similar length so that little padding is computed."""
+    def _blocks(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
+        """Blocks of num_gpu_batches micro-batches, prompts of similar length together so
+        that little padding is computed."""
         order = sorted(seqs, key=lambda s: len(s.prompt_ids), reverse=True)
-        for i in range(0, len(order), self.max_batch_size):
-            yield order[i:i + self.max_batch_size]
+        size = self.micro_batch * self.policy.num_gpu_batches
+        for i in range(0, len(order), size):
+            yield order[i:i + size]
 
     # -- generation ----------------------------------------------------------------------
     def stream(self, prompts: Prompt | Seq[Prompt],
                params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Yield text as it is produced, for every prompt (events of a batch interleave)."""
         _, seqs = self._prepare(prompts, params)
-        for batch in self._batches(seqs):
-            for ev in run_batch(self.executor, batch):
+        for block in self._blocks(seqs):
+            for ev in run_block(self.executor, block, self.micro_batch):
                 yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
@@ -175,8 +181,8 @@ class LLM:
         """Generate for every prompt; results come back in prompt order."""
         texts, seqs = self._prepare(prompts, params)
         with tqdm(total=len(seqs), disable=not use_tqdm, unit="prompt") as bar:
-            for batch in self._batches(seqs):
-                for ev in run_batch(self.executor, batch):
+            for block in self._blocks(seqs):
+                for ev in run_block(self.executor, block, self.micro_batch):
                     bar.update(ev.seq.finish_reason is not None)
         return [GenerationResult(t if isinstance(t, str) else None, s.prompt_ids, s.text,
                                  s.token_ids, s.finish_reason or "length")

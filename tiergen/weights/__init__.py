@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -28,6 +29,16 @@ class ModelFiles:
     source: WeightSource
     tokenizer: Tokenizer | None
     default_dtype: torch.dtype | None  # the checkpoint's own dtype, if it says
+    fingerprint: str  # changes when the weight files change
+
+
+def fingerprint(files: list[Path]) -> str:
+    """Identity of a checkpoint's weight files (path, size, modification time)."""
+    parts = []
+    for f in sorted(files):
+        st = f.stat()
+        parts.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
 # short name -> (package, file inside it, how to install)
@@ -77,7 +88,8 @@ def _from_hf_dir(directory: Path) -> ModelFiles:
     dtype_name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
     return ModelFiles(directory.name, config, SafetensorsSource(directory),
-                      Tokenizer.from_hf_dir(directory), dtype)
+                      Tokenizer.from_hf_dir(directory), dtype,
+                      fingerprint(list(directory.glob("*.safetensors")) + [directory / "config.json"]))
 
 
 def _from_gguf(path: Path) -> ModelFiles:
@@ -85,7 +97,7 @@ def _from_gguf(path: Path) -> ModelFiles:
 
     source = GGUFSource(path)
     return ModelFiles(path.stem, source.config, source,
-                      Tokenizer.from_gguf_metadata(source.file.metadata), None)
+                      Tokenizer.from_gguf_metadata(source.file.metadata), None, fingerprint([path]))
 
 
 def _download(repo_id: str) -> Path:

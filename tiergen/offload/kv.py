@@ -1,0 +1,117 @@
+"""KV cache of one micro-batch, each layer's part on the tier the policy gives it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tiergen.cache.kv import KVView
+from tiergen.config import ModelConfig
+from tiergen.engine.step import StepMeta
+from tiergen.offload.disk import SpillFile
+
+
+def layer_tiers(num_layers: int, split: tuple[float, float, float]) -> list[str]:
+    """Whole layers per tier, in order: the first ``split[0]`` % of layers on the device, ..."""
+    tiers = []
+    for j in range(num_layers):
+        middle = 100 * (j + 0.5) / num_layers
+        tiers.append("device" if middle < split[0] else
+                     "host" if middle < split[0] + split[1] else "disk")
+    return tiers
+
+
+class TieredKV:
+    """K/V for every layer of one micro-batch, sized for its longest sequence.
+
+    Device layers live in device tensors (B, KVH, C, D). Host layers live in host RAM and are
+    copied to a device working buffer for use (on a CPU, host is the device: no copy). Disk
+    layers live in a spill file laid out slot-major (C, 2, B, KVH, D), so that a step appends
+    one contiguous range, and are read back into the working buffer before use.
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device, tiers: list[str], spill_dir: Path | None,
+                 pin: bool = False) -> None:
+        self.shape = (2, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.dtype, self.device, self.tiers = dtype, device, tiers
+        self.layers: list[torch.Tensor | SpillFile] = []
+        for tier in tiers:
+            if tier == "disk":
+                assert spill_dir is not None
+                f = SpillFile(spill_dir, self.numel * dtype.itemsize)
+                f.write(torch.zeros(self.shape, dtype=dtype))
+                self.layers.append(f)
+            else:
+                host = tier == "host" and device.type != "cpu"
+                self.layers.append(torch.zeros(self.shape, dtype=dtype,
+                                               device="cpu" if host else device,
+                                               pin_memory=host and pin))
+        self._work: torch.Tensor | None = None
+
+    def moves(self, j: int) -> bool:
+        """Whether layer j's K/V must travel to and from the device around its use."""
+        store = self.layers[j]
+        return isinstance(store, SpillFile) or store.device != self.device
+
+    @property
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()
+
+    def bytes_on(self, tier: str) -> int:
+        n = sum(self.numel * self.dtype.itemsize for t in self.tiers if t == tier)
+        if tier == "device" and any(t != "device" for t in self.tiers) and (
+                self.device.type != "cpu" or "disk" in self.tiers):
+            n += self.numel * self.dtype.itemsize  # working buffer
+        return n
+
+    def _working(self) -> torch.Tensor:
+        if self._work is None:
+            self._work = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self._work
+
+    def load(self, j: int, end: int) -> KVView:
+        """Layer j's K/V on the device, valid up to slot ``end`` (the step's new slots are
+        written by the layer itself)."""
+        store = self.layers[j]
+        if isinstance(store, SpillFile):
+            work = self._working()
+            if end:
+                slots = torch.empty((end,) + self.shape[:3] + self.shape[4:], dtype=self.dtype)
+                store.read_into(slots)
+                work[:, :, :, :end] = slots.permute(1, 2, 3, 0, 4).to(self.device)
+            return KVView(work[0], work[1])
+        if store.device != self.device:
+            work = self._working()
+            work[:, :, :, :end].copy_(store[:, :, :, :end], non_blocking=True)
+            return KVView(work[0], work[1])
+        return KVView(store[0], store[1])
+
+    def store(self, j: int, view: KVView, meta: StepMeta) -> None:
+        """Write the step's new slots back to layer j's tier."""
+        store = self.layers[j]
+        new = torch.stack([view.k[:, :, meta.start:meta.end], view.v[:, :, meta.start:meta.end]])
+        if isinstance(store, SpillFile):
+            slot_bytes = self.numel // self.shape[3] * self.dtype.itemsize
+            store.write(new.permute(3, 0, 1, 2, 4).cpu(), meta.start * slot_bytes)
+        elif store.device != self.device:
+            store[:, :, :, meta.start:meta.end].copy_(new)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished sequences (rows of the batch) on every tier."""
+        old_shape = self.shape
+        self.shape = (2, len(rows)) + old_shape[2:]
+        for j, store in enumerate(self.layers):
+            if isinstance(store, SpillFile):
+                full = torch.empty((old_shape[3], 2) + old_shape[1:3] + old_shape[4:], dtype=self.dtype)
+                store.read_into(full)
+                store.write(full[:, :, rows.cpu()].contiguous())
+            else:
+                self.layers[j] = store[:, rows.to(store.device)]
+        self._work = None
+
+    def close(self) -> None:
+        for store in self.layers:
+            if isinstance(store, SpillFile):
+                store.close()

@@ -1,0 +1,99 @@
+"""The offloading policy: what share of weights, KV cache and activations lives on each tier,
+and how many sequences share each trip of a layer's weights over the slow link."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiergen.errors import TiergenError
+
+TIERS = ("device", "host", "disk")
+
+
+def _split(name: str, pair: tuple[float, float]) -> tuple[float, float, float]:
+    try:
+        device, host = (float(x) for x in pair)
+    except (TypeError, ValueError):
+        raise TiergenError(f"policy: {name} must be a pair (device %, host %), got {pair!r}") from None
+    if device < 0 or host < 0 or device + host > 100 + 1e-9:
+        raise TiergenError(f"policy: {name} percentages must be >= 0 and add up to at most 100 "
+                           f"(disk takes the rest), got device {device:g} + host {host:g}")
+    return device, host, max(0.0, 100.0 - device - host)
+
+
+@dataclass
+class Policy:
+    """Where things live. Percentages are (device, host); disk takes what they leave.
+
+    ``gpu_batch_size`` sequences run through a layer at once (a micro-batch);
+    ``num_gpu_batches`` micro-batches form a *block* that shares one trip of each layer's
+    weights, so weight traffic per token falls as the block grows. ``gpu_batch_size=None``
+    makes the whole batch one micro-batch.
+    """
+
+    weights: tuple[float, float] = (100, 0)
+    cache: tuple[float, float] = (100, 0)
+    activations: tuple[float, float] = (100, 0)
+    gpu_batch_size: int | None = None
+    num_gpu_batches: int = 1
+    pin_memory: bool = True
+    cpu_attention: bool = False
+    offload_dir: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        self.weight_split = _split("weights", self.weights)
+        self.cache_split = _split("cache", self.cache)
+        self.activation_split = _split("activations", self.activations)
+        if self.gpu_batch_size is not None and (not isinstance(self.gpu_batch_size, int)
+                                                or self.gpu_batch_size < 1):
+            raise TiergenError(f"policy: gpu_batch_size must be a positive integer, "
+                               f"got {self.gpu_batch_size!r}")
+        if not isinstance(self.num_gpu_batches, int) or self.num_gpu_batches < 1:
+            raise TiergenError(f"policy: num_gpu_batches must be a positive integer, "
+                               f"got {self.num_gpu_batches!r}")
+        if self.cpu_attention and self.cache_split[2] > 0:
+            raise TiergenError("policy: cpu_attention keeps the KV cache in host RAM; "
+                               "set cache=(0, 100) or leave cpu_attention off")
+
+    @classmethod
+    def from_percent(cls, percent: list[float], **kwargs: object) -> Policy:
+        """FlexGen's six numbers: weights, cache, activations as (device %, host %) pairs."""
+        if len(percent) != 6:
+            raise TiergenError(f"--percent takes six numbers WD WH CD CH AD AH, got {len(percent)}")
+        return cls(weights=tuple(percent[0:2]), cache=tuple(percent[2:4]),
+                   activations=tuple(percent[4:6]), **kwargs)
+
+    @property
+    def uses_disk(self) -> bool:
+        return any(split[2] > 0 for split in (self.weight_split, self.cache_split,
+                                              self.activation_split))
+
+    @property
+    def all_on_device(self) -> bool:
+        return all(split[0] == 100 for split in (self.weight_split, self.cache_split,
+                                                 self.activation_split))
+
+    def describe(self) -> str:
+        def pct(split: tuple[float, float, float]) -> str:
+            return "/".join(f"{x:g}" for x in split)
+
+        return (f"weights {pct(self.weight_split)}, cache {pct(self.cache_split)}, activations "
+                f"{pct(self.activation_split)} (% device/host/disk); micro-batch "
+                f"{self.gpu_batch_size or 'whole batch'} x {self.num_gpu_batches} per block"
+                + (", cpu attention" if self.cpu_attention else ""))
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from '512M', '8G', '1.5GiB' or a plain number."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise TiergenError(f"cannot read memory size {text!r}; write e.g. 4G, 512M or 1000000")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)

@@ -1,0 +1,163 @@
+"""Layer weights spread over device, host RAM and disk, brought to the device ahead of use."""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from tiergen.errors import TiergenError
+from tiergen.models.base import ModelFamily, Weights
+from tiergen.offload.disk import OffloadedWeights
+from tiergen.offload.policy import Policy
+
+Specs = dict[str, tuple[int, ...]]
+
+
+def load_tensors(source, specs: Specs, dtype: torch.dtype, device: torch.device | str) -> Weights:
+    """Read the named tensors, check their shapes, and convert them."""
+    out = {}
+    for name, shape in specs.items():
+        t = source.get(name)
+        if tuple(t.shape) != shape:
+            raise TiergenError(f"tensor {name!r} has shape {tuple(t.shape)} but the model config "
+                               f"implies {shape}; the checkpoint does not match its config")
+        out[name] = t.to(device=device, dtype=dtype)
+    return out
+
+
+def place(sizes: dict[str, int], split: tuple[float, float, float]) -> dict[str, str]:
+    """Give each tensor of a layer a tier so that the tiers hold about ``split`` percent of
+    the layer's bytes: a tensor goes where the middle of its byte range falls."""
+    total = sum(sizes.values()) or 1
+    tiers, done = {}, 0
+    for name, size in sizes.items():
+        middle = 100 * (done + size / 2) / total
+        tiers[name] = ("device" if middle < split[0] else
+                       "host" if middle < split[0] + split[1] else "disk")
+        done += size
+    return tiers
+
+
+def default_offload_dir() -> Path:
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tiergen" / "offload"
+
+
+class TieredWeights:
+    """Owns every layer's packed weights on the tier the policy gives each tensor.
+
+    ``prefetch(j)`` starts bringing layer j to the compute device on an I/O thread (disk
+    reads into one of two reusable buffer sets, host-to-device copies on a side stream);
+    ``take(j)`` waits for it; ``release(j)`` hands the buffers back. Globals (embeddings,
+    final norm, LM head) stay on the device.
+    """
+
+    def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
+                 policy: Policy, model_id: str, io_threads: int = 2) -> None:
+        self.device, self.dtype, self.policy = device, dtype, policy
+        cfg = model.cfg
+        self.num_layers = cfg.num_layers
+        self.globals = model.pack_globals(load_tensors(source, model.global_specs(), dtype, device))
+        meta = model.pack_layer(0, {n: torch.empty(s, dtype=dtype, device="meta")
+                                    for n, s in model.layer_specs(0).items()})
+        self.sizes = {n: t.numel() * t.element_size() for n, t in meta.items()}
+        self.tiers = place(self.sizes, policy.weight_split)
+
+        def produce(j: int) -> Weights:
+            return model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
+
+        self.disk: OffloadedWeights | None = None
+        if "disk" in self.tiers.values():
+            root = Path(policy.offload_dir) if policy.offload_dir else default_offload_dir()
+            key = hashlib.sha256(f"{model_id}|{dtype}".encode()).hexdigest()[:16]
+            self.disk = OffloadedWeights.open_or_convert(root, key, cfg.num_layers, produce)
+        pin = policy.pin_memory and device.type == "cuda"
+        self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
+        for j in range(cfg.num_layers):
+            if self.disk is not None:  # read back only what is not on disk
+                layer = {n: self.disk.read_into(j, n, torch.empty(*self.disk.shape(j, n)[0],
+                                                                  dtype=self.disk.shape(j, n)[1]))
+                         for n, tier in self.tiers.items() if tier != "disk"}
+            else:
+                layer = produce(j)
+            self.resident.append({n: (t.to(device) if self.tiers[n] == "device" else
+                                      t.pin_memory() if pin else t) for n, t in layer.items()})
+        disk_names = [n for n, tier in self.tiers.items() if tier == "disk"]
+        self._free: queue.Queue[Weights] = queue.Queue()
+        for _ in range(2 if disk_names else 0):
+            self._free.put({n: torch.empty(meta[n].shape, dtype=dtype, pin_memory=pin)
+                            for n in disk_names})
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Slots per layer: filled by prefetch and emptied by take (pending), by the load and
+        # by release (buffers, and the copy that must finish before they are reused).
+        self._pending: dict[int, Future] = {}
+        self._buffers: dict[int, tuple[Weights, torch.cuda.Event | None]] = {}
+
+    # -- accounting ----------------------------------------------------------------------
+    def bytes_on(self, tier: str) -> int:
+        """Bytes this store keeps on a tier: placed weights plus streaming buffers."""
+        layer = sum(size for n, size in self.sizes.items() if self.tiers[n] == tier)
+        total = layer * self.num_layers
+        moving = sum(size for n, size in self.sizes.items() if self.tiers[n] != "device")
+        streamed = sum(size for n, size in self.sizes.items() if self.tiers[n] == "disk")
+        if tier == "device":
+            total += sum({id(t): t.nbytes for t in self.globals.values()}.values())
+            if self.device.type == "cuda":
+                total += 2 * moving  # the layer in use and the one arriving
+        if tier == "host":
+            total += 2 * streamed  # the two reusable disk-read buffer sets
+        return total
+
+    # -- the schedule's interface --------------------------------------------------------
+    def prefetch(self, j: int) -> None:
+        if j >= self.num_layers or j in self._pending:
+            return
+        if self.disk is None and (self.device.type == "cpu" or self.policy.weight_split[0] == 100):
+            done: Future = Future()  # everything is already where compute reads it
+            done.set_result((self.resident[j], None))
+            self._pending[j] = done
+        else:
+            self._pending[j] = self._pool.submit(self._load, j)
+
+    def take(self, j: int) -> Weights:
+        self.prefetch(j)
+        weights, event = self._pending.pop(j).result()
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return weights
+
+    def release(self, j: int) -> None:
+        if j in self._buffers:
+            buffers, copied = self._buffers.pop(j)
+            if copied is not None:
+                copied.synchronize()  # the device copy must have read the buffers
+            self._free.put(buffers)
+
+    def _load(self, j: int) -> tuple[Weights, torch.cuda.Event | None]:
+        weights = dict(self.resident[j])
+        buffers = None
+        if self.disk is not None:
+            buffers = self._free.get()
+            for n, buf in buffers.items():
+                weights[n] = self.disk.read_into(j, n, buf)
+        event = None
+        if self.device.type == "cuda":
+            with torch.cuda.stream(self._copy_stream):
+                weights = {n: t.to(self.device, non_blocking=True) for n, t in weights.items()}
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+        # On a CPU, host and device are the same memory: the buffers are the weights.
+        if buffers is not None:
+            assert j not in self._buffers, f"layer {j} loaded twice without release"
+            self._buffers[j] = (buffers, event)
+        return weights, event
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
