@@ -4,6 +4,7 @@ from tiergen import _platform  # noqa: F401  (must run before torch executes a k
 from tiergen.engine.llm import LLM, GenerationResult, StreamEvent
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError
+from tiergen.offload.policy import Policy
 
-__all__ = ["LLM", "GenerationResult", "SamplingParams", "StreamEvent", "TiergenError"]
+__all__ = ["LLM", "GenerationResult", "Policy", "SamplingParams", "StreamEvent", "TiergenError"]
 __version__ = "0.1.0"

@@ -24,9 +24,11 @@ from tiergen.cache.kv import KVView
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.activations import Activations, micro_batch_tiers
-from tiergen.offload.kv import TieredKV, layer_tiers
+from tiergen.offload.kv import TieredKV, cache_needs, layer_tiers
+from tiergen.offload.memory import (Budgets, add, device_peak, fmt, reset_peak_resident_set,
+                                    resident_set)
 from tiergen.offload.policy import Policy
-from tiergen.offload.weights import TieredWeights, default_offload_dir
+from tiergen.offload.weights import TieredWeights, WeightPlan, default_offload_dir
 
 
 @dataclass
@@ -39,35 +41,99 @@ class MicroBatch:
 
 
 @dataclass
-class Timings:
-    """Seconds spent computing and waiting for each link, per layer (summed over steps)."""
+class RunStats:
+    """What a run did: tokens and seconds of prefill and decode, per-layer seconds spent
+    computing and waiting for each link, and peak bytes per tier."""
 
+    num_layers: int
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
     compute: list[float] = field(default_factory=list)
     wait_weights: list[float] = field(default_factory=list)
     wait_cache: list[float] = field(default_factory=list)
+    planned: dict[str, int] = field(default_factory=dict)  # peak bytes per tier, by accounting
+    peak_rss: int = 0  # measured peak resident memory of the process during the run
+    peak_device: int | None = None  # measured peak GPU memory, when there is a GPU
 
-    def reset(self, num_layers: int) -> None:
-        self.compute = [0.0] * num_layers
-        self.wait_weights = [0.0] * num_layers
-        self.wait_cache = [0.0] * num_layers
+    def __post_init__(self) -> None:
+        self.compute = [0.0] * self.num_layers
+        self.wait_weights = [0.0] * self.num_layers
+        self.wait_cache = [0.0] * self.num_layers
+
+    def report(self, verbose: bool = False) -> str:
+        def rate(tokens: int, seconds: float) -> str:
+            return f"{tokens} tokens in {seconds:.2f}s ({tokens / seconds:.1f} tok/s)" if seconds else "-"
+
+        compute, ww, wc = sum(self.compute), sum(self.wait_weights), sum(self.wait_cache)
+        lines = [f"prefill: {rate(self.prefill_tokens, self.prefill_seconds)}; "
+                 f"decode: {rate(self.decode_tokens, self.decode_seconds)}",
+                 f"layer time: compute {compute:.2f}s, waiting for weights {ww:.2f}s, "
+                 f"waiting for cache {wc:.2f}s",
+                 "peak memory: " + ", ".join(f"{t} {fmt(b)}" for t, b in self.planned.items())
+                 + f" (planned); process RSS {fmt(self.peak_rss)}"
+                 + (f", GPU {fmt(self.peak_device)}" if self.peak_device is not None else "")
+                 + " (measured)"]
+        if verbose:
+            lines.append("layer  compute_s  wait_weights_s  wait_cache_s")
+            lines += [f"{j:5d}  {c:9.3f}  {w:14.3f}  {k:12.3f}" for j, (c, w, k) in
+                      enumerate(zip(self.compute, self.wait_weights, self.wait_cache))]
+        return "\n".join(lines)
 
 
 class Executor:
     def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
-                 policy: Policy | None = None, model_id: str = "") -> None:
+                 policy: Policy | None = None, model_id: str = "",
+                 budgets: Budgets | None = None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.dtype = dtype
         self.device = device
         self.policy = policy or Policy()
-        self.weights = TieredWeights(model, source, dtype, device, self.policy, model_id)
+        self.budgets = budgets or Budgets()
+        self.weight_plan = WeightPlan.make(model, dtype, self.policy, device)
+        self.budgets.check(self.weight_plan.needs(), "the model's weights under this policy", {
+            "device": "put a smaller share of weights on the device (--percent) or raise "
+                      "--device-memory",
+            "host": "put more weights on disk (--percent), or raise --host-memory"})
+        self.weights = TieredWeights(model, source, dtype, device, self.policy, self.weight_plan,
+                                     model_id)
         self.globals = self.weights.globals
         self.cache_tiers = layer_tiers(self.cfg.num_layers, self.policy.cache_split)
         root = Path(self.policy.offload_dir) if self.policy.offload_dir else default_offload_dir()
         self.spill_dir = root / "spill"
         self._cache_io = ThreadPoolExecutor(1, thread_name_prefix="tiergen-cache")  # FIFO
-        self.timings = Timings()
-        self.timings.reset(self.cfg.num_layers)
+        self.stats = RunStats(self.cfg.num_layers)
+
+    def start_run(self) -> RunStats:
+        """Begin measuring a run (reported by the LLM facade when it ends)."""
+        self.stats = RunStats(self.cfg.num_layers)
+        reset_peak_resident_set()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self.stats
+
+    def finish_run(self) -> RunStats:
+        self.stats.peak_rss = resident_set()[1]
+        self.stats.peak_device = device_peak(self.device)
+        return self.stats
+
+    def check_block(self, micro_batches: list[tuple[int, int]], prompt_len: int) -> None:
+        """Refuse, before it starts, a block whose cache and activations do not fit."""
+        hidden = self.cfg.hidden_size * self.dtype.itemsize
+        act_tiers = micro_batch_tiers(len(micro_batches), self.policy.activation_split)
+        acts = {"device": 0, "host": 0, "disk": 0}
+        for (rows, _), tier in zip(micro_batches, act_tiers):
+            acts[tier] += rows * prompt_len * hidden
+        needs = add(self.weight_plan.needs(),
+                    cache_needs(self.cfg, self.dtype, self.cache_tiers, micro_batches,
+                                self.device.type), acts)
+        self.budgets.check(needs, f"a block of {sum(r for r, _ in micro_batches)} sequences", {
+            "device": "move KV cache off the device (--percent), use smaller micro-batches "
+                      "(--gpu-batch-size) or fewer per block, or raise --device-memory",
+            "host": "move KV cache to disk (--percent), use smaller blocks, or raise --host-memory"})
+        self.stats.planned = {t: max(self.stats.planned.get(t, 0), n) for t, n in needs.items()}
 
     def new_cache(self, batch: int, capacity: int) -> TieredKV:
         return TieredKV(self.cfg, batch, capacity, self.dtype, self.device, self.cache_tiers,
@@ -80,7 +146,8 @@ class Executor:
     @torch.inference_mode()
     def forward_block(self, block: list[MicroBatch]) -> list[torch.Tensor]:
         """Run every micro-batch of a block through all layers, layer by layer."""
-        model, t = self.model, self.timings
+        model, t = self.model, self.stats
+        started = time.perf_counter()
         acts = Activations(micro_batch_tiers(len(block), self.policy.activation_split),
                            self.device, self.spill_dir)
         shared = [model.prepare(mb.meta, self.dtype) for mb in block]
@@ -111,7 +178,16 @@ class Executor:
             for f in stored:
                 if f is not None:
                     f.result()
-            return [model.head(self.globals, acts.take(k)[:, -1]).float() for k in range(len(block))]
+            logits = [model.head(self.globals, acts.take(k)[:, -1]).float() for k in range(len(block))]
+            seconds = time.perf_counter() - started
+            if block[0].meta.start == 0:
+                t.prefill_seconds += seconds
+                t.prefill_tokens += sum(int(mb.meta.positions.shape[0] * mb.meta.positions.shape[1])
+                                        for mb in block)
+            else:
+                t.decode_seconds += seconds
+                t.decode_tokens += sum(mb.ids.shape[0] for mb in block)
+            return logits
         finally:
             acts.close()
 

@@ -129,8 +129,11 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int) -> Ite
     smaller) that share each trip of a layer's weights; prompts are left-padded to one
     length within a micro-batch; a micro-batch leaves the block when all its sequences stop.
     """
-    states = [MicroBatchState(executor, seqs[i:i + micro_batch])
-              for i in range(0, len(seqs), micro_batch)]
+    groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
+    longest = max(len(s.prompt_ids) for s in seqs)
+    executor.check_block([(len(g), max(len(s.prompt_ids) for s in g) +
+                           max(s.params.max_tokens for s in g)) for g in groups], longest)
+    states = [MicroBatchState(executor, g) for g in groups]
     try:
         while states:
             logits = executor.forward_block([s.work() for s in states])

@@ -11,11 +11,13 @@ from tqdm import tqdm
 
 from tiergen._platform import cpu_has_fast_bfloat16
 from tiergen.engine.executor import Executor
-from tiergen.engine.generate import Sequence, make_sequences, run_block
+from tiergen.engine.executor import RunStats
+from tiergen.engine.generate import Sequence, StepEvent, make_sequences, run_block
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
-from tiergen.offload.policy import Policy
+from tiergen.offload.memory import Budgets
+from tiergen.offload.policy import Policy, parse_size
 from tiergen.weights import open_model
 
 Prompt = str | list[int]
@@ -91,7 +93,8 @@ class LLM:
 
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
                  device: str | None = None, max_batch_size: int = 64,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, device_memory: int | str | None = None,
+                 host_memory: int | str | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.policy = policy or Policy()
@@ -104,8 +107,11 @@ class LLM:
         self.eos_token_ids = sorted(set(self.config.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.micro_batch = self.policy.gpu_batch_size or max_batch_size
+        budgets = Budgets(None if device_memory is None else parse_size(device_memory),
+                          None if host_memory is None else parse_size(host_memory))
         self.executor = Executor(build_model(self.config), files.source, self.dtype, self.device,
-                                 self.policy, files.fingerprint)
+                                 self.policy, files.fingerprint, budgets)
+        self.last_stats: RunStats | None = None
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -167,13 +173,18 @@ class LLM:
             yield order[i:i + size]
 
     # -- generation ----------------------------------------------------------------------
+    def _run(self, seqs: list[Sequence]) -> Iterator[StepEvent]:
+        self.executor.start_run()
+        for block in self._blocks(seqs):
+            yield from run_block(self.executor, block, self.micro_batch)
+        self.last_stats = self.executor.finish_run()
+
     def stream(self, prompts: Prompt | Seq[Prompt],
                params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Yield text as it is produced, for every prompt (events of a batch interleave)."""
         _, seqs = self._prepare(prompts, params)
-        for block in self._blocks(seqs):
-            for ev in run_block(self.executor, block, self.micro_batch):
-                yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason)
+        for ev in self._run(seqs):
+            yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -181,9 +192,8 @@ class LLM:
         """Generate for every prompt; results come back in prompt order."""
         texts, seqs = self._prepare(prompts, params)
         with tqdm(total=len(seqs), disable=not use_tqdm, unit="prompt") as bar:
-            for block in self._blocks(seqs):
-                for ev in run_block(self.executor, block, self.micro_batch):
-                    bar.update(ev.seq.finish_reason is not None)
+            for ev in self._run(seqs):
+                bar.update(ev.seq.finish_reason is not None)
         return [GenerationResult(t if isinstance(t, str) else None, s.prompt_ids, s.text,
                                  s.token_ids, s.finish_reason or "length")
                 for t, s in zip(texts, seqs)]

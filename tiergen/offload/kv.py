@@ -22,6 +22,19 @@ def layer_tiers(num_layers: int, split: tuple[float, float, float]) -> list[str]
     return tiers
 
 
+def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
+                micro_batches: list[tuple[int, int]], device_type: str) -> dict[str, int]:
+    """Bytes per tier of the caches of a block of micro-batches given as (rows, capacity)."""
+    needs = {"device": 0, "host": 0, "disk": 0}
+    for rows, capacity in micro_batches:
+        layer = 2 * rows * cfg.num_kv_heads * capacity * cfg.head_dim * dtype.itemsize
+        for tier in tiers:
+            needs[tier] += layer
+        if "disk" in tiers or ("host" in tiers and device_type != "cpu"):
+            needs["device"] += layer  # working buffer
+    return needs
+
+
 class TieredKV:
     """K/V for every layer of one micro-batch, sized for its longest sequence.
 
@@ -58,13 +71,6 @@ class TieredKV:
     @property
     def numel(self) -> int:
         return torch.Size(self.shape).numel()
-
-    def bytes_on(self, tier: str) -> int:
-        n = sum(self.numel * self.dtype.itemsize for t in self.tiers if t == tier)
-        if tier == "device" and any(t != "device" for t in self.tiers) and (
-                self.device.type != "cpu" or "disk" in self.tiers):
-            n += self.numel * self.dtype.itemsize  # working buffer
-        return n
 
     def _working(self) -> torch.Tensor:
         if self._work is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import queue
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,6 +50,45 @@ def default_offload_dir() -> Path:
     return Path(base) / "tiergen" / "offload"
 
 
+@dataclass
+class WeightPlan:
+    """Which tier each packed tensor of a layer goes to, and the bytes that makes per tier."""
+
+    sizes: dict[str, int]  # bytes of each packed tensor of one layer
+    shapes: dict[str, tuple[int, ...]]
+    tiers: dict[str, str]
+    num_layers: int
+    global_bytes: int
+    device_type: str
+
+    @classmethod
+    def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
+             device: torch.device) -> WeightPlan:
+        # Pack meta tensors: shapes of the fused tensors without reading any weight.
+        meta = model.pack_layer(0, {n: torch.empty(s, dtype=dtype, device="meta")
+                                    for n, s in model.layer_specs(0).items()})
+        sizes = {n: t.numel() * t.element_size() for n, t in meta.items()}
+        glob = model.pack_globals({n: torch.empty(s, dtype=dtype, device="meta")
+                                   for n, s in model.global_specs().items()})
+        global_bytes = sum({id(t): t.numel() * t.element_size() for t in glob.values()}.values())
+        return cls(sizes, {n: tuple(t.shape) for n, t in meta.items()},
+                   place(sizes, policy.weight_split), model.cfg.num_layers, global_bytes,
+                   device.type)
+
+    def layer_bytes(self, tier: str) -> int:
+        return sum(size for n, size in self.sizes.items() if self.tiers[n] == tier)
+
+    def needs(self) -> dict[str, int]:
+        """Bytes per tier: placed weights plus the buffers that stream the rest."""
+        moving = self.layer_bytes("host") + self.layer_bytes("disk")
+        device = self.layer_bytes("device") * self.num_layers + self.global_bytes
+        if self.device_type == "cuda":
+            device += 2 * moving  # the layer in use and the one arriving
+        return {"device": device,
+                "host": self.layer_bytes("host") * self.num_layers + 2 * self.layer_bytes("disk"),
+                "disk": self.layer_bytes("disk") * self.num_layers}
+
+
 class TieredWeights:
     """Owns every layer's packed weights on the tier the policy gives each tensor.
 
@@ -59,15 +99,12 @@ class TieredWeights:
     """
 
     def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
-                 policy: Policy, model_id: str, io_threads: int = 2) -> None:
-        self.device, self.dtype, self.policy = device, dtype, policy
+                 policy: Policy, plan: WeightPlan, model_id: str, io_threads: int = 2) -> None:
+        self.device, self.dtype, self.policy, self.plan = device, dtype, policy, plan
         cfg = model.cfg
         self.num_layers = cfg.num_layers
+        self.tiers = plan.tiers
         self.globals = model.pack_globals(load_tensors(source, model.global_specs(), dtype, device))
-        meta = model.pack_layer(0, {n: torch.empty(s, dtype=dtype, device="meta")
-                                    for n, s in model.layer_specs(0).items()})
-        self.sizes = {n: t.numel() * t.element_size() for n, t in meta.items()}
-        self.tiers = place(self.sizes, policy.weight_split)
 
         def produce(j: int) -> Weights:
             return model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
@@ -91,7 +128,7 @@ class TieredWeights:
         disk_names = [n for n, tier in self.tiers.items() if tier == "disk"]
         self._free: queue.Queue[Weights] = queue.Queue()
         for _ in range(2 if disk_names else 0):
-            self._free.put({n: torch.empty(meta[n].shape, dtype=dtype, pin_memory=pin)
+            self._free.put({n: torch.empty(plan.shapes[n], dtype=dtype, pin_memory=pin)
                             for n in disk_names})
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -99,21 +136,6 @@ class TieredWeights:
         # by release (buffers, and the copy that must finish before they are reused).
         self._pending: dict[int, Future] = {}
         self._buffers: dict[int, tuple[Weights, torch.cuda.Event | None]] = {}
-
-    # -- accounting ----------------------------------------------------------------------
-    def bytes_on(self, tier: str) -> int:
-        """Bytes this store keeps on a tier: placed weights plus streaming buffers."""
-        layer = sum(size for n, size in self.sizes.items() if self.tiers[n] == tier)
-        total = layer * self.num_layers
-        moving = sum(size for n, size in self.sizes.items() if self.tiers[n] != "device")
-        streamed = sum(size for n, size in self.sizes.items() if self.tiers[n] == "disk")
-        if tier == "device":
-            total += sum({id(t): t.nbytes for t in self.globals.values()}.values())
-            if self.device.type == "cuda":
-                total += 2 * moving  # the layer in use and the one arriving
-        if tier == "host":
-            total += 2 * streamed  # the two reusable disk-read buffer sets
-        return total
 
     # -- the schedule's interface --------------------------------------------------------
     def prefetch(self, j: int) -> None:

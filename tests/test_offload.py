@@ -1,0 +1,79 @@
+"""Every policy gives what the all-on-device run gives: same greedy tokens, same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiergen import LLM, Policy, SamplingParams
+from tiergen.engine.executor import MicroBatch
+from tiergen.engine.step import StepMeta
+from tiny_models import CASES, build
+
+PROMPTS = [[5], list(range(3, 30)), [7, 8, 9, 10, 11], list(range(50, 62)), [100, 3, 17],
+           [9, 9, 9, 9, 9, 9, 9, 9]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+POLICIES = {
+    "weights-on-disk": dict(weights=(0, 0)),
+    "weights-3-tiers": dict(weights=(30, 30)),
+    "cache-on-host-cpu-attention": dict(cache=(0, 100), cpu_attention=True),
+    "cache-partly-on-disk": dict(cache=(50, 0)),
+    "micro-batches-uneven": dict(gpu_batch_size=2, num_gpu_batches=2),
+    "activations-off-device": dict(activations=(0, 50), gpu_batch_size=2, num_gpu_batches=2),
+    "everything-on-disk": dict(weights=(0, 0), cache=(0, 0), activations=(0, 0),
+                               gpu_batch_size=4, num_gpu_batches=2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def model_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    build(request.param, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(model_dir, dtype="float32")
+    return [r.token_ids for r in llm.generate(PROMPTS, GREEDY)], prefill_and_decode_logits(llm)
+
+
+def prefill_and_decode_logits(llm: LLM) -> list[torch.Tensor]:
+    """Logits of a prefill and two decode steps of all prompts, as blocks of micro-batches
+    of the policy's size."""
+    ex = llm.executor
+    micro = llm.micro_batch
+    groups = [PROMPTS[i:i + micro] for i in range(0, len(PROMPTS), micro)]
+    states = []
+    for g in groups:
+        width = max(map(len, g))
+        ids = torch.zeros(len(g), width, dtype=torch.long)
+        valid = torch.zeros(len(g), width + 2, dtype=torch.bool)
+        for row, p in enumerate(g):
+            ids[row, width - len(p):] = torch.tensor(p)
+            valid[row, width - len(p):width] = True
+        states.append((ids, valid, ex.new_cache(len(g), width + 2), width))
+    out = []
+    for step in range(3):
+        block = []
+        for ids, valid, cache, width in states:
+            start = 0 if step == 0 else width + step - 1
+            if step:
+                valid[:, start] = True
+                ids = torch.full((ids.shape[0], 1), 40 + step)
+            block.append(MicroBatch(ids, StepMeta.build(valid, start, ids.shape[1]), cache))
+        out.append(torch.cat(ex.forward_block(block)))
+    for *_, cache, _ in states:
+        cache.close()
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policy_matches_all_on_device(model_dir, reference, name, tmp_path):
+    tokens, logits = reference
+    llm = LLM(model_dir, dtype="float32", policy=Policy(**POLICIES[name], offload_dir=tmp_path))
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+    for ours, ref in zip(prefill_and_decode_logits(llm), logits):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert not list((tmp_path / "spill").glob("*")), "spill files left behind"
