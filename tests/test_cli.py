@@ -16,12 +16,13 @@ from tiny_models import build
 
 PARIS = "What is the capital of France?"
 
-GENERATE_OPTIONS = ["--file", "--chat", "--json", "--model", "--dtype", "--device",
-                    "--max-batch-size", "--max-tokens", "--temperature", "--top-p", "--top-k",
-                    "--repetition-penalty", "--seed", "--stop", "--ignore-eos"]
-CHAT_OPTIONS = ["--system", "--chat-template", "--model", "--dtype", "--device",
-                "--max-batch-size", "--max-tokens", "--temperature", "--top-p", "--top-k",
-                "--repetition-penalty", "--seed", "--stop", "--ignore-eos"]
+COMMON_OPTIONS = ["--model", "--dtype", "--device", "--max-batch-size", "--percent",
+                  "--gpu-batch-size", "--num-gpu-batches", "--no-pin-memory", "--cpu-attention",
+                  "--offload-dir", "--device-memory", "--host-memory", "--verbose",
+                  "--max-tokens", "--temperature", "--top-p", "--top-k", "--repetition-penalty",
+                  "--seed", "--stop", "--ignore-eos"]
+GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS]
+CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS]
 
 
 class _Tty(io.StringIO):

@@ -20,7 +20,29 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None,
                    help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
     g.add_argument("--max-batch-size", type=int, default=64,
-                   help="most prompts run together in one batch (default: 64)")
+                   help="most prompts run together in one batch when --gpu-batch-size is not "
+                        "given (default: 64)")
+    o = p.add_argument_group("offloading policy")
+    o.add_argument("--percent", type=float, nargs=6, metavar=("WD", "WH", "CD", "CH", "AD", "AH"),
+                   help="percent of weights, KV cache and activations on the device (xD) and in "
+                        "host RAM (xH); disk takes the rest (default: 100 0 100 0 100 0)")
+    o.add_argument("--gpu-batch-size", type=int, default=None,
+                   help="sequences per micro-batch (default: --max-batch-size)")
+    o.add_argument("--num-gpu-batches", type=int, default=1,
+                   help="micro-batches per block sharing one trip of each layer's weights (default: 1)")
+    o.add_argument("--no-pin-memory", action="store_true",
+                   help="do not pin host buffers (pinning speeds host-to-GPU copies)")
+    o.add_argument("--cpu-attention", action="store_true",
+                   help="keep the KV cache in host RAM and run attention there")
+    o.add_argument("--offload-dir", default=None,
+                   help="directory for weights converted for disk streaming and for spill files "
+                        "(default: ~/.cache/tiergen/offload)")
+    o.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="budget for the compute device, e.g. 8G or 512M; plans that exceed it are refused")
+    o.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="budget for host RAM, e.g. 16G; plans that exceed it are refused")
+    o.add_argument("--verbose", action="store_true",
+                   help="after the run, report time per layer as well as the totals")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -47,10 +69,22 @@ def _params(args: argparse.Namespace):
                           stop=args.stop, ignore_eos=args.ignore_eos)
 
 
+def _policy(args: argparse.Namespace):
+    from tiergen.offload.policy import Policy
+
+    options = dict(gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches,
+                   pin_memory=not args.no_pin_memory, cpu_attention=args.cpu_attention,
+                   offload_dir=args.offload_dir)
+    if args.percent:
+        return Policy.from_percent(args.percent, **options)
+    return Policy(**options)
+
+
 def _load(args: argparse.Namespace):
     from tiergen.engine.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size)
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+               policy=_policy(args), device_memory=args.device_memory, host_memory=args.host_memory)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -84,8 +118,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
         for ev in llm.stream(inputs, params):
             print(ev.text, end="", flush=True)
         print()
+        if args.verbose:
+            print(llm.last_stats.report(verbose=True), file=sys.stderr)
         return
     results = llm.generate(inputs, params, use_tqdm=True)
+    print(llm.last_stats.report(args.verbose), file=sys.stderr)
     for prompt, r in zip(prompts, results):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": r.text, "finish_reason": r.finish_reason,
