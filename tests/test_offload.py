@@ -77,3 +77,11 @@ def test_policy_matches_all_on_device(model_dir, reference, name, tmp_path):
     for ours, ref in zip(prefill_and_decode_logits(llm), logits):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     assert not list((tmp_path / "spill").glob("*")), "spill files left behind"
+
+
+def test_packed_specs_describe_pack_layer(model_dir):
+    """Plans are made from packed_specs without loading; they must match what packing makes."""
+    ex = LLM(model_dir, dtype="float32").executor
+    specs = ex.model.packed_specs()
+    for layer in ex.weights.resident:
+        assert {n: tuple(t.shape) for n, t in layer.items()} == specs

@@ -24,6 +24,9 @@ class ModelFamily(Protocol):
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         """Checkpoint names and shapes of layer i's tensors."""
 
+    def packed_specs(self) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of what :meth:`pack_layer` returns, for planning without loading."""
+
     def pack_globals(self, raw: Weights) -> Weights:
         """Rename/fuse loaded global tensors into the form :meth:`embed`/:meth:`head` use."""
 

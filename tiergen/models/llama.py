@@ -58,6 +58,23 @@ class Llama:
                       p + "mlp.down_proj.bias": (c.hidden_size,)}
         return specs
 
+    def packed_specs(self) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of what :meth:`pack_layer` returns (the same for every layer)."""
+        c = self.cfg
+        q, kv, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        specs = {"input_norm": (c.hidden_size,), "qkv": (q + 2 * kv, c.hidden_size),
+                 "o": (c.hidden_size, q), "post_norm": (c.hidden_size,),
+                 "gate_up": (2 * i, c.hidden_size), "down": (c.hidden_size, i)}
+        if c.qkv_bias:
+            specs["qkv_bias"] = (q + 2 * kv,)
+        if c.o_bias:
+            specs["o_bias"] = (c.hidden_size,)
+        if c.qk_norm:
+            specs["q_norm"] = specs["k_norm"] = (c.head_dim,)
+        if c.mlp_bias:
+            specs["gate_up_bias"], specs["down_bias"] = (2 * i,), (c.hidden_size,)
+        return specs
+
     def pack_globals(self, raw: Weights) -> Weights:
         embed = raw["model.embed_tokens.weight"]
         return {"embed": embed, "norm": raw["model.norm.weight"],

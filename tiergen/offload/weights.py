@@ -64,16 +64,12 @@ class WeightPlan:
     @classmethod
     def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
              device: torch.device) -> WeightPlan:
-        # Pack meta tensors: shapes of the fused tensors without reading any weight.
-        meta = model.pack_layer(0, {n: torch.empty(s, dtype=dtype, device="meta")
-                                    for n, s in model.layer_specs(0).items()})
-        sizes = {n: t.numel() * t.element_size() for n, t in meta.items()}
-        glob = model.pack_globals({n: torch.empty(s, dtype=dtype, device="meta")
-                                   for n, s in model.global_specs().items()})
-        global_bytes = sum({id(t): t.numel() * t.element_size() for t in glob.values()}.values())
-        return cls(sizes, {n: tuple(t.shape) for n, t in meta.items()},
-                   place(sizes, policy.weight_split), model.cfg.num_layers, global_bytes,
-                   device.type)
+        shapes = model.packed_specs()
+        sizes = {n: torch.Size(s).numel() * dtype.itemsize for n, s in shapes.items()}
+        global_bytes = sum(torch.Size(s).numel() * dtype.itemsize
+                           for s in model.global_specs().values())
+        return cls(sizes, shapes, place(sizes, policy.weight_split), model.cfg.num_layers,
+                   global_bytes, device.type)
 
     def layer_bytes(self, tier: str) -> int:
         return sum(size for n, size in self.sizes.items() if self.tiers[n] == tier)
