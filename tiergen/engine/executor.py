@@ -137,7 +137,7 @@ class Executor:
 
     def new_cache(self, batch: int, capacity: int) -> TieredKV:
         return TieredKV(self.cfg, batch, capacity, self.dtype, self.device, self.cache_tiers,
-                        self.spill_dir, self.policy.pin_memory)
+                        self.spill_dir, self.policy.pin_memory, self.policy.cpu_attention)
 
     def forward(self, ids: torch.Tensor, meta: StepMeta, cache: TieredKV) -> torch.Tensor:
         """Run one micro-batch (B, T); return float32 logits of the last position (B, V)."""

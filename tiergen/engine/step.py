@@ -38,6 +38,10 @@ class StepMeta:
     def end(self) -> int:
         return self.start + self.positions.shape[1]
 
+    def to(self, device: torch.device) -> StepMeta:
+        mask = None if self.mask is None else self.mask.to(device)
+        return StepMeta(self.start, self.positions.to(device), mask)
+
     @staticmethod
     def build(valid: torch.Tensor, start: int, num_tokens: int) -> StepMeta:
         """Metadata for tokens at slots [start, start+num_tokens) given slot validity (B, capacity)."""

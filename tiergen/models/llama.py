@@ -6,14 +6,18 @@ Per layer: h += o_proj(attn(rope(q), rope(k), v)) over rms_norm(h); h += mlp(rms
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from tiergen.cache.kv import KVView
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import Weights
-from tiergen.models.layers import (apply_rope, attention, linear, rms_norm, rope_cos_sin,
-                                   rope_inv_freq, swiglu_mlp)
+from tiergen.models.layers import (apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq,
+                                   swiglu_mlp)
+
+if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
+    from tiergen.cache.kv import KVView
 
 
 class Llama:
@@ -125,8 +129,7 @@ class Llama:
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KVH, T, D)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        k_all, v_all = cache.update(k, v, meta)
-        o = attention(q, k_all, v_all, meta).transpose(1, 2).reshape(B, T, -1)
+        o = cache.attend(q, k, v, meta).transpose(1, 2).reshape(B, T, -1)
         h = h + linear(o, w["o"], w.get("o_bias"))
         x = rms_norm(h, w["post_norm"], c.rms_norm_eps)
         return h + swiglu_mlp(x, w["gate_up"], w["down"], w.get("gate_up_bias"), w.get("down_bias"))

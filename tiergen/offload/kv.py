@@ -39,16 +39,18 @@ class TieredKV:
     """K/V for every layer of one micro-batch, sized for its longest sequence.
 
     Device layers live in device tensors (B, KVH, C, D). Host layers live in host RAM and are
-    copied to a device working buffer for use (on a CPU, host is the device: no copy). Disk
+    copied to a device working buffer for use (on a CPU, host is the device: no copy), or,
+    with ``cpu_attention``, stay there and attention runs on the CPU. Disk
     layers live in a spill file laid out slot-major (C, 2, B, KVH, D), so that a step appends
     one contiguous range, and are read back into the working buffer before use.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device, tiers: list[str], spill_dir: Path | None,
-                 pin: bool = False) -> None:
+                 pin: bool = False, cpu_attention: bool = False) -> None:
         self.shape = (2, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.dtype, self.device, self.tiers = dtype, device, tiers
+        self.cpu_attention = cpu_attention
         self.layers: list[torch.Tensor | SpillFile] = []
         for tier in tiers:
             if tier == "disk":
@@ -66,7 +68,9 @@ class TieredKV:
     def moves(self, j: int) -> bool:
         """Whether layer j's K/V must travel to and from the device around its use."""
         store = self.layers[j]
-        return isinstance(store, SpillFile) or store.device != self.device
+        if isinstance(store, SpillFile):
+            return True
+        return store.device != self.device and not self.cpu_attention
 
     @property
     def numel(self) -> int:
@@ -88,7 +92,7 @@ class TieredKV:
                 store.read_into(slots)
                 work[:, :, :, :end] = slots.permute(1, 2, 3, 0, 4).to(self.device)
             return KVView(work[0], work[1])
-        if store.device != self.device:
+        if self.moves(j):
             work = self._working()
             work[:, :, :, :end].copy_(store[:, :, :, :end], non_blocking=True)
             return KVView(work[0], work[1])
@@ -101,7 +105,7 @@ class TieredKV:
         if isinstance(store, SpillFile):
             slot_bytes = self.numel // self.shape[3] * self.dtype.itemsize
             store.write(new.permute(3, 0, 1, 2, 4).cpu(), meta.start * slot_bytes)
-        elif store.device != self.device:
+        elif self.moves(j):
             store[:, :, :, meta.start:meta.end].copy_(new)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
