@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first bfloat16 matmul)
+from tiergen.offload.memory import resident_set  # peak RSS of this process alone (VmHWM)
 
 PROMPT_LEN, NEW_TOKENS = 128, 32
 HERE = Path(__file__).resolve().parent
@@ -91,7 +91,7 @@ def child(argv: list[str]) -> None:
     else:
         seconds = run_tiergen(model, int(n), int(block), engine == "tiergen-disk", budget, offload)
     print(json.dumps({"seconds": seconds, "tok_s": int(n) * NEW_TOKENS / seconds,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "peak_rss_mb": resident_set()[1] / 2**20}))
 
 
 def measure(engine: str, model: Path, n: int, block: int, budget: str, work: Path) -> dict:
