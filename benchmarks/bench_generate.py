@@ -21,6 +21,8 @@ from pathlib import Path
 import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first bfloat16 matmul)
 from tiergen.offload.memory import resident_set  # peak RSS of this process alone (VmHWM)
 
+from plot import throughput_plot
+
 PROMPT_LEN, NEW_TOKENS = 128, 64
 HERE = Path(__file__).resolve().parent
 
@@ -158,27 +160,12 @@ def report(rows: list[dict], bound: dict, args: argparse.Namespace) -> None:
               "(prefill of 128 tokens included)")
     print(json.dumps({"rows": rows, "bound": bound}))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for engine in ("tiergen", "transformers"):
-        for dtype in args.dtypes:
-            ys = [get(engine, dtype, b)["tok_s"] for b in args.batches]
-            ax.plot(args.batches, ys, marker="o", linestyle="-" if engine == "tiergen" else "--",
-                    label=f"{engine} {dtype}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("generated tokens/s (prefill included)")
-    ax.set_title(f"SmolLM2-135M, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, 2 CPU cores")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=100)
-    print(f"plot written to {args.plot}")
-
+    throughput_plot(
+        args.plot, args.batches,
+        {f"{engine} {dtype}": ([get(engine, dtype, b)["tok_s"] for b in args.batches],
+                               "-" if engine == "tiergen" else "--")
+         for engine in ("tiergen", "transformers") for dtype in args.dtypes},
+        "batch size", f"SmolLM2-135M, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, 2 CPU cores")
 
 if __name__ == "__main__":
     main()

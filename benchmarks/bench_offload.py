@@ -21,6 +21,8 @@ from pathlib import Path
 import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first bfloat16 matmul)
 from tiergen.offload.memory import resident_set  # peak RSS of this process alone (VmHWM)
 
+from plot import throughput_plot
+
 PROMPT_LEN, NEW_TOKENS = 128, 32
 HERE = Path(__file__).resolve().parent
 
@@ -141,27 +143,16 @@ def main() -> None:
         print(f"| {block} | {r['tok_s']:.1f} | {d['tok_s']:.1f} | {100 * d['tok_s'] / r['tok_s']:.0f}% |")
     print(json.dumps({"rows": rows, "sweep": sweep}))
 
-    import matplotlib
+    def tok_s(engine: str, block: int) -> float:
+        return next(x["tok_s"] for x in sweep if x["block"] == block and x["engine"] == engine)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for engine, label in (("tiergen-ram", "all weights in RAM"),
-                          ("tiergen-disk", f"weights on disk, host budget {args.budget}")):
-        ax.plot(args.blocks, [next(x["tok_s"] for x in sweep if x["block"] == b and x["engine"] == engine)
-                              for b in args.blocks], marker="o", label=label)
-    ax.axhline(acc, color="gray", linestyle="--", label=f"accelerate disk offload (batch {args.prompts})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("block size (sequences per trip of the weights)")
-    ax.set_ylabel("generated tokens/s (prefill included)")
-    ax.set_title(f"SmolLM2-135M bf16, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, 2 CPU cores")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=100)
-    print(f"plot written to {args.plot}")
-
+    throughput_plot(
+        args.plot, args.blocks,
+        {"all weights in RAM": ([tok_s("tiergen-ram", b) for b in args.blocks], "-"),
+         f"weights on disk, host budget {args.budget}": ([tok_s("tiergen-disk", b) for b in args.blocks], "-")},
+        "block size (sequences per trip of the weights)",
+        f"SmolLM2-135M bf16, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, 2 CPU cores",
+        hline=(acc, f"accelerate disk offload (batch {args.prompts})"))
 
 if __name__ == "__main__":
     main()

@@ -23,11 +23,11 @@ import torch
 from tiergen.cache.kv import KVView
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import ModelFamily
-from tiergen.offload.activations import Activations, micro_batch_tiers
-from tiergen.offload.kv import TieredKV, cache_needs, layer_tiers
+from tiergen.offload.activations import Activations
+from tiergen.offload.kv import TieredKV, cache_needs
 from tiergen.offload.memory import (Budgets, add, device_peak, fmt, reset_peak_resident_set,
                                     resident_set)
-from tiergen.offload.policy import Policy
+from tiergen.offload.policy import Policy, tiers_for
 from tiergen.offload.weights import TieredWeights, WeightPlan, default_offload_dir
 
 
@@ -100,7 +100,7 @@ class Executor:
         self.weights = TieredWeights(model, source, dtype, device, self.policy, self.weight_plan,
                                      model_id)
         self.globals = self.weights.globals
-        self.cache_tiers = layer_tiers(self.cfg.num_layers, self.policy.cache_split)
+        self.cache_tiers = tiers_for(self.cfg.num_layers, self.policy.cache_split)
         root = Path(self.policy.offload_dir) if self.policy.offload_dir else default_offload_dir()
         self.spill_dir = root / "spill"
         self._cache_io = ThreadPoolExecutor(1, thread_name_prefix="tiergen-cache")  # FIFO
@@ -122,7 +122,7 @@ class Executor:
     def check_block(self, micro_batches: list[tuple[int, int]], prompt_len: int) -> None:
         """Refuse, before it starts, a block whose cache and activations do not fit."""
         hidden = self.cfg.hidden_size * self.dtype.itemsize
-        act_tiers = micro_batch_tiers(len(micro_batches), self.policy.activation_split)
+        act_tiers = tiers_for(len(micro_batches), self.policy.activation_split)
         acts = {"device": 0, "host": 0, "disk": 0}
         for (rows, _), tier in zip(micro_batches, act_tiers):
             acts[tier] += rows * prompt_len * hidden
@@ -148,7 +148,7 @@ class Executor:
         """Run every micro-batch of a block through all layers, layer by layer."""
         model, t = self.model, self.stats
         started = time.perf_counter()
-        acts = Activations(micro_batch_tiers(len(block), self.policy.activation_split),
+        acts = Activations(tiers_for(len(block), self.policy.activation_split),
                            self.device, self.spill_dir)
         shared = [model.prepare(mb.meta, self.dtype) for mb in block]
         for k, mb in enumerate(block):

@@ -9,15 +9,6 @@ import torch
 from tiergen.offload.disk import SpillFile
 
 
-def micro_batch_tiers(count: int, split: tuple[float, float, float]) -> list[str]:
-    tiers = []
-    for k in range(count):
-        middle = 100 * (k + 0.5) / count
-        tiers.append("device" if middle < split[0] else
-                     "host" if middle < split[0] + split[1] else "disk")
-    return tiers
-
-
 class Activations:
     """One slot per micro-batch: ``put`` parks a hidden state on its tier, ``take`` brings it
     back to the device and empties the slot."""

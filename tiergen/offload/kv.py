@@ -12,16 +12,6 @@ from tiergen.engine.step import StepMeta
 from tiergen.offload.disk import SpillFile
 
 
-def layer_tiers(num_layers: int, split: tuple[float, float, float]) -> list[str]:
-    """Whole layers per tier, in order: the first ``split[0]`` % of layers on the device, ..."""
-    tiers = []
-    for j in range(num_layers):
-        middle = 100 * (j + 0.5) / num_layers
-        tiers.append("device" if middle < split[0] else
-                     "host" if middle < split[0] + split[1] else "disk")
-    return tiers
-
-
 def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
                 micro_batches: list[tuple[int, int]], device_type: str) -> dict[str, int]:
     """Bytes per tier of the caches of a block of micro-batches given as (rows, capacity)."""

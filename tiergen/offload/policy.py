@@ -12,6 +12,17 @@ from tiergen.errors import TiergenError
 TIERS = ("device", "host", "disk")
 
 
+def tier_at(percent: float, split: tuple[float, float, float]) -> str:
+    """The tier of an item whose middle lies at ``percent`` of the whole: the first
+    ``split[0]`` % goes to the device, the next ``split[1]`` % to host RAM, the rest to disk."""
+    return "device" if percent < split[0] else "host" if percent < split[0] + split[1] else "disk"
+
+
+def tiers_for(count: int, split: tuple[float, float, float]) -> list[str]:
+    """Tiers of ``count`` equal items (layers of a cache, micro-batches of a block), in order."""
+    return [tier_at(100 * (i + 0.5) / count, split) for i in range(count)]
+
+
 def _split(name: str, pair: tuple[float, float]) -> tuple[float, float, float]:
     try:
         device, host = (float(x) for x in pair)

@@ -13,7 +13,7 @@ import torch
 from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.offload.disk import OffloadedWeights
-from tiergen.offload.policy import Policy
+from tiergen.offload.policy import Policy, tier_at
 
 Specs = dict[str, tuple[int, ...]]
 
@@ -36,9 +36,7 @@ def place(sizes: dict[str, int], split: tuple[float, float, float]) -> dict[str,
     total = sum(sizes.values()) or 1
     tiers, done = {}, 0
     for name, size in sizes.items():
-        middle = 100 * (done + size / 2) / total
-        tiers[name] = ("device" if middle < split[0] else
-                       "host" if middle < split[0] + split[1] else "disk")
+        tiers[name] = tier_at(100 * (done + size / 2) / total, split)
         done += size
     return tiers
 
