@@ -212,3 +212,19 @@ def test_weights_on_disk_stay_under_host_budget(tmp_path):
     grown = m["peak"] - m["before"]
     print(f"peak grew by {grown / 2**20:.1f} MiB")
     assert grown < budget + OVERHEAD, f"peak grew by {grown / 2**20:.1f} MiB for a {size / 2**20:.0f} MiB model"
+
+
+def test_failed_step_leaves_the_model_usable(model_dir, tmp_path, monkeypatch):
+    """An error while streaming weights (here: a failing read) leaves no buffer stranded."""
+    llm = LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    real = llm.executor.weights.disk.read_into
+
+    def failing(*args):
+        raise TiergenError("simulated read failure")
+
+    monkeypatch.setattr(llm.executor.weights.disk, "read_into", failing)
+    for _ in range(3):  # each failure must hand its buffers back, or the next load would hang
+        with pytest.raises(TiergenError, match="simulated read failure"):
+            llm.generate(PROMPTS, GREEDY)
+    monkeypatch.setattr(llm.executor.weights.disk, "read_into", real)
+    assert llm.generate(PROMPTS, GREEDY)[1].num_generated_tokens == 6

@@ -161,12 +161,12 @@ class Executor:
                 w = self.weights.take(j)
                 self.weights.prefetch(j + 1)
                 t.wait_weights[j] += time.perf_counter() - t0
-                loading = self._load_cache(block, 0, j, stored)
+                loading = self._load_cache(block, 0, j)
                 for k, mb in enumerate(block):
                     t0 = time.perf_counter()
                     kv = loading.result()
                     if k + 1 < len(block):
-                        loading = self._load_cache(block, k + 1, j, stored)
+                        loading = self._load_cache(block, k + 1, j)
                     t1 = time.perf_counter()
                     h = model.layer(j, w, acts.take(k), mb.meta, kv, shared[k])
                     acts.put(k, h)
@@ -188,12 +188,14 @@ class Executor:
                 t.decode_seconds += seconds
                 t.decode_tokens += sum(mb.ids.shape[0] for mb in block)
             return logits
+        except BaseException:
+            self.weights.abort()
+            raise
         finally:
             acts.close()
 
-    def _load_cache(self, block: list[MicroBatch], k: int, j: int,
-                    stored: list[Future | None]) -> Future[KVView]:
-        """Start loading micro-batch k's cache of layer j (after its previous store)."""
+    def _load_cache(self, block: list[MicroBatch], k: int, j: int) -> Future[KVView]:
+        """Start loading micro-batch k's cache of layer j (queued after its previous store)."""
         mb = block[k]
         if not mb.cache.moves(j):
             f: Future[KVView] = Future()

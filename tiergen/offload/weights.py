@@ -161,8 +161,12 @@ class TieredWeights:
         buffers = None
         if self.disk is not None:
             buffers = self._free.get()
-            for n, buf in buffers.items():
-                weights[n] = self.disk.read_into(j, n, buf)
+            try:
+                for n, buf in buffers.items():
+                    weights[n] = self.disk.read_into(j, n, buf)
+            except BaseException:
+                self._free.put(buffers)
+                raise
         event = None
         if self.device.type == "cuda":
             with torch.cuda.stream(self._copy_stream):
@@ -174,6 +178,17 @@ class TieredWeights:
             assert j not in self._buffers, f"layer {j} loaded twice without release"
             self._buffers[j] = (buffers, event)
         return weights, event
+
+    def abort(self) -> None:
+        """After a failed step: wait for loads in flight and take every buffer back."""
+        for future in self._pending.values():
+            try:
+                future.result()
+            except BaseException:
+                pass
+        self._pending.clear()
+        for j in list(self._buffers):
+            self.release(j)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
