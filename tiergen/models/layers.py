@@ -13,7 +13,12 @@ from tiergen.engine.step import StepMeta
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    """RMSNorm computed in float32, returned in the weights' dtype (ready for their matmul).
+
+    In half precision the residual stream stays float32 and only the matmuls run in the
+    weights' dtype: a small model's near-tied logits otherwise flip with the batch shape.
+    """
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(weight.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

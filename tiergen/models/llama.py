@@ -110,7 +110,7 @@ class Llama:
         return rope_cos_sin(self.inv_freq.to(meta.positions.device), meta.positions, dtype)
 
     def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
-        return w["embed"][ids]
+        return w["embed"][ids].float()  # the residual stream is float32 (see rms_norm)
 
     def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
               shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
