@@ -16,7 +16,7 @@ from tiny_models import build
 
 PARIS = "What is the capital of France?"
 
-COMMON_OPTIONS = ["--model", "--dtype", "--device", "--max-batch-size", "--percent",
+COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--max-batch-size", "--percent",
                   "--gpu-batch-size", "--num-gpu-batches", "--no-pin-memory", "--cpu-attention",
                   "--offload-dir", "--device-memory", "--host-memory", "--verbose",
                   "--max-tokens", "--temperature", "--top-p", "--top-k", "--repetition-penalty",

@@ -68,3 +68,19 @@ def test_logits_match_transformers(case):
             ref = hf(torch.tensor([p + [42]])).logits[0]
         torch.testing.assert_close(prefill[row], ref[-2], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(decode[row], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_batch1_matmuls_match_eager(tmp_path):
+    from tiergen.models import layers
+
+    build("llama-gqa-tied", tmp_path)
+    p = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    eager = LLM(tmp_path, dtype="float32")
+    expected = eager.generate([[5, 6, 7]], p)[0].token_ids
+    try:
+        compiled = LLM(tmp_path, dtype="float32", compile=True)
+        assert layers._compiled_gemv is not None
+        assert compiled.generate([[5, 6, 7]], p)[0].token_ids == expected
+    finally:
+        layers.use_compiled_gemv(False)

@@ -19,6 +19,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (auto: float32 on CPU, the checkpoint's half type on GPU)")
     g.add_argument("--device", default=None,
                    help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
+    g.add_argument("--compile", action="store_true",
+                   help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
+                        "seconds of compilation on first use")
     g.add_argument("--max-batch-size", type=int, default=64,
                    help="most prompts run together in one batch when --gpu-batch-size is not "
                         "given (default: 64)")
@@ -84,7 +87,8 @@ def _load(args: argparse.Namespace):
     from tiergen.engine.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
-               policy=_policy(args), device_memory=args.device_memory, host_memory=args.host_memory)
+               policy=_policy(args), device_memory=args.device_memory, host_memory=args.host_memory,
+               compile=args.compile)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:

@@ -16,6 +16,7 @@ from tiergen.engine.generate import Sequence, StepEvent, make_sequences, run_blo
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
+from tiergen.models.layers import use_compiled_gemv
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
 from tiergen.weights import open_model
@@ -87,6 +88,11 @@ def _resolve_device(device: str | None) -> torch.device:
 class LLM:
     """A loaded model.
 
+    ``policy`` places weights, KV cache and activations on device, host RAM and disk;
+    ``device_memory``/``host_memory`` are budgets (bytes or "8G") a plan must fit;
+    ``compile=True`` compiles batch-1 CPU matmuls (faster decode after a few seconds of
+    compilation on first use).
+
     >>> llm = LLM("smollm2")
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
     """
@@ -94,7 +100,7 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
                  device: str | None = None, max_batch_size: int = 64,
                  policy: Policy | None = None, device_memory: int | str | None = None,
-                 host_memory: int | str | None = None) -> None:
+                 host_memory: int | str | None = None, compile: bool = False) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         self.policy = policy or Policy()
@@ -112,6 +118,8 @@ class LLM:
         self.executor = Executor(build_model(self.config), files.source, self.dtype, self.device,
                                  self.policy, files.fingerprint, budgets)
         self.last_stats: RunStats | None = None
+        if compile:  # process-wide, like torch's own backend switches
+            use_compiled_gemv(True)
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
