@@ -1,0 +1,208 @@
+"""Continuous batching: requests that arrive while the engine runs join the running block at
+the next step boundary, and a finished sequence frees its place for a waiting one.
+
+Each admission of waiting requests becomes a new micro-batch of the block (its prefill runs
+in the same forward pass as the others' decode); a micro-batch leaves when all its sequences
+have stopped or been cancelled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from tiergen.engine.generate import MicroBatchState, Sequence, make_sequences
+from tiergen.engine.llm import LLM, Prompt, StreamEvent
+from tiergen.engine.sampler import SamplingParams
+from tiergen.errors import TiergenError
+
+CANCELLED = "cancelled"
+
+
+class QueueFull(TiergenError):
+    """The scheduler's waiting queue is at its limit; try again later."""
+
+
+@dataclass
+class Request:
+    """One submitted prompt: its sequence, its timings, and the events it has produced."""
+
+    id: int
+    seq: Sequence
+    on_event: Callable[[StreamEvent], None] | None = None
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    _events: queue.Queue = field(default_factory=queue.Queue)
+    _cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.seq.finish_reason
+
+    def cancel(self) -> None:
+        """Stop generating for this request; its place is freed at the next step."""
+        self._cancel.set()
+
+    def events(self, timeout: float | None = None) -> Iterator[StreamEvent]:
+        """Block and yield this request's events until it finishes."""
+        while True:
+            ev = self._events.get(timeout=timeout)
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def _emit(self, ev: StreamEvent) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        if ev.finish_reason is not None:
+            self.finished_at = time.perf_counter()
+        self._events.put(ev)
+        if self.on_event is not None:
+            self.on_event(ev)
+
+
+@dataclass
+class SchedulerMetrics:
+    requests_total: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # sequences per step
+    queue_depth: int = 0
+    running: int = 0
+
+
+class Scheduler:
+    """Runs an :class:`LLM` on a background thread for requests submitted from any thread."""
+
+    def __init__(self, llm: LLM, max_queue: int = 256, max_running: int | None = None) -> None:
+        self.llm = llm
+        self.max_queue = max_queue
+        self.max_running = max_running or llm.micro_batch * llm.policy.num_gpu_batches
+        self.metrics = SchedulerMetrics()
+        self._waiting: deque[Request] = deque()
+        self._requests: dict[int, Request] = {}  # by id(Sequence)
+        self._states: list[MicroBatchState] = []
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="tiergen-scheduler", daemon=True)
+        self._error: BaseException | None = None
+
+    def start(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    def stop(self, cancel: bool = True, timeout: float | None = 30) -> None:
+        """Stop the loop: cancel (or finish) running requests, cancel waiting ones."""
+        with self._lock:
+            self._stopping = True
+            if cancel:
+                for r in self._requests.values():
+                    r.cancel()
+            self._lock.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None,
+               on_event: Callable[[StreamEvent], None] | None = None) -> Request:
+        """Queue a prompt; raises TiergenError on bad input and QueueFull when full."""
+        params = params or SamplingParams()
+        _, (seq,) = self.llm._prepare([prompt], [params])
+        with self._lock:
+            if self._stopping:
+                raise TiergenError("the scheduler is shutting down")
+            if self._error is not None:
+                raise TiergenError(f"the engine failed: {self._error}")
+            if len(self._waiting) >= self.max_queue:
+                self.metrics.requests_rejected += 1
+                raise QueueFull(f"the queue holds {self.max_queue} waiting requests; retry later")
+            req = Request(next(self._ids), seq, on_event)
+            self._waiting.append(req)
+            self._requests[id(seq)] = req
+            self.metrics.requests_total += 1
+            self.metrics.prompt_tokens += len(seq.prompt_ids)
+            self.metrics.queue_depth = len(self._waiting)
+            self._lock.notify_all()
+        return req
+
+    # -- the loop --------------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Move waiting requests into new micro-batches while there is room in the block."""
+        running = sum(len(s.live) for s in self._states)
+        while self._waiting and running < self.max_running:
+            take = min(self.llm.micro_batch, self.max_running - running, len(self._waiting))
+            group = [self._waiting.popleft() for _ in range(take)]
+            group = [r for r in group if not self._finish_if_cancelled(r)]
+            if group:
+                self._states.append(MicroBatchState(self.llm.executor, [r.seq for r in group]))
+                running += len(group)
+        self.metrics.queue_depth = len(self._waiting)
+        self.metrics.running = running
+
+    def _finish_if_cancelled(self, req: Request) -> bool:
+        if not req._cancel.is_set() or req.seq.finish_reason is not None:
+            return False
+        req.seq.finish_reason = CANCELLED
+        self.metrics.requests_cancelled += 1
+        req._emit(StreamEvent(req.id, -1, "", CANCELLED))
+        del self._requests[id(req.seq)]
+        return True
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    for req in [self._requests[id(q)] for s in self._states for q in s.live
+                                if id(q) in self._requests]:
+                        self._finish_if_cancelled(req)
+                    if self._stopping:
+                        for r in list(self._waiting):
+                            r.cancel()
+                            self._finish_if_cancelled(r)
+                        self._waiting.clear()
+                    self._states = [s for s in self._states if not s.done]
+                    self._admit()
+                    if not self._states:
+                        if self._stopping:
+                            return
+                        self._lock.wait()
+                        continue
+                    states = list(self._states)
+                logits = self.llm.executor.forward_block([s.work() for s in states])
+                self.metrics.steps += 1
+                self.metrics.batch_sizes.append(sum(len(s.live) for s in states))
+                for state, lg in zip(states, logits):
+                    for ev in state.advance(lg):
+                        self._deliver(ev.seq, ev.token_id, ev.delta)
+        except BaseException as e:  # the engine broke: fail every request, refuse new ones
+            with self._lock:
+                self._error = e
+                for r in list(self._requests.values()) + list(self._waiting):
+                    r.seq.finish_reason = r.seq.finish_reason or "error"
+                    r._emit(StreamEvent(r.id, -1, "", "error"))
+                self._requests.clear()
+                self._waiting.clear()
+
+    def _deliver(self, seq: Sequence, token: int, delta: str) -> None:
+        req = self._requests.get(id(seq))
+        if req is None:
+            return
+        self.metrics.generated_tokens += 1
+        req._emit(StreamEvent(req.id, token, delta, seq.finish_reason))
+        if seq.finish_reason is not None:
+            self.metrics.requests_finished += 1
+            with self._lock:
+                self._requests.pop(id(seq), None)
