@@ -180,13 +180,13 @@ class Executor:
                     f.result()
             logits = [model.head(self.globals, acts.take(k)[:, -1]).float() for k in range(len(block))]
             seconds = time.perf_counter() - started
-            if block[0].meta.start == 0:
+            prompt = [mb for mb in block if mb.meta.start == 0]
+            t.prefill_tokens += sum(mb.ids.numel() for mb in prompt)
+            t.decode_tokens += sum(mb.ids.shape[0] for mb in block if mb.meta.start > 0)
+            if len(prompt) == len(block):  # a block mixing both (continuous batching) counts as decode
                 t.prefill_seconds += seconds
-                t.prefill_tokens += sum(int(mb.meta.positions.shape[0] * mb.meta.positions.shape[1])
-                                        for mb in block)
             else:
                 t.decode_seconds += seconds
-                t.decode_tokens += sum(mb.ids.shape[0] for mb in block)
             return logits
         except BaseException:
             self.weights.abort()
