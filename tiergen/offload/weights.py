@@ -12,7 +12,7 @@ import torch
 
 from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
-from tiergen.offload.disk import OffloadedWeights
+from tiergen.offload.disk import FORMAT as DISK_FORMAT, OffloadedWeights
 from tiergen.offload.policy import Policy, tier_at
 
 Specs = dict[str, tuple[int, ...]]
@@ -106,7 +106,7 @@ class TieredWeights:
         self.disk: OffloadedWeights | None = None
         if "disk" in self.tiers.values():
             root = Path(policy.offload_dir) if policy.offload_dir else default_offload_dir()
-            key = hashlib.sha256(f"{model_id}|{dtype}".encode()).hexdigest()[:16]
+            key = hashlib.sha256(f"{model_id}|{dtype}|{DISK_FORMAT}".encode()).hexdigest()[:16]
             self.disk = OffloadedWeights.open_or_convert(root, key, cfg.num_layers, produce)
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
@@ -146,7 +146,10 @@ class TieredWeights:
         self.prefetch(j)
         weights, event = self._pending.pop(j).result()
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            for t in weights.values():  # memory copied on the side stream is in use here too
+                t.record_stream(compute)
         return weights
 
     def release(self, j: int) -> None:
