@@ -16,13 +16,16 @@ from tiny_models import build
 
 PARIS = "What is the capital of France?"
 
-COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--max-batch-size", "--percent",
+COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--prefill-chunk-size", "--max-batch-size", "--percent",
                   "--gpu-batch-size", "--num-gpu-batches", "--no-pin-memory", "--cpu-attention",
                   "--offload-dir", "--device-memory", "--host-memory", "--verbose",
                   "--max-tokens", "--temperature", "--top-p", "--top-k", "--repetition-penalty",
                   "--seed", "--stop", "--ignore-eos"]
 GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS]
 CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS]
+MODEL_OPTIONS = COMMON_OPTIONS[:COMMON_OPTIONS.index("--max-tokens")]
+SERVE_OPTIONS = ["--host", "--port", "--max-queue", "--default-max-tokens", "--chat-template",
+                 *MODEL_OPTIONS]
 
 
 class _Tty(io.StringIO):
@@ -174,7 +177,8 @@ def test_process_error_is_one_line_and_status_2(tmp_path, args, match):
 # ---- help ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("command, options", [("generate", GENERATE_OPTIONS),
-                                              ("chat", CHAT_OPTIONS)])
+                                              ("chat", CHAT_OPTIONS),
+                                              ("serve", SERVE_OPTIONS)])
 def test_help_mentions_every_option(capsys, command, options):
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])

@@ -1,4 +1,5 @@
-"""Command line: ``tiergen generate`` for batches of prompts, ``tiergen chat`` to talk."""
+"""Command line: ``tiergen generate`` for batches of prompts, ``tiergen chat`` to talk,
+``tiergen serve`` for an OpenAI-compatible HTTP server."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
                         "seconds of compilation on first use")
+    g.add_argument("--prefill-chunk-size", type=int, default=512,
+                   help="feed prompts in chunks of this many tokens, bounding prefill memory "
+                        "(default: 512)")
     g.add_argument("--max-batch-size", type=int, default=64,
                    help="most prompts run together in one batch when --gpu-batch-size is not "
                         "given (default: 64)")
@@ -88,7 +92,7 @@ def _load(args: argparse.Namespace):
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
                policy=_policy(args), device_memory=args.device_memory, host_memory=args.host_memory,
-               compile=args.compile)
+               compile=args.compile, prefill_chunk_size=args.prefill_chunk_size)
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -174,6 +178,25 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        from tiergen.server import serve
+    except ImportError as e:
+        raise TiergenError(f"tiergen serve needs the serve extra ({e.name} is missing): "
+                           "pip install 'tiergen[serve]'") from None
+    if args.max_queue < 1:
+        raise TiergenError(f"--max-queue must be a positive integer, got {args.max_queue}")
+    if args.default_max_tokens < 1:
+        raise TiergenError(f"--default-max-tokens must be a positive integer, got "
+                           f"{args.default_max_tokens}")
+    llm = _load(args)
+    if args.chat_template is not None:  # fail now, not on the first chat request
+        llm.chat_prompt([{"role": "user", "content": "Hello"}], args.chat_template)
+    serve(llm, args.host, args.port, model_names=[args.model], max_queue=args.max_queue,
+          default_max_tokens=args.default_max_tokens, chat_template=args.chat_template,
+          verbose=args.verbose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tiergen", description="Run large language models across device memory, host RAM "
@@ -200,6 +223,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(chat)
     _add_sampling_options(chat, temperature=0.7)
     chat.set_defaults(func=cmd_chat)
+
+    srv = sub.add_parser("serve", help="serve a model over HTTP with OpenAI's API",
+                         description="Serve /v1/completions, /v1/chat/completions and /v1/models "
+                                     "(OpenAI's API, streaming included), /health and /metrics "
+                                     "(Prometheus). Requests are batched continuously; --verbose logs "
+                                     "every request.")
+    g = srv.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="most requests waiting for a place in the batch; more are answered with "
+                        "429 (default: 256)")
+    g.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of requests that give none (default: 256)")
+    g.add_argument("--chat-template", help="a Jinja chat template to use instead of the model's")
+    _add_model_options(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

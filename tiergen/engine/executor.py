@@ -180,10 +180,10 @@ class Executor:
                     f.result()
             logits = [model.head(self.globals, acts.take(k)[:, -1]).float() for k in range(len(block))]
             seconds = time.perf_counter() - started
-            prompt = [mb for mb in block if mb.meta.start == 0]
-            t.prefill_tokens += sum(mb.ids.numel() for mb in prompt)
-            t.decode_tokens += sum(mb.ids.shape[0] for mb in block if mb.meta.start > 0)
-            if len(prompt) == len(block):  # a block mixing both (continuous batching) counts as decode
+            is_prompt = [mb.meta.start == 0 or mb.ids.shape[1] > 1 for mb in block]
+            t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
+            t.decode_tokens += sum(mb.ids.shape[0] for mb, p in zip(block, is_prompt) if not p)
+            if all(is_prompt):  # a block mixing both (continuous batching) counts as decode
                 t.prefill_seconds += seconds
             else:
                 t.decode_seconds += seconds

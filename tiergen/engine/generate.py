@@ -77,7 +77,8 @@ def make_sequences(prompts: list[list[int]], params: list[SamplingParams], eos_i
 class MicroBatchState:
     """The sequences of one micro-batch between steps: next input, slot validity, cache."""
 
-    def __init__(self, executor: Executor, seqs: list[Sequence]) -> None:
+    def __init__(self, executor: Executor, seqs: list[Sequence],
+                 prefill_chunk: int | None = None) -> None:
         device = executor.device
         longest = max(len(s.prompt_ids) for s in seqs)
         capacity = longest + max(s.params.max_tokens for s in seqs)
@@ -86,19 +87,31 @@ class MicroBatchState:
         for row, s in enumerate(seqs):
             ids[row, longest - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
             valid[row, longest - len(s.prompt_ids):longest] = True
-        self.ids, self.valid = ids.to(device), valid.to(device)
+        self.prompt, self.valid = ids.to(device), valid.to(device)
+        self.chunk = prefill_chunk or longest
         self.cache = executor.new_cache(len(seqs), capacity)
         self.sampler = Sampler([s.params for s in seqs], [s.prompt_ids for s in seqs],
                                executor.cfg.vocab_size, device)
         self.live = list(seqs)
-        self.start, self.num_tokens = 0, longest
+        self.start, self.num_tokens = 0, min(self.chunk, longest)
+        self.ids = self.prompt[:, :self.num_tokens]
         self.done = False
 
     def work(self) -> MicroBatch:
         return MicroBatch(self.ids, StepMeta.build(self.valid, self.start, self.num_tokens), self.cache)
 
     def advance(self, logits: torch.Tensor) -> Iterator[StepEvent]:
-        """Sample this step's tokens, report them, and prepare the next step."""
+        """Sample this step's tokens, report them, and prepare the next step.
+
+        A prompt longer than the prefill chunk goes in over several steps, each chunk
+        attending to the cache plus itself; sampling starts after the last chunk.
+        """
+        prompt_len = self.prompt.shape[1]
+        if self.start + self.num_tokens < prompt_len:
+            self.start += self.num_tokens
+            self.num_tokens = min(self.chunk, prompt_len - self.start)
+            self.ids = self.prompt[:, self.start:self.start + self.num_tokens]
+            return
         tokens = self.sampler(logits)
         for s, token in zip(self.live, tokens.tolist()):
             if s.finish_reason is None:
@@ -122,7 +135,8 @@ class MicroBatchState:
         self.ids = tokens[:, None]
 
 
-def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int) -> Iterator[StepEvent]:
+def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
+              prefill_chunk: int | None = None) -> Iterator[StepEvent]:
     """Generate for a block of sequences, yielding each new token as it is produced.
 
     The block is cut into micro-batches of ``micro_batch`` sequences (the last may be
@@ -133,7 +147,7 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int) -> Ite
     longest = max(len(s.prompt_ids) for s in seqs)
     executor.check_block([(len(g), max(len(s.prompt_ids) for s in g) +
                            max(s.params.max_tokens for s in g)) for g in groups], longest)
-    states = [MicroBatchState(executor, g) for g in groups]
+    states = [MicroBatchState(executor, g, prefill_chunk) for g in groups]
     try:
         while states:
             logits = executor.forward_block([s.work() for s in states])

@@ -91,7 +91,9 @@ class LLM:
     ``policy`` places weights, KV cache and activations on device, host RAM and disk;
     ``device_memory``/``host_memory`` are budgets (bytes or "8G") a plan must fit;
     ``compile=True`` compiles batch-1 CPU matmuls (faster decode after a few seconds of
-    compilation on first use).
+    compilation on first use); ``prefill_chunk_size`` feeds long prompts in chunks that each
+    attend to the cache plus themselves, so prefill memory grows with chunk x context rather
+    than context squared (None: whole prompts at once).
 
     >>> llm = LLM("smollm2")
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
@@ -100,9 +102,15 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
                  device: str | None = None, max_batch_size: int = 64,
                  policy: Policy | None = None, device_memory: int | str | None = None,
-                 host_memory: int | str | None = None, compile: bool = False) -> None:
+                 host_memory: int | str | None = None, compile: bool = False,
+                 prefill_chunk_size: int | None = 512) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+        if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
+                                               or prefill_chunk_size < 1):
+            raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "
+                               f"whole prompt at once), got {prefill_chunk_size!r}")
+        self.prefill_chunk_size = prefill_chunk_size
         self.policy = policy or Policy()
         self.device = _resolve_device(device)
         files = open_model(model)
@@ -184,7 +192,7 @@ class LLM:
     def _run(self, seqs: list[Sequence]) -> Iterator[StepEvent]:
         self.executor.start_run()
         for block in self._blocks(seqs):
-            yield from run_block(self.executor, block, self.micro_batch)
+            yield from run_block(self.executor, block, self.micro_batch, self.prefill_chunk_size)
         self.last_stats = self.executor.finish_run()
 
     def stream(self, prompts: Prompt | Seq[Prompt],

@@ -147,7 +147,8 @@ class Scheduler:
             group = [self._waiting.popleft() for _ in range(take)]
             group = [r for r in group if not self._finish_if_cancelled(r)]
             if group:
-                self._states.append(MicroBatchState(self.llm.executor, [r.seq for r in group]))
+                self._states.append(MicroBatchState(self.llm.executor, [r.seq for r in group],
+                                                    self.llm.prefill_chunk_size))
                 running += len(group)
         self.metrics.queue_depth = len(self._waiting)
         self.metrics.running = running
