@@ -17,7 +17,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="short name (smollm2), a Hugging Face model directory, a .gguf file, "
                         "or a hub id org/name (default: smollm2)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (auto: float32 on CPU, the checkpoint's half type on GPU)")
+                   help="compute dtype (auto: bfloat16 on CPUs with native bfloat16, else float32; "
+                        "the checkpoint's half type on GPU)")
     g.add_argument("--device", default=None,
                    help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
     g.add_argument("--compile", action="store_true",
