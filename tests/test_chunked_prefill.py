@@ -48,3 +48,20 @@ def test_chunked_equals_whole(model_dir, chunk, tmp_path):
     offloaded = LLM(model_dir, dtype="float32", prefill_chunk_size=chunk,
                     policy=Policy(weights=(0, 0), cache=(0, 0), offload_dir=tmp_path))
     assert [r.token_ids for r in offloaded.generate(PROMPTS, GREEDY)] == want
+
+
+def test_sliding_window_cache_stops_growing(tmp_path):
+    """A windowed layer keeps W slots however long the sequence: KV bytes are flat past W."""
+    build("mistral-window", tmp_path)
+    ex = LLM(tmp_path, dtype="float32").executor
+
+    def kv_bytes(capacity: int) -> int:
+        cache = ex.new_cache(2, capacity)
+        try:
+            return sum(t.nbytes for t in cache.layers)
+        finally:
+            cache.close()
+
+    per_slot = kv_bytes(1)
+    assert kv_bytes(4) == 4 * per_slot
+    assert kv_bytes(8) == kv_bytes(9) == kv_bytes(5000) == 8 * per_slot

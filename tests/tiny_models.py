@@ -25,6 +25,9 @@ CASES: dict[str, tuple[str, dict]] = {
                                                              original_max_position_embeddings=16))),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                       sliding_window=None)),
+    # a window of 8: prompts and generation run far past it (rolling cache)
+    "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=8)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)),

@@ -73,14 +73,12 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """Longest sequence (prompt + generated) the engine computes exactly.
-
-        Full attention equals sliding-window attention while a sequence is no longer than
-        the window, so a windowed model is exact up to its window.
-        """
-        if self.sliding_window:
-            return min(self.max_position, self.sliding_window)
+        """Longest sequence (prompt + generated) the model takes."""
         return self.max_position
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of a layer's attention, or None for full attention."""
+        return self.sliding_window
 
 
 def _as_id_list(value: Any) -> list[int]:

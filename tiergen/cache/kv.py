@@ -24,8 +24,11 @@ class KVView:
         where = q.device
         if self.k.device != where:
             q, k, v, meta = q.to(self.k.device), k.to(self.k.device), v.to(self.k.device), meta.to(self.k.device)
+        return self._attend(q, k, v, meta).to(where)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         k_all, v_all = self.update(k, v, meta)
-        return attention(q, k_all, v_all, meta).to(where)
+        return attention(q, k_all, v_all, meta.mask)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, KVH, T, D) and return what the step attends to: its own
@@ -35,3 +38,47 @@ class KVView:
         if meta.start == 0:
             return k, v
         return self.k, self.v
+
+
+class RollingKVView(KVView):
+    """A sliding-window layer's ring of W slots (B, KVH, W, D): timeline slot s lives at
+    index s % W, so memory stays O(W) however long the sequence grows.
+
+    Keys need no reordering: the mask, built from each ring entry's timeline slot, lets a
+    query at slot q see exactly the valid slots in (q - W, q]. A chunk of T > 1 tokens
+    attends to the ring as it was plus its own T keys, then leaves its last W in the ring.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, window: int) -> None:
+        super().__init__(k, v)
+        self.window = window
+
+    def _slots(self, upto: int, device: torch.device) -> torch.Tensor:
+        """Timeline slot held at each ring index once slots [0, upto) are written (-1: none)."""
+        i = torch.arange(self.window, device=device)
+        return upto - 1 - (upto - 1 - i) % self.window
+
+    def _mask(self, key_slots: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        q_slots = torch.arange(meta.start, meta.end, device=key_slots.device)[:, None]
+        ok = (key_slots >= 0) & (key_slots <= q_slots) & (key_slots > q_slots - self.window)
+        seen = meta.valid[:, key_slots.clamp(min=0)]  # (B, S)
+        mask = ok[None] & seen[:, None, :]
+        mask |= key_slots == q_slots  # a padding query sees itself, so its row stays finite
+        return mask[:, None]
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> None:
+        keep = min(k.shape[2], self.window)
+        idx = torch.arange(meta.end - keep, meta.end, device=k.device) % self.window
+        self.k[:, :, idx] = k[:, :, -keep:]
+        self.v[:, :, idx] = v[:, :, -keep:]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        if k.shape[2] == 1:  # decode: write first, then the ring is exactly the window
+            self._write(k, v, meta)
+            return attention(q, self.k, self.v, self._mask(self._slots(meta.end, q.device), meta))
+        key_slots = torch.cat([self._slots(meta.start, q.device),
+                               torch.arange(meta.start, meta.end, device=q.device)])
+        out = attention(q, torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
+                        self._mask(key_slots, meta))
+        self._write(k, v, meta)
+        return out

@@ -33,6 +33,7 @@ class StepMeta:
     start: int
     positions: torch.Tensor  # (B, T) int64
     mask: torch.Tensor | None  # (B, 1, T, keys) bool, True = attend
+    valid: torch.Tensor  # (B, capacity) bool: which timeline slots hold real tokens
 
     @property
     def end(self) -> int:
@@ -40,7 +41,7 @@ class StepMeta:
 
     def to(self, device: torch.device) -> StepMeta:
         mask = None if self.mask is None else self.mask.to(device)
-        return StepMeta(self.start, self.positions.to(device), mask)
+        return StepMeta(self.start, self.positions.to(device), mask, self.valid.to(device))
 
     @staticmethod
     def build(valid: torch.Tensor, start: int, num_tokens: int) -> StepMeta:
@@ -49,9 +50,9 @@ class StepMeta:
         positions = (valid[:, :end].cumsum(-1) - 1).clamp(min=0)[:, start:end]
         keys = valid[:, :end] if start == 0 else valid
         if start == 0 and bool(keys.all()):
-            return StepMeta(start, positions, None)
+            return StepMeta(start, positions, None, valid)
         q_slots = torch.arange(start, end, device=valid.device)[:, None]
         k_slots = torch.arange(keys.shape[1], device=valid.device)[None, :]
         mask = (k_slots <= q_slots)[None] & keys[:, None, :]
         mask |= k_slots == q_slots
-        return StepMeta(start, positions, mask[:, None])
+        return StepMeta(start, positions, mask[:, None], valid)

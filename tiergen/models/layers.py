@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from tiergen.config import RopeConfig
-from tiergen.engine.step import StepMeta
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -92,9 +91,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
-    """Scaled dot-product attention of q (B, H, T, D) over cached k, v (B, KVH, S, D).
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+              ) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, H, T, D) over k, v (B, KVH, S, D).
 
+    ``mask`` (B, 1, T, S) is True where a query may attend; None means plain causal.
     Grouped-query attention shares each K/V head among H/KVH query heads without
     repeating K/V in memory.
     """
@@ -104,11 +105,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta)
         # Decode: fold the query heads of a group into rows of one batched matmul
         # (B, KVH, G, D) @ (B, KVH, D, S); much faster on CPU than SDPA's kernels.
         scores = torch.matmul(q.view(B, kvh, H // kvh, D), k.transpose(-1, -2)) * D**-0.5
-        if meta.mask is not None:
-            scores = scores.masked_fill(~meta.mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v).view(B, H, 1, D)
     gqa = H != kvh
-    if meta.mask is None:
+    if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

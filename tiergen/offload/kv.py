@@ -6,10 +6,15 @@ from pathlib import Path
 
 import torch
 
-from tiergen.cache.kv import KVView
+from tiergen.cache.kv import KVView, RollingKVView
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.offload.disk import SpillFile
+
+
+def layer_slots(capacity: int, window: int | None) -> int:
+    """Slots a layer keeps: a sliding-window layer never more than its window."""
+    return min(capacity, window) if window else capacity
 
 
 def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
@@ -17,43 +22,54 @@ def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
     """Bytes per tier of the caches of a block of micro-batches given as (rows, capacity)."""
     needs = {"device": 0, "host": 0, "disk": 0}
     for rows, capacity in micro_batches:
-        layer = 2 * rows * cfg.num_kv_heads * capacity * cfg.head_dim * dtype.itemsize
-        for tier in tiers:
-            needs[tier] += layer
+        per_slot = 2 * rows * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        sizes = [per_slot * layer_slots(capacity, cfg.window(j)) for j in range(len(tiers))]
+        for tier, size in zip(tiers, sizes):
+            needs[tier] += size
         if "disk" in tiers or ("host" in tiers and device_type != "cpu"):
-            needs["device"] += layer  # working buffer
+            needs["device"] += max(sizes)  # working buffer
     return needs
 
 
 class TieredKV:
-    """K/V for every layer of one micro-batch, sized for its longest sequence.
+    """K/V for every layer of one micro-batch, sized for its longest sequence (a
+    sliding-window layer: for its window, as a ring).
 
-    Device layers live in device tensors (B, KVH, C, D). Host layers live in host RAM and are
-    copied to a device working buffer for use (on a CPU, host is the device: no copy), or,
-    with ``cpu_attention``, stay there and attention runs on the CPU. Disk
-    layers live in a spill file laid out slot-major (C, 2, B, KVH, D), so that a step appends
-    one contiguous range, and are read back into the working buffer before use.
+    Device layers live in device tensors (2, B, KVH, slots, D). Host layers live in host RAM
+    and are copied to a device working buffer for use (on a CPU, host is the device: no
+    copy), or, with ``cpu_attention``, stay there and attention runs on the CPU. Disk layers
+    live in a spill file laid out slot-major (slots, 2, B, KVH, D), so that a step writes
+    contiguous runs, and are read back into the working buffer before use.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device, tiers: list[str], spill_dir: Path | None,
                  pin: bool = False, cpu_attention: bool = False) -> None:
-        self.shape = (2, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.batch, self.heads, self.head_dim = batch, cfg.num_kv_heads, cfg.head_dim
         self.dtype, self.device, self.tiers = dtype, device, tiers
         self.cpu_attention = cpu_attention
+        self.slots = [layer_slots(capacity, cfg.window(j)) for j in range(len(tiers))]
+        # A layer is a ring when its window is shorter than what the batch will hold.
+        self.rings = [cfg.window(j) if n < capacity else None for j, n in enumerate(self.slots)]
         self.layers: list[torch.Tensor | SpillFile] = []
-        for tier in tiers:
+        for j, tier in enumerate(tiers):
             if tier == "disk":
                 assert spill_dir is not None
-                f = SpillFile(spill_dir, self.numel * dtype.itemsize)
-                f.write(torch.zeros(self.shape, dtype=dtype))
+                f = SpillFile(spill_dir, self._numel(j) * dtype.itemsize)
+                f.write(torch.zeros(self._numel(j), dtype=dtype))
                 self.layers.append(f)
             else:
                 host = tier == "host" and device.type != "cpu"
-                self.layers.append(torch.zeros(self.shape, dtype=dtype,
+                self.layers.append(torch.zeros(self.shape(j), dtype=dtype,
                                                device="cpu" if host else device,
                                                pin_memory=host and pin))
-        self._work: torch.Tensor | None = None
+        self._work: dict[int, torch.Tensor] = {}  # device working buffers by slot count
+
+    def shape(self, j: int) -> tuple[int, ...]:
+        return (2, self.batch, self.heads, self.slots[j], self.head_dim)
+
+    def _numel(self, j: int) -> int:
+        return torch.Size(self.shape(j)).numel()
 
     def moves(self, j: int) -> bool:
         """Whether layer j's K/V must travel to and from the device around its use."""
@@ -62,54 +78,65 @@ class TieredKV:
             return True
         return store.device != self.device and not self.cpu_attention
 
-    @property
-    def numel(self) -> int:
-        return torch.Size(self.shape).numel()
+    def _view(self, j: int, kv: torch.Tensor) -> KVView:
+        ring = self.rings[j]
+        return KVView(kv[0], kv[1]) if ring is None else RollingKVView(kv[0], kv[1], ring)
 
-    def _working(self) -> torch.Tensor:
-        if self._work is None:
-            self._work = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        return self._work
+    def _working(self, j: int) -> torch.Tensor:
+        n = self.slots[j]
+        if n not in self._work:
+            self._work[n] = torch.zeros(self.shape(j), dtype=self.dtype, device=self.device)
+        return self._work[n]
 
     def load(self, j: int, end: int) -> KVView:
-        """Layer j's K/V on the device, valid up to slot ``end`` (the step's new slots are
-        written by the layer itself)."""
+        """Layer j's K/V on the device, holding the slots before ``end`` (the step's new
+        slots are written by the layer itself)."""
         store = self.layers[j]
+        used = min(end, self.slots[j])  # a ring fills indices 0.. in order, then wraps
+        if not self.moves(j):
+            return self._view(j, store)
+        work = self._working(j)
         if isinstance(store, SpillFile):
-            work = self._working()
-            if end:
-                slots = torch.empty((end,) + self.shape[:3] + self.shape[4:], dtype=self.dtype)
+            if used:
+                slots = torch.empty((used, 2, self.batch, self.heads, self.head_dim), dtype=self.dtype)
                 store.read_into(slots)
-                work[:, :, :, :end] = slots.permute(1, 2, 3, 0, 4).to(self.device)
-            return KVView(work[0], work[1])
-        if self.moves(j):
-            work = self._working()
-            work[:, :, :, :end].copy_(store[:, :, :, :end], non_blocking=True)
-            return KVView(work[0], work[1])
-        return KVView(store[0], store[1])
+                work[:, :, :, :used] = slots.permute(1, 2, 3, 0, 4).to(self.device)
+        else:
+            work[:, :, :, :used].copy_(store[:, :, :, :used], non_blocking=True)
+        return self._view(j, work)
+
+    def _runs(self, j: int, meta: StepMeta) -> list[tuple[int, int]]:
+        """Buffer index ranges [lo, hi) that this step wrote in layer j."""
+        ring = self.rings[j]
+        if ring is None:
+            return [(meta.start, meta.end)]
+        first = max(meta.start, meta.end - ring)
+        lo, hi = first % ring, (meta.end - 1) % ring + 1
+        return [(lo, hi)] if lo < hi else [(lo, ring), (0, hi)]
 
     def store(self, j: int, view: KVView, meta: StepMeta) -> None:
         """Write the step's new slots back to layer j's tier."""
         store = self.layers[j]
-        new = torch.stack([view.k[:, :, meta.start:meta.end], view.v[:, :, meta.start:meta.end]])
-        if isinstance(store, SpillFile):
-            slot_bytes = self.numel // self.shape[3] * self.dtype.itemsize
-            store.write(new.permute(3, 0, 1, 2, 4).cpu(), meta.start * slot_bytes)
-        elif self.moves(j):
-            store[:, :, :, meta.start:meta.end].copy_(new)
+        for lo, hi in self._runs(j, meta):
+            new = torch.stack([view.k[:, :, lo:hi], view.v[:, :, lo:hi]])
+            if isinstance(store, SpillFile):
+                slot_bytes = 2 * self.batch * self.heads * self.head_dim * self.dtype.itemsize
+                store.write(new.permute(3, 0, 1, 2, 4).cpu(), lo * slot_bytes)
+            elif self.moves(j):
+                store[:, :, :, lo:hi].copy_(new)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished sequences (rows of the batch) on every tier."""
-        old_shape = self.shape
-        self.shape = (2, len(rows)) + old_shape[2:]
+        old_batch, self.batch = self.batch, len(rows)
         for j, store in enumerate(self.layers):
             if isinstance(store, SpillFile):
-                full = torch.empty((old_shape[3], 2) + old_shape[1:3] + old_shape[4:], dtype=self.dtype)
+                full = torch.empty((self.slots[j], 2, old_batch, self.heads, self.head_dim),
+                                   dtype=self.dtype)
                 store.read_into(full)
                 store.write(full[:, :, rows.cpu()].contiguous())
             else:
                 self.layers[j] = store[:, rows.to(store.device)]
-        self._work = None
+        self._work = {}
 
     def close(self) -> None:
         for store in self.layers:
