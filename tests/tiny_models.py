@@ -28,6 +28,20 @@ CASES: dict[str, tuple[str, dict]] = {
     # a window of 8: prompts and generation run far past it (rolling cache)
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                              sliding_window=8)),
+    # Gemma 3: local layers (windows 4 and 8) interleaved with global ones, each with its own
+    # RoPE base; query_pre_attn_scalar differs from head_dim, so the attention scale matters.
+    "gemma3-window4": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=100000.0),
+                             sliding_attention=dict(rope_type="default", rope_theta=1000.0)))),
+    "gemma3-window8-linear": ("Gemma3TextConfig", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        sliding_window=8, sliding_window_pattern=2, final_logit_softcapping=5.0,
+        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=4.0,
+                                                 rope_theta=1000000.0),
+                             sliding_attention=dict(rope_type="default", rope_theta=10000.0)))),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)),
@@ -37,7 +51,7 @@ CASES: dict[str, tuple[str, dict]] = {
 def build(case: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:
     """Create the random model for ``case``, save it to ``directory`` and return it (float32)."""
     cls_name, extra = CASES[case]
-    config = getattr(transformers, cls_name)(**BASE, **extra)
+    config = getattr(transformers, cls_name)(**(BASE | extra))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init gives near-uniform logits; widen them so greedy tokens are well separated.

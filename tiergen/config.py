@@ -12,6 +12,7 @@ from typing import Any
 from tiergen.errors import TiergenError
 
 SUPPORTED_ARCHITECTURES = (
+    "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
@@ -50,6 +51,14 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None
+    # Per-layer attention kinds ("sliding_attention" / "full_attention"); None: every layer
+    # uses sliding_window (if any). Gemma 3 interleaves the two.
+    layer_types: list[str] | None = None
+    rope_local: RopeConfig | None = None  # RoPE of sliding layers, where it differs (Gemma 3)
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (Gemma)
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -67,18 +76,64 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise TiergenError(f"model config: num_attention_heads ({self.num_heads}) must be a "
                                f"multiple of num_key_value_heads ({self.num_kv_heads})")
-        if self.rope.kind not in ("default", "linear", "llama3"):
-            raise TiergenError(f"model config: unsupported rope_type {self.rope.kind!r} "
-                               "(supported: default, linear, llama3)")
+        for rope in (self.rope, self.rope_local or self.rope):
+            if rope.kind not in ("default", "linear", "llama3"):
+                raise TiergenError(f"model config: unsupported rope_type {rope.kind!r} "
+                                   "(supported: default, linear, llama3)")
+        act = _ACTIVATIONS.get(self.architecture, "silu")
+        if self.hidden_act != act:
+            raise TiergenError(f"model config: {self.architecture} with hidden activation "
+                               f"{self.hidden_act!r} is not supported (tiergen runs {act!r})")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window <= 0):
+            raise TiergenError("model config: sliding_window must be a positive integer or null, "
+                               f"got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise TiergenError(f"model config: layer_types names {len(self.layer_types)} "
+                                   f"layers, but the model has {self.num_layers}")
+            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            if bad:
+                raise TiergenError(f"model config: unsupported layer type {bad[0]!r} "
+                                   "(supported: sliding_attention, full_attention)")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise TiergenError("model config: layer_types has sliding_attention layers but "
+                                   "sliding_window is not set")
+        if self.attn_logit_softcapping is not None:
+            raise TiergenError("model config: attention logit softcapping "
+                               f"(attn_logit_softcapping={self.attn_logit_softcapping}) is not "
+                               "supported")
+        for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise TiergenError(f"model config: {name} must be positive, got {value!r}")
 
     @property
     def context_length(self) -> int:
-        """Longest sequence (prompt + generated) the model takes."""
+        """Longest sequence (prompt + generated) the model takes: unlimited when every layer
+        has a sliding window (each keeps a ring of its window, and RoPE has no table to run
+        out of), else max_position_embeddings."""
+        if all(self.window(i) for i in range(self.num_layers)):
+            return UNLIMITED_CONTEXT
         return self.max_position
 
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer's attention, or None for full attention."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
         return self.sliding_window
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE settings of a layer: sliding layers may have their own (Gemma 3)."""
+        if self.rope_local is not None and self.window(layer):
+            return self.rope_local
+        return self.rope
+
+
+UNLIMITED_CONTEXT = 2**62
+
+# Architectures whose MLP is not SwiGLU: the activation their configs must name.
+_ACTIVATIONS = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -89,20 +144,56 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+def _rope_from_hf(cfg: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
     # transformers 5 keeps RoPE settings in rope_parameters; older files use rope_theta
     # and rope_scaling.
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
     params = {**scaling, **params}
+    return _rope(params, float(cfg.get("rope_theta", default_theta)))
+
+
+def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     return RopeConfig(
-        theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        theta=float(params.get("rope_theta", default_theta)),
         kind=kind,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=params.get("original_max_position_embeddings"),
+    )
+
+
+def _gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 fields of a ModelConfig: per-layer-type RoPE, the layer pattern, scales."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        # transformers 5: one RoPE dict per layer type
+        rope = _rope(params.get("full_attention") or {}, float(cfg.get("rope_theta", 1e6)))
+        local = _rope(params.get("sliding_attention") or {},
+                      float(cfg.get("rope_local_base_freq", 1e4)))
+    else:  # older files: rope_theta (+ rope_scaling) for global layers, rope_local_base_freq
+        rope = _rope_from_hf(cfg, default_theta=1e6)
+        local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 1e4)))
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:  # every pattern-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                       for i in range(cfg["num_hidden_layers"])]
+    if cfg.get("use_bidirectional_attention"):
+        raise TiergenError("model config: Gemma 3 with use_bidirectional_attention (an "
+                           "embedding model) is not supported")
+    return dict(
+        rope=rope, rope_local=local, layer_types=list(layer_types),
+        sliding_window=cfg.get("sliding_window", 4096),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qk_norm=True,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
     )
 
 
@@ -123,6 +214,16 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         window = cfg.get("sliding_window")
         if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
             window = None
+        fields: dict[str, Any] = dict(
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            hidden_act=cfg.get("hidden_act") or "silu",
+        )
+        if arch == "Gemma3ForCausalLM":
+            fields |= _gemma3_from_hf(cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -133,16 +234,12 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             max_position=cfg.get("max_position_embeddings", 2048),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bias or arch == "Qwen2ForCausalLM",
             o_bias=bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
+            **fields,
         )
     except KeyError as e:
         raise TiergenError(f"config.json lacks the required field {e.args[0]!r}") from None

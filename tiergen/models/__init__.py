@@ -2,9 +2,11 @@
 
 from tiergen.config import ModelConfig
 from tiergen.models.base import ModelFamily
+from tiergen.models.gemma3 import Gemma3
 from tiergen.models.llama import Llama
 
 FAMILIES = {
+    "Gemma3ForCausalLM": Gemma3,
     "LlamaForCausalLM": Llama,
     "MistralForCausalLM": Llama,
     "Qwen2ForCausalLM": Llama,

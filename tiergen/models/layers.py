@@ -21,6 +21,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(weight.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, x * (1 + w): float32 throughout, returned in the weights' dtype."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return (normed * (1.0 + weight.float())).to(weight.dtype)
+
+
 def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (weight.float() * x.float()).sum(-1).to(weight.dtype)
 
@@ -57,6 +63,12 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """SwiGLU MLP with gate and up projections fused into one (2*I, H) matrix."""
     gate, up = linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, down, down_bias)
+
+
+def gelu_tanh_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """GeGLU MLP (Gemma): down(gelu_tanh(gate(x)) * up(x)), gate and up fused as in swiglu_mlp."""
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(F.gelu(gate, approximate="tanh") * up, down)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

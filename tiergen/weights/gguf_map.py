@@ -1,5 +1,6 @@
 """GGUF files as a model source: metadata into a ModelConfig, llama.cpp tensor names into
-Hugging Face names, and llama.cpp's Q/K row permutation undone."""
+Hugging Face names, and llama.cpp's Q/K row permutation (Llama, Mistral) and +1 on norm
+weights (Gemma) undone."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tiergen.weights.gguf import GGUFFile
 
 # general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
+    "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -43,16 +45,31 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+# Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP.
+GEMMA3_LAYER_NAMES = LAYER_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+# llama.cpp stores Gemma's RMSNorm weights w as 1 + w (its norm multiplies by the weight).
+NORM_PLUS_ONE = {"gemma3"}
+
+# Gemma 3 facts llama.cpp keeps in code rather than in the file (llama-model.cpp).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     """Hugging Face name of a GGUF tensor, or None for tensors tiergen does not use."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
+    names = GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -89,6 +106,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     rope = RopeConfig(theta=float(key("rope.freq_base", 10000.0)))
     if scaling == "linear":
         rope.kind, rope.factor = "linear", float(key("rope.scaling.factor"))
+    gemma3 = _gemma3_from_gguf(meta, arch, hidden, heads) if arch == "gemma3" else {}
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
     bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -111,6 +129,29 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=sorted(set(eos)),
+        **gemma3,
+    )
+
+
+def _gemma3_from_gguf(meta: dict, arch: str, hidden: int, heads: int) -> dict:
+    """Gemma 3 fields, with llama.cpp's defaults for what converters do not write."""
+    layers = int(meta[f"{arch}.block_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+    if hasattr(pattern, "__len__"):  # one flag per layer: True for sliding layers
+        kinds = [bool(x) for x in pattern]
+    else:
+        kinds = [bool((i + 1) % int(pattern)) for i in range(layers)]
+    softcap = {name: (None if meta.get(f"{arch}.{name}") is None else float(meta[f"{arch}.{name}"]))
+               for name in ("final_logit_softcapping", "attn_logit_softcapping")}
+    return dict(
+        layer_types=["sliding_attention" if k else "full_attention" for k in kinds],
+        rope_local=RopeConfig(theta=float(meta.get(f"{arch}.rope.freq_base_swa",
+                                                   GEMMA3_LOCAL_ROPE_BASE))),
+        hidden_act="gelu_pytorch_tanh",
+        # llama.cpp scales by head_dim**-0.5, except for the 27B (62 layers): hidden/heads.
+        query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+        **softcap,
     )
 
 
@@ -121,7 +162,8 @@ class GGUFSource:
         self.file = GGUFFile(path)
         self.config = config_from_gguf(self.file.metadata, set(self.file.tensors))
         self._arch = self.file.metadata["general.architecture"]
-        self._names = {hf: g for g in self.file.tensors if (hf := hf_name(g)) is not None}
+        self._names = {hf: g for g in self.file.tensors
+                       if (hf := hf_name(g, self._arch)) is not None}
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -130,6 +172,8 @@ class GGUFSource:
         if name not in self._names:
             raise TiergenError(f"the GGUF file has no tensor for {name!r}; it may be incomplete")
         t = self.file.read(self._names[name])
+        if self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
+            t = t - 1
         if self._arch in PERMUTED_QK:
             if ".self_attn.q_proj." in name:
                 t = unpermute_qk(t, self.config.num_heads)
