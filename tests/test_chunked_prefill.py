@@ -65,3 +65,41 @@ def test_sliding_window_cache_stops_growing(tmp_path):
     per_slot = kv_bytes(1)
     assert kv_bytes(4) == 4 * per_slot
     assert kv_bytes(8) == kv_bytes(9) == kv_bytes(5000) == 8 * per_slot
+
+
+PEAK_SCRIPT = """
+import json, sys, tiergen
+from tiergen.offload.memory import resident_set, reset_peak_resident_set
+from tiergen import LLM, SamplingParams
+model, chunk = sys.argv[1], (None if sys.argv[2] == "none" else int(sys.argv[2]))
+llm = LLM(model, dtype="float32", prefill_chunk_size=chunk)
+llm.generate([[5] * 8, [6] * 5], SamplingParams(max_tokens=1))
+before = resident_set()[0]
+reset_peak_resident_set()
+llm.generate([[5] * 4096, [6] * 4000], SamplingParams(max_tokens=1))
+print(json.dumps({"grown": resident_set()[1] - before}))
+"""
+
+
+@pytest.mark.slow
+def test_chunked_prefill_peak_memory_is_far_lower(tmp_path):
+    """A 4,096-token prefill of a padded batch: the unchunked masks and scores grow with the
+    square of the prompt, the chunked ones with chunk x context."""
+    import json
+    import subprocess
+    import sys
+
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=8192)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    grown = {}
+    for chunk in ("none", "512"):
+        out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path), chunk],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        grown[chunk] = json.loads(out.stdout.strip().splitlines()[-1])["grown"]
+    print({k: f"{v / 2**20:.0f} MiB" for k, v in grown.items()})
+    assert grown["512"] * 3 < grown["none"]
