@@ -100,3 +100,28 @@ def test_events_are_delivered_to_callbacks_from_the_loop(llm):
         assert seen == req.seq.token_ids
     finally:
         sched.stop()
+
+
+def test_a_failing_listener_does_not_stop_the_engine(llm):
+    sched = Scheduler(llm).start()
+    try:
+        bad = sched.submit([1, 2], greedy(3), on_event=lambda ev: 1 / 0)
+        assert [e.finish_reason for e in bad.events(timeout=60)][-1] == "length"
+        good = sched.submit([3, 4], greedy(3))
+        assert len(list(good.events(timeout=60))) == 3
+    finally:
+        sched.stop()
+
+
+def test_a_burst_becomes_one_micro_batch(llm):
+    sched = Scheduler(llm).start()
+    try:
+        reqs = []
+        for i in range(4):  # arrivals 5 ms apart while the engine is idle
+            reqs.append(sched.submit([i + 1] * 3, greedy(4)))
+            time.sleep(0.005)
+        for r in reqs:
+            list(r.events(timeout=60))
+        assert sched.snapshot().batch_sizes[4] >= 3  # all four decoded together
+    finally:
+        sched.stop()

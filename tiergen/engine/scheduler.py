@@ -12,9 +12,9 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tiergen.engine.generate import MicroBatchState, Sequence, make_sequences
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
@@ -68,7 +68,10 @@ class Request:
             self.finished_at = time.perf_counter()
         self._events.put(ev)
         if self.on_event is not None:
-            self.on_event(ev)
+            try:
+                self.on_event(ev)
+            except Exception:  # a listener's failure must not stop the engine for everyone
+                self.on_event = None
 
 
 @dataclass
@@ -80,7 +83,7 @@ class SchedulerMetrics:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
-    batch_sizes: list[int] = field(default_factory=list)  # sequences per step
+    batch_sizes: Counter[int] = field(default_factory=Counter)  # sequences per step -> steps
     queue_depth: int = 0
     running: int = 0
 
@@ -116,6 +119,11 @@ class Scheduler:
             self._lock.notify_all()
         self._thread.join(timeout)
 
+    def snapshot(self) -> SchedulerMetrics:
+        """A consistent copy of the metrics, safe to read while the loop runs."""
+        with self._lock:
+            return replace(self.metrics, batch_sizes=Counter(self.metrics.batch_sizes))
+
     def submit(self, prompt: Prompt, params: SamplingParams | None = None,
                on_event: Callable[[StreamEvent], None] | None = None) -> Request:
         """Queue a prompt; raises TiergenError on bad input and QueueFull when full."""
@@ -139,6 +147,16 @@ class Scheduler:
         return req
 
     # -- the loop --------------------------------------------------------------------------
+    def _gather(self) -> None:
+        """When idle, let a burst of arrivals finish (a pause of 20 ms, at most 200 ms) so that
+        it becomes one micro-batch rather than several small ones."""
+        deadline = time.monotonic() + 0.2
+        while not self._stopping and len(self._waiting) < self.max_running:
+            seen = len(self._waiting)
+            self._lock.wait(0.02)
+            if len(self._waiting) == seen or time.monotonic() > deadline:
+                return
+
     def _admit(self) -> None:
         """Move waiting requests into new micro-batches while there is room in the block."""
         running = sum(len(s.live) for s in self._states)
@@ -175,6 +193,8 @@ class Scheduler:
                             self._finish_if_cancelled(r)
                         self._waiting.clear()
                     self._states = [s for s in self._states if not s.done]
+                    if not self._states and self._waiting:
+                        self._gather()
                     self._admit()
                     if not self._states:
                         if self._stopping:
@@ -183,8 +203,9 @@ class Scheduler:
                         continue
                     states = list(self._states)
                 logits = self.llm.executor.forward_block([s.work() for s in states])
-                self.metrics.steps += 1
-                self.metrics.batch_sizes.append(sum(len(s.live) for s in states))
+                with self._lock:
+                    self.metrics.steps += 1
+                    self.metrics.batch_sizes[sum(len(s.live) for s in states)] += 1
                 for state, lg in zip(states, logits):
                     for ev in state.advance(lg):
                         self._deliver(ev.seq, ev.token_id, ev.delta)

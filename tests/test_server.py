@@ -1,0 +1,332 @@
+import tiergen  # noqa: F401  (first: sets the CPU safety guard before torch runs a kernel)
+
+# The HTTP server: the real app on uvicorn in a thread on a free loopback port, driven with the
+# official openai client (completions and chat, streaming or not) and raw httpx for bad input.
+# Expected outputs come from LLM.generate, computed before the server starts (the server's
+# scheduler owns the model while it runs).
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tiergen import LLM, SamplingParams
+from tiergen.server import create_app, listen
+
+MODEL = "smollm2"
+PARIS = "The capital of France is"
+STORY = "Once upon a time"
+QUESTIONS = [f"Question {i}: what is {i} plus {2 * i}? Answer:" for i in range(8)]
+CHATS = ["What is the capital of France?", "Name a colour.", "Say hello.", "Count to three."]
+
+
+def concurrent_cases() -> list[dict]:
+    """64 streaming requests: completions and chats, greedy and seeded, of different lengths."""
+    cases = []
+    for i in range(64):
+        chat = i % 3 == 2
+        cases.append({"chat": chat, "text": CHATS[i % len(CHATS)] if chat else QUESTIONS[i % 8],
+                      "max_tokens": 3 + i % 9, "temperature": 0.0 if i % 2 == 0 else 0.8,
+                      "seed": None if i % 2 == 0 else 1000 + i})
+    return cases
+
+
+CASES = concurrent_cases()
+
+
+def params_of(case: dict) -> SamplingParams:
+    return SamplingParams(max_tokens=case["max_tokens"], temperature=case["temperature"],
+                          seed=case["seed"])
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # float32: in bfloat16 the logits move with the batch a request shares (by ~1e-2), enough
+    # to flip an occasional seeded sample between the server's batches and generate()'s.
+    return LLM(MODEL, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(llm) -> dict:
+    """Every output the tests compare with, from LLM.generate in one batch."""
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    prompts = [PARIS, llm.encode(PARIS), llm.chat_prompt([{"role": "user", "content": CHATS[0]}])]
+    params = [greedy] * 3
+    for case in CASES:
+        text = case["text"]
+        prompts.append(llm.chat_prompt([{"role": "user", "content": text}]) if case["chat"] else text)
+        params.append(params_of(case))
+    for seed in (7, 8):
+        prompts.append(STORY)
+        params.append(SamplingParams(max_tokens=6, temperature=1.0, seed=seed))
+    texts = [r.text for r in llm.generate(prompts, params)]
+    return {"paris": texts[0], "paris_ids": texts[1], "chat": texts[2],
+            "cases": texts[3:3 + len(CASES)], "story_seeds": texts[3 + len(CASES):]}
+
+
+@pytest.fixture(scope="module")
+def app(llm, expected):
+    return create_app(llm, [MODEL], default_max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def base_url(app):
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    text = httpx.get(base_url + "/metrics").text
+    return {name: float(value) for name, value in re.findall(r"^(\S+) (\S+)$", text, re.M)}
+
+
+# ---- the happy paths ---------------------------------------------------------------------------
+
+def test_models_and_health(base_url, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = httpx.get(base_url + "/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_completion_equals_generate(client, expected):
+    r = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=12, temperature=0)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == expected["paris"]
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_of_token_ids_and_of_a_batch(client, llm, expected):
+    ids = llm.encode(PARIS)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert r.choices[0].text == expected["paris_ids"]
+    r = client.completions.create(model=MODEL, prompt=[PARIS, ids], max_tokens=12, temperature=0,
+                                  n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [expected["paris"]] * 2 + [expected["paris_ids"]] * 2
+    assert r.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_streamed_completion_equals_generate(client, expected):
+    chunks = list(client.completions.create(model=MODEL, prompt=PARIS, max_tokens=12,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected["paris"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens >= 1
+
+
+def test_chat_streamed_and_not(client, expected):
+    messages = [{"role": "user", "content": CHATS[0]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected["chat"]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected["chat"]
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_seeds_stop_and_default_max_tokens(client, expected):
+    r = client.completions.create(model=MODEL, prompt=STORY, max_tokens=6, temperature=1.0,
+                                  seed=7, n=2)
+    assert [c.text for c in r.choices] == expected["story_seeds"]  # choice i gets seed + i
+    stop = expected["paris"][3:6]
+    r = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=12, temperature=0,
+                                  stop=[stop, "never"])
+    assert r.choices[0].text == expected["paris"][:expected["paris"].index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=STORY, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 8  # the server's default_max_tokens
+
+
+# ---- many at once ----------------------------------------------------------------------------
+
+async def _stream_case(client: openai.AsyncOpenAI, case: dict) -> tuple[str, str]:
+    common = dict(model=MODEL, max_tokens=case["max_tokens"], temperature=case["temperature"],
+                  seed=case["seed"], stream=True)
+    pieces, reason = [], None
+    if case["chat"]:
+        stream = await client.chat.completions.create(
+            messages=[{"role": "user", "content": case["text"]}], **common)
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].delta.content or "")
+            reason = chunk.choices[0].finish_reason or reason
+    else:
+        async for chunk in await client.completions.create(prompt=case["text"], **common):
+            pieces.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+    return "".join(pieces), reason
+
+
+def test_64_concurrent_streams_are_batched_and_correct(base_url, expected):
+    before = metrics(base_url)
+
+    async def run() -> list[tuple[str, str]]:
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.gather(*[_stream_case(client, c) for c in CASES])
+
+    results = asyncio.run(run())
+    assert [text for text, _ in results] == expected["cases"]
+    assert all(reason in ("stop", "length") for _, reason in results)
+    after = metrics(base_url)
+    assert after["tiergen_requests_finished_total"] - before["tiergen_requests_finished_total"] == 64
+    batched = after["tiergen_batch_size_count"] - after['tiergen_batch_size_bucket{le="1"}']
+    assert batched > before["tiergen_batch_size_count"] - before['tiergen_batch_size_bucket{le="1"}']
+    assert after["tiergen_running_sequences"] == 0 and after["tiergen_queue_depth"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_has_its_request_cancelled(base_url, client, stream):
+    cancelled = metrics(base_url)["tiergen_requests_cancelled_total"]
+    body = {"model": MODEL, "prompt": STORY, "max_tokens": 4000, "stream": stream,
+            "ignore_eos": True}
+    if stream:
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base_url + "/v1/completions", json=body, timeout=1)
+    deadline = time.monotonic() + 20
+    while True:
+        m = metrics(base_url)
+        if m["tiergen_requests_cancelled_total"] > cancelled and m["tiergen_running_sequences"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    r = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=2, temperature=0)
+    assert r.choices[0].text
+
+
+def test_metrics_are_prometheus_text(base_url):
+    r = httpx.get(base_url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = metrics(base_url)
+    for name in ("tiergen_requests_total", "tiergen_generated_tokens_total", "tiergen_queue_depth",
+                 "tiergen_running_sequences", 'tiergen_batch_size_bucket{le="+Inf"}',
+                 "tiergen_request_latency_seconds_count", "tiergen_time_to_first_token_seconds_sum"):
+        assert name in m, name
+    assert m["tiergen_request_latency_seconds_count"] >= 1
+    assert "# TYPE tiergen_request_latency_seconds histogram" in r.text
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, status, param, match", [
+    (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
+    (COMPLETIONS, b"[1, 2]", 400, None, "must be a JSON object"),
+    (COMPLETIONS, {"prompt": "Hi"}, 400, "model", "'model' is required"),
+    (COMPLETIONS, {**OK, "model": "gpt-4"}, 404, "model", "'gpt-4' does not exist"),
+    (COMPLETIONS, {**OK, "max_tokens": 0}, 400, "max_tokens", "must be a positive integer"),
+    (COMPLETIONS, {**OK, "max_tokens": "5"}, 400, "max_tokens", "valid integer"),
+    (COMPLETIONS, {**OK, "max_tokens": 9000}, 400, "max_tokens", "beyond the model's context"),
+    (COMPLETIONS, {**OK, "prompt": "word " * 8200}, 400, "prompt", "the prompt is too long"),
+    (COMPLETIONS, {**OK, "prompt": "word " * 8000, "max_tokens": 500}, 400, "max_tokens",
+     "exceed the model's context"),
+    (COMPLETIONS, {**OK, "prompt": 5}, 400, "prompt", "'prompt' must be a string"),
+    (COMPLETIONS, {**OK, "prompt": []}, 400, "prompt", "'prompt' is empty"),
+    (COMPLETIONS, {**OK, "prompt": [10 ** 9]}, 400, "prompt", "outside the vocabulary"),
+    (COMPLETIONS, {**OK, "temperature": -1}, 400, "temperature", "temperature must be"),
+    (COMPLETIONS, {**OK, "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
+    (COMPLETIONS, {**OK, "stop": [""]}, 400, "stop", "stop strings must be non-empty"),
+    (COMPLETIONS, {**OK, "stop": 3}, 400, "stop", "'stop' must be a string"),
+    (COMPLETIONS, {**OK, "n": 0}, 400, "n", "'n' must be between"),
+    (COMPLETIONS, {**OK, "logprobs": 1}, 400, "logprobs", "not supported"),
+    (COMPLETIONS, {**OK, "stream": "yes"}, 400, "stream", "valid boolean"),
+    (CHAT, {"model": MODEL, "messages": []}, 400, "messages", "'messages' is empty"),
+    (CHAT, {"model": MODEL}, 400, "messages", "'messages' is required"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0]",
+     "each message must be"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "messages[0]", "only text is supported"),
+])
+def test_bad_input_gets_an_openai_error(base_url, path, body, status, param, match):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(base_url + path, headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert match in error["message"]
+    assert error["param"] == param
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+
+
+def test_oversized_body_unknown_route_and_method(base_url):
+    big = json.dumps({**OK, "prompt": "a" * (2 << 20)}).encode()
+    r = httpx.post(base_url + COMPLETIONS, content=big)
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    r = httpx.post(base_url + COMPLETIONS, content=iter([big[:600_000], big[600_000:]]))  # chunked
+    assert r.status_code == 413
+    assert httpx.get(base_url + "/v2/nothing").json()["error"]["message"] == "no route GET /v2/nothing"
+    assert httpx.get(base_url + COMPLETIONS).status_code == 405
+
+
+def test_queue_full_is_429_and_the_server_keeps_serving(app, base_url, client):
+    scheduler = app.state.server.scheduler
+    scheduler.max_queue = 0
+    try:
+        r = httpx.post(base_url + COMPLETIONS, json=OK)
+    finally:
+        scheduler.max_queue = 256
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "queue_full"
+    assert client.completions.create(model=MODEL, prompt=PARIS, max_tokens=2).choices[0].text
+
+
+# ---- a real process ----------------------------------------------------------------------------
+
+def test_serve_command_stops_cleanly_on_sigterm():
+    proc = subprocess.Popen([sys.executable, "-m", "tiergen.cli", "serve", "--port", "0"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        url = re.search(r"http://\S+", line).group(0)
+        assert httpx.get(url + "/health").status_code == 200
+        body = {"model": MODEL, "prompt": STORY, "max_tokens": 40, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            streamed = [line for line in lines if line]
+        assert streamed[-1] == "data: [DONE]"  # the request in flight finished first
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode in (0, -signal.SIGTERM), err
+    assert "Traceback" not in err and "error" not in err.lower(), err

@@ -1,0 +1,248 @@
+"""The FastAPI application: OpenAI-compatible routes over a continuous-batching scheduler."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tiergen.engine.llm import LLM, Prompt
+from tiergen.engine.scheduler import CANCELLED, QueueFull, Scheduler
+from tiergen.errors import TiergenError
+from tiergen.server.bridge import DONE, Generation, sse
+from tiergen.server.errors import APIError, bad_request, install_handlers
+from tiergen.server.metrics import ServerMetrics
+from tiergen.server.protocol import (ChatCompletionRequest, CompletionRequest, Envelope,
+                                     GenerationRequest, parse)
+
+MAX_BODY_BYTES = 1 << 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered with 413."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _error(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_bytes} bytes",
+                        code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._error().response()(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:  # a body without Content-Length (chunked)
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise self._error()
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class Server:
+    """What the routes share: the model, its scheduler, the metrics and the server's health."""
+
+    def __init__(self, llm: LLM, model_names: Sequence[str], max_queue: int,
+                 max_running: int | None, default_max_tokens: int,
+                 chat_template: str | None) -> None:
+        self.llm = llm
+        self.model_names = list(model_names) or [llm.name]
+        self.scheduler = Scheduler(llm, max_queue=max_queue, max_running=max_running)
+        self.metrics = ServerMetrics(self.scheduler)
+        self.default_max_tokens = default_max_tokens
+        self.chat_template = chat_template
+        self.closing = False
+        self.engine_failed = False
+
+    # -- checks ----------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names and name != self.llm.name:
+            raise APIError(404, f"the model '{name}' does not exist; this server has "
+                                f"'{self.model_names[0]}'", "model", "model_not_found")
+
+    def check_available(self) -> None:
+        if self.closing:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.engine_failed:
+            raise APIError(503, "the engine has failed; restart the server", code="engine_failed")
+
+    def encode(self, prompt: Prompt, param: str) -> list[int]:
+        try:
+            return self.llm.encode(prompt)
+        except TiergenError as e:
+            raise bad_request(str(e), param) from None
+
+    def max_tokens(self, body: GenerationRequest, prompts: list[list[int]], param: str) -> int:
+        """The request's max_tokens (or the server's default, within the context), checked."""
+        name, requested = body.requested_max_tokens()
+        context = self.llm.config.context_length
+        longest = max(len(p) for p in prompts)
+        if requested is not None and requested < 1:
+            raise bad_request(f"'{name}' must be a positive integer, got {requested}", name)
+        if requested is not None and requested > context:
+            raise bad_request(f"'{name}' is {requested}, beyond the model's context of {context} "
+                              "tokens", name, "context_length_exceeded")
+        if longest >= context:
+            raise bad_request(f"the prompt is too long: {longest} tokens, and the model's context "
+                              f"holds {context} (prompt and generated tokens together)", param,
+                              "context_length_exceeded")
+        if requested is None:
+            return min(self.default_max_tokens, context - longest)
+        if longest + requested > context:
+            raise bad_request(f"the prompt's {longest} tokens plus {name}={requested} exceed the "
+                              f"model's context of {context} tokens; shorten the prompt or lower "
+                              f"{name}", name, "context_length_exceeded")
+        return requested
+
+    # -- generation ------------------------------------------------------------------------
+    async def generate(self, request: Request, body: GenerationRequest, prompts: list[list[int]],
+                       envelope: Envelope, param: str) -> Response:
+        """Submit every choice of every prompt; answer with a stream or with the whole result."""
+        params = body.sampling_params(self.max_tokens(body, prompts, param))
+        self.check_available()
+        generation = Generation(self.scheduler, self.metrics.observe)
+        try:
+            generation.submit([p for p in prompts for _ in params], params * len(prompts))
+        except QueueFull as e:
+            raise APIError(429, str(e), code="queue_full") from None
+        except TiergenError as e:
+            raise bad_request(str(e), param) from None
+        prompt_tokens = sum(len(p) for p in prompts)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(generation, envelope, prompt_tokens, include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        return JSONResponse(await self._collect(request, generation, envelope, prompt_tokens))
+
+    def _failure(self, finish_reason: str) -> APIError:
+        if finish_reason == CANCELLED:
+            return APIError(503, "the server is shutting down; the request was cancelled",
+                            code="shutting_down")
+        self.engine_failed = True
+        return APIError(500, "the engine failed while generating; see the server's log",
+                        code="engine_failed")
+
+    async def _stream(self, generation: Generation, envelope: Envelope, prompt_tokens: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+        try:
+            if envelope.chat:
+                for i in range(len(generation.requests)):
+                    yield sse(envelope.chunk(i, "", role="assistant"))
+            async for choice, ev in generation.events():
+                if ev.finish_reason in (CANCELLED, "error"):
+                    yield sse(self._failure(ev.finish_reason).body())
+                    return
+                if ev.text:
+                    yield sse(envelope.chunk(choice, ev.text))
+                if ev.finish_reason is not None:
+                    yield sse(envelope.chunk(choice, "", ev.finish_reason))
+            if include_usage:
+                yield sse(envelope.usage_chunk(prompt_tokens, generation.completion_tokens))
+            yield DONE
+        finally:  # also when the client went away mid-stream
+            generation.cancel()
+
+    async def _collect(self, request: Request, generation: Generation, envelope: Envelope,
+                       prompt_tokens: int) -> dict:
+        async def drain() -> None:
+            async for _ in generation.events():
+                pass
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        drained, watcher = asyncio.ensure_future(drain()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait([drained, watcher], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            generation.cancel()  # nothing left to stop unless the client has gone
+        if not drained.done():
+            drained.cancel()
+            raise APIError(499, "the client closed the connection")
+        for r in generation.requests:
+            if r.finish_reason in (CANCELLED, "error"):
+                raise self._failure(r.finish_reason)
+        return envelope.response([(r.seq.text, r.finish_reason) for r in generation.requests],
+                                 prompt_tokens, generation.completion_tokens)
+
+
+def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 256,
+               max_running: int | None = None, default_max_tokens: int = 256,
+               chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """An OpenAI-compatible app serving ``llm``.
+
+    ``model_names``: the names clients may ask for (the first is listed by /v1/models; the
+    model's own name is always accepted). ``default_max_tokens`` applies to requests that
+    give none. The scheduler starts and stops with the app's lifespan.
+    """
+    server = Server(llm, model_names, max_queue, max_running, default_max_tokens, chat_template)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        server.scheduler.start()
+        yield
+        server.closing = True
+        await asyncio.to_thread(server.scheduler.stop, cancel=True)
+
+    app = FastAPI(title="tiergen", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = server
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    install_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            server.check_available()
+        except APIError as e:
+            return e.response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(server.metrics.render(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.model_names[0], "object": "model", "created": 0, "owned_by": "tiergen",
+             "max_model_len": llm.config.context_length}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse(CompletionRequest, await request.body())
+        server.check_model(body.model)
+        body.check_supported()
+        prompts = [server.encode(p, "prompt") for p in body.prompts()]
+        return await server.generate(request, body, prompts, Envelope(body.model, chat=False),
+                                     "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse(ChatCompletionRequest, await request.body())
+        server.check_model(body.model)
+        body.check_supported()
+        try:
+            prompt = llm.chat_prompt(body.conversation(), server.chat_template)
+        except TiergenError as e:
+            raise bad_request(str(e), "messages") from None
+        return await server.generate(request, body, [prompt], Envelope(body.model, chat=True),
+                                     "messages")
+
+    return app

@@ -1,0 +1,234 @@
+"""OpenAI's wire format: request models with their validation, and the response and stream
+chunk objects of the completions and chat completions endpoints."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tiergen.engine.sampler import SamplingParams
+from tiergen.errors import TiergenError
+from tiergen.server.errors import bad_request
+
+MAX_N = 64  # most choices per request
+
+# What a field must look like, for the fields whose type is a union (pydantic reports one
+# error per alternative, which says less than this).
+_EXPECTED = {
+    "prompt": "'prompt' must be a string, a list of token ids, or a non-empty list of strings "
+              "or of token-id lists",
+    "stop": "'stop' must be a string or a list of strings",
+    "messages": "each message must be an object with a string 'role' and a 'content' that is a "
+                "string or a list of {'type': 'text', 'text': ...} parts (only text is supported)",
+}
+
+
+class _Strict(BaseModel):
+    # JSON types are checked as they are ("5" is not an integer); unknown fields are ignored.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class GenerationRequest(_Strict):
+    """The fields both endpoints share. ``None`` means "not given" for every optional field."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    # tiergen's (and vLLM's) extensions
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    # OpenAI fields tiergen does not implement: refused unless left at their neutral value
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def refused(self) -> dict[str, bool]:
+        """Unsupported fields and whether this request sets them."""
+        return {"presence_penalty": bool(self.presence_penalty),
+                "frequency_penalty": bool(self.frequency_penalty),
+                "logit_bias": bool(self.logit_bias)}
+
+    def check_supported(self) -> None:
+        for name, used in self.refused().items():
+            if used:
+                raise bad_request(f"'{name}' is not supported by this server; leave it out",
+                                  name, "unsupported_parameter")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise bad_request(f"'n' must be between 1 and {MAX_N}, got {self.n}", "n")
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """The field that sets the number of tokens to generate, and its value."""
+        return "max_tokens", self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i gets seed + i."""
+        try:
+            return [SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                seed=None if self.seed is None else self.seed + i,
+                stop=self.stop, ignore_eos=bool(self.ignore_eos))
+                for i in range(self.num_choices)]
+        except TiergenError as e:
+            # The engine's messages read "invalid sampling parameter: NAME must ..." ("stop
+            # strings must ..." for stop): the first word after the colon names the field.
+            message = str(e)
+            raise bad_request(message, message.partition(": ")[2].split(" ")[0] or None) from None
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[int] | list[str | list[int]]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refused(self) -> dict[str, bool]:
+        return {**super().refused(), "echo": bool(self.echo), "logprobs": self.logprobs is not None,
+                "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list, or a list of those."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        if not self.prompt:
+            raise bad_request("'prompt' is empty; give a string or a list of token ids", "prompt")
+        return list(self.prompt)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart]
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else \
+            "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def refused(self) -> dict[str, bool]:
+        return {**super().refused(), "logprobs": bool(self.logprobs),
+                "top_logprobs": self.top_logprobs is not None, "tools": bool(self.tools),
+                "response_format": (self.response_format or {}).get("type", "text") != "text"}
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise bad_request("'messages' is empty; give at least one message, e.g. "
+                              "[{\"role\": \"user\", \"content\": \"Hello\"}]", "messages")
+        return [m.as_template_input() for m in self.messages]
+
+
+R = TypeVar("R", bound=GenerationRequest)
+
+
+def parse(model: type[R], body: bytes) -> R:
+    """Validate a JSON body; a wrong body raises a 400 APIError that says what is wrong."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        loc = error["loc"]
+        if error["type"] == "json_invalid":
+            raise bad_request(f"the request body is not valid JSON: {error['ctx']['error']}") from None
+        if not loc:
+            raise bad_request("the request body must be a JSON object") from None
+        name = str(loc[0])
+        if name in _EXPECTED and (len(loc) > 1 or error["type"] != "missing"):
+            where = f"{name}[{loc[1]}]" if len(loc) > 1 and isinstance(loc[1], int) else name
+            raise bad_request(f"{_EXPECTED[name]} (problem at '{where}')", where) from None
+        if error["type"] == "missing":
+            raise bad_request(f"'{name}' is required", name) from None
+        path = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+        raise bad_request(f"'{path}': {error['msg']}, got {error['input']!r}", path) from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class Envelope:
+    """Builds the objects of one response: its id, model and creation time, in the shape of
+    the completions (``chat=False``) or chat completions endpoint."""
+
+    model: str
+    chat: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _object(self, kind: str, choices: list[dict]) -> dict:
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        return {"id": f"{prefix}-{self.id}", "object": kind, "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def response(self, texts: list[tuple[str, str]], prompt_tokens: int,
+                 completion_tokens: int) -> dict:
+        """The whole answer: one (text, finish_reason) per choice."""
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": None, "finish_reason": reason}
+                       for i, (text, reason) in enumerate(texts)]
+        else:
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                       for i, (text, reason) in enumerate(texts)]
+        body = self._object("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    def chunk(self, index: int, text: str, finish_reason: str | None = None,
+              role: Literal["assistant"] | None = None) -> dict:
+        """One streamed piece of one choice."""
+        if self.chat:
+            delta = {"role": role, "content": text} if role else {"content": text} if text else {}
+            choice = {"index": index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The last chunk when the client asked for ``stream_options.include_usage``."""
+        body = self._object("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
