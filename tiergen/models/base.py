@@ -17,6 +17,15 @@ if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
 Weights = dict[str, torch.Tensor]
 
 
+def causal_lm_global_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors outside the layers of a decoder-only LM: embeddings, final norm, LM head."""
+    specs = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+             "model.norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    return specs
+
+
 class ModelFamily(Protocol):
     """A family is stateless apart from its config: weights arrive as arguments."""
 

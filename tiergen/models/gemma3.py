@@ -19,7 +19,7 @@ import torch
 
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
-from tiergen.models.base import Weights
+from tiergen.models.base import Weights, causal_lm_global_specs
 from tiergen.models.layers import (apply_rope, gelu_tanh_mlp, gemma_rms_norm, linear,
                                    rope_cos_sin, rope_inv_freq)
 
@@ -40,12 +40,7 @@ class Gemma3:
         self.q_scale = math.sqrt(cfg.head_dim / scalar)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
-        c = self.cfg
-        specs = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-                 "model.norm.weight": (c.hidden_size,)}
-        if not c.tie_word_embeddings:
-            specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-        return specs
+        return causal_lm_global_specs(self.cfg)
 
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         c = self.cfg

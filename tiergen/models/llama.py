@@ -12,7 +12,7 @@ import torch
 
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
-from tiergen.models.base import Weights
+from tiergen.models.base import Weights, causal_lm_global_specs
 from tiergen.models.layers import (apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq,
                                    swiglu_mlp)
 
@@ -26,12 +26,7 @@ class Llama:
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
-        c = self.cfg
-        specs = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-                 "model.norm.weight": (c.hidden_size,)}
-        if not c.tie_word_embeddings:
-            specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-        return specs
+        return causal_lm_global_specs(self.cfg)
 
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         c = self.cfg
