@@ -1,6 +1,6 @@
 """Long-prompt prefill: tiergen (chunked) against transformers, same machine, same run.
 
-SmolLM2-135M-Instruct (the packaged GGUF, bfloat16), one prompt of 1k, 4k, 8k and 16k tokens,
+SmolLM2-135M-Instruct (the packaged GGUF, bfloat16), one prompt of 1k, 4k, 8k (8,000) and 16k tokens,
 one new token. Reports prefill tokens/s and the growth of peak resident memory over the loaded
 model, each (engine, length) in a fresh process. SmolLM2's context is 8,192 tokens: tiergen
 refuses 16k (the model was not trained for it); transformers runs it anyway, and the row shows
@@ -63,7 +63,7 @@ def child(engine: str, length: int, chunk: int, gguf: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000, 16384])
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--child", nargs=4)
     args = p.parse_args()

@@ -32,12 +32,15 @@ class KVView:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, KVH, T, D) and return what the step attends to: its own
-        k, v when it starts the sequence, else the whole buffer (see StepMeta)."""
+        k, v when it starts the sequence, the whole buffer when it decodes one token, else the
+        slots up to its end (see StepMeta)."""
         self.k[:, :, meta.start:meta.end] = k
         self.v[:, :, meta.start:meta.end] = v
         if meta.start == 0:
             return k, v
-        return self.k, self.v
+        if k.shape[2] == 1:
+            return self.k, self.v
+        return self.k[:, :, :meta.end], self.v[:, :, :meta.end]
 
 
 class RollingKVView(KVView):

@@ -13,9 +13,9 @@ class StepMeta:
 
     Prompts are left-padded to one length, so every row writes its new K/V at the same
     cache slots ``[start, start + T)``; ``positions`` count from each row's first real
-    token and drive RoPE. A step that starts at slot 0 attends only to its own tokens; a
-    later step attends to the whole preallocated cache (static shapes: no per-step copy of
-    a growing slice), its unwritten slots masked out.
+    token and drive RoPE. A step attends to the slots before its end: a decode step (T = 1)
+    to the whole preallocated cache instead (static shapes: no per-step copy of a growing
+    slice), its unwritten slots masked out.
 
     Example: prompts of 3 and 1 tokens in a cache of 5 slots, prefill (start=0, T=3),
     then one decode step (start=3, T=1)::
@@ -48,7 +48,7 @@ class StepMeta:
         """Metadata for tokens at slots [start, start+num_tokens) given slot validity (B, capacity)."""
         end = start + num_tokens
         positions = (valid[:, :end].cumsum(-1) - 1).clamp(min=0)[:, start:end]
-        keys = valid[:, :end] if start == 0 else valid
+        keys = valid if num_tokens == 1 and start > 0 else valid[:, :end]
         if start == 0 and bool(keys.all()):
             return StepMeta(start, positions, None, valid)
         q_slots = torch.arange(start, end, device=valid.device)[:, None]
