@@ -26,6 +26,13 @@ def causal_lm_global_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return specs
 
 
+def pack_causal_lm_globals(cfg: ModelConfig, raw: Weights) -> Weights:
+    """Embeddings, final norm and LM head (the embeddings again when they are tied)."""
+    embed = raw["model.embed_tokens.weight"]
+    return {"embed": embed, "norm": raw["model.norm.weight"],
+            "lm_head": embed if cfg.tie_word_embeddings else raw["lm_head.weight"]}
+
+
 class ModelFamily(Protocol):
     """A family is stateless apart from its config: weights arrive as arguments."""
 

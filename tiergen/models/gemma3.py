@@ -19,7 +19,7 @@ import torch
 
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
-from tiergen.models.base import Weights, causal_lm_global_specs
+from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
 from tiergen.models.layers import (apply_rope, gelu_tanh_mlp, gemma_rms_norm, linear,
                                    rope_cos_sin, rope_inv_freq)
 
@@ -73,9 +73,7 @@ class Gemma3:
                 "post_ffw_norm": (h,)}
 
     def pack_globals(self, raw: Weights) -> Weights:
-        embed = raw["model.embed_tokens.weight"]
-        return {"embed": embed, "norm": raw["model.norm.weight"],
-                "lm_head": embed if self.cfg.tie_word_embeddings else raw["lm_head.weight"]}
+        return pack_causal_lm_globals(self.cfg, raw)
 
     def pack_layer(self, i: int, raw: Weights) -> Weights:
         r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}

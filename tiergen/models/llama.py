@@ -12,7 +12,7 @@ import torch
 
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
-from tiergen.models.base import Weights, causal_lm_global_specs
+from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
 from tiergen.models.layers import (apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq,
                                    swiglu_mlp)
 
@@ -75,9 +75,7 @@ class Llama:
         return specs
 
     def pack_globals(self, raw: Weights) -> Weights:
-        embed = raw["model.embed_tokens.weight"]
-        return {"embed": embed, "norm": raw["model.norm.weight"],
-                "lm_head": embed if self.cfg.tie_word_embeddings else raw["lm_head.weight"]}
+        return pack_causal_lm_globals(self.cfg, raw)
 
     def pack_layer(self, i: int, raw: Weights) -> Weights:
         """Fuse q/k/v and gate/up into single matrices: fewer, larger matmuls."""
