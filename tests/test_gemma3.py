@@ -4,8 +4,6 @@ plus the context length of models whose every layer is windowed."""
 
 from __future__ import annotations
 
-import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -15,6 +13,7 @@ from tiergen.config import UNLIMITED_CONTEXT, from_hf_config
 from tiergen.engine.step import StepMeta
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf_map import GEMMA3_LAYER_NAMES, GLOBAL_NAMES
+from gguf_writer import write_gguf
 from test_parity import hf_greedy
 from tiny_models import build
 
@@ -147,36 +146,9 @@ def write_gemma3_gguf(hf, path) -> None:
     """llama.cpp's convert_hf_to_gguf.py for Gemma 3: norms stored as 1 + w, q/k rows kept
     (NEOX RoPE), tied embeddings, local RoPE base and layer pattern left to llama.cpp."""
     c = hf.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_sliding_window(c.sliding_window)
-    w.add_vocab_size(c.vocab_size)
-    for name, t in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        key = name.removeprefix("model.")
-        if key.startswith("layers."):
-            _, i, rest = key.split(".", 2)
-            gname = f"blk.{i}.{HF_TO_GGUF[rest]}"
-        else:
-            gname = HF_TO_GGUF[name]
-        data = t.numpy().astype(np.float32)
-        if name.endswith("norm.weight"):
-            data = data + 1
-        w.add_tensor(gname, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(hf, "gemma3", path, HF_TO_GGUF, c.rope_parameters["full_attention"]["rope_theta"],
+               transform=lambda gname, data: data + 1 if gname.endswith("norm.weight") else data,
+               metadata=lambda w: w.add_sliding_window(c.sliding_window))
 
 
 def test_gguf_loads_same_model(tmp_path):

@@ -9,6 +9,7 @@ import torch
 
 from tiergen import LLM, SamplingParams
 from tiergen.weights.gguf_map import GLOBAL_NAMES, LAYER_NAMES, unpermute_qk
+from gguf_writer import write_gguf
 from tiny_models import build
 
 GGUF_ARCH = {"llama-gqa-tied": "llama", "llama-mha": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -21,42 +22,16 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf, arch: str, path, qtype: gguf.GGMLQuantizationType) -> None:
+def write_model_gguf(hf, arch: str, path, qtype: gguf.GGMLQuantizationType) -> None:
     c = hf.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    for name, t in hf.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        key = name.removeprefix("model.")
-        if key.startswith("layers."):
-            _, i, rest = key.split(".", 2)
-            gname = f"blk.{i}.{HF_TO_GGUF[rest]}"
-        else:
-            gname = HF_TO_GGUF[name]
-        data = t.numpy().astype(np.float32)
+
+    def permute_qk(gname: str, data: np.ndarray) -> np.ndarray:
         if arch == "llama" and ("attn_q." in gname or "attn_k." in gname):
             heads = c.num_attention_heads if "attn_q." in gname else c.num_key_value_heads
-            data = llama_cpp_permute(data, heads)
-        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            return llama_cpp_permute(data, heads)
+        return data
+
+    write_gguf(hf, arch, path, HF_TO_GGUF, c.rope_parameters["rope_theta"], qtype, permute_qk)
 
 
 def test_unpermute_inverts_llama_cpp():
@@ -70,7 +45,7 @@ def test_unpermute_inverts_llama_cpp():
 def test_gguf_loads_same_weights(case, qtype, tmp_path):
     hf = build(case, tmp_path / "hf")
     path = tmp_path / "model.gguf"
-    write_gguf(hf, GGUF_ARCH[case], path, gguf.GGMLQuantizationType[qtype])
+    write_model_gguf(hf, GGUF_ARCH[case], path, gguf.GGMLQuantizationType[qtype])
     from_dir = LLM(tmp_path / "hf", dtype="float32").executor
     from_gguf = LLM(path, dtype="float32").executor
     assert _same_shape_config(from_gguf.cfg, from_dir.cfg)
