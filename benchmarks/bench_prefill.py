@@ -83,8 +83,8 @@ def main() -> None:
                 sys.exit(f"{engine} {length} failed:\n{out.stderr[-3000:]}")
             rows[engine, length] = r = json.loads(out.stdout.strip().splitlines()[-1])
             print(engine, length, r, flush=True)
-    print(f"\n| prompt tokens | tiergen tok/s | transformers tok/s | ratio | tiergen peak growth MB "
-          f"| transformers peak growth MB | memory ratio |\n|---|---|---|---|---|---|---|")
+    print("\n| prompt tokens | tiergen tok/s | transformers tok/s | ratio | tiergen peak growth MB "
+          "| transformers peak growth MB | memory ratio |\n|---|---|---|---|---|---|---|")
     for length in args.lengths:
         t, h = rows["tiergen", length], rows["transformers", length]
         if "refused" in t:

@@ -213,7 +213,7 @@ def test_metadata_round_trip(written):
             assert got == pytest.approx(value) and type(got) is float
         else:
             assert got == value and type(got) is type(value), key
-    for key, (vtype, value) in _ARRAYS.items():
+    for key, (_, value) in _ARRAYS.items():
         got = meta[key]
         assert isinstance(got, np.ndarray) and got.tolist() == value, key
     assert meta["t.arr_i32"].dtype == np.int32 and meta["t.arr_bool"].dtype == np.bool_

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tiergen
 from tiergen import LLM, SamplingParams
 from tiergen.engine.step import StepMeta
 

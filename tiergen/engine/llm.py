@@ -156,9 +156,10 @@ class LLM:
                 f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds the "
                 f"model's context of {limit} tokens; shorten the prompt or lower max_tokens")
 
-    def _prepare(self, prompts: Prompt | Seq[Prompt],
+    def prepare(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None
                  ) -> tuple[list[Prompt], list[Sequence]]:
+        """Validate prompts and parameters and make their sequences (used by the scheduler too)."""
         if isinstance(prompts, str) or (isinstance(prompts, Seq) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -198,7 +199,7 @@ class LLM:
     def stream(self, prompts: Prompt | Seq[Prompt],
                params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Yield text as it is produced, for every prompt (events of a batch interleave)."""
-        _, seqs = self._prepare(prompts, params)
+        _, seqs = self.prepare(prompts, params)
         for ev in self._run(seqs):
             yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason)
 
@@ -206,7 +207,7 @@ class LLM:
                  params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[GenerationResult]:
         """Generate for every prompt; results come back in prompt order."""
-        texts, seqs = self._prepare(prompts, params)
+        texts, seqs = self.prepare(prompts, params)
         with tqdm(total=len(seqs), disable=not use_tqdm, unit="prompt") as bar:
             for ev in self._run(seqs):
                 bar.update(ev.seq.finish_reason is not None)

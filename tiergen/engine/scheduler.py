@@ -16,7 +16,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from tiergen.engine.generate import MicroBatchState, Sequence, make_sequences
+from tiergen.engine.generate import MicroBatchState, Sequence
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError
@@ -128,7 +128,7 @@ class Scheduler:
                on_event: Callable[[StreamEvent], None] | None = None) -> Request:
         """Queue a prompt; raises TiergenError on bad input and QueueFull when full."""
         params = params or SamplingParams()
-        _, (seq,) = self.llm._prepare([prompt], [params])
+        _, (seq,) = self.llm.prepare([prompt], [params])
         with self._lock:
             if self._stopping:
                 raise TiergenError("the scheduler is shutting down")

@@ -17,12 +17,10 @@ class Activations:
         self.tiers, self.device, self.spill_dir = tiers, device, spill_dir
         self._slots: list[object] = [None] * len(tiers)
         self._files: dict[int, SpillFile] = {}
-        self.peak: dict[str, int] = {"device": 0, "host": 0, "disk": 0}
 
     def put(self, k: int, h: torch.Tensor) -> None:
         assert self._slots[k] is None, f"activation slot {k} stored twice"
         tier = self.tiers[k]
-        self.peak[tier] = max(self.peak[tier], h.nbytes)
         if tier == "disk":
             f = self._files.get(k)
             if f is None or f.nbytes < h.nbytes:

@@ -61,7 +61,7 @@ class OffloadedWeights:
         manifest = json.loads((directory / MANIFEST).read_text())
         self.entries: dict[str, dict] = manifest["tensors"]
         self._verified: set[str] = set()
-        for key, e in self.entries.items():
+        for e in self.entries.values():
             path = directory / e["file"]
             size = path.stat().st_size if path.exists() else -1
             if size != e["nbytes"]:

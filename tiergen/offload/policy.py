@@ -76,25 +76,6 @@ class Policy:
         return cls(weights=tuple(percent[0:2]), cache=tuple(percent[2:4]),
                    activations=tuple(percent[4:6]), **kwargs)
 
-    @property
-    def uses_disk(self) -> bool:
-        return any(split[2] > 0 for split in (self.weight_split, self.cache_split,
-                                              self.activation_split))
-
-    @property
-    def all_on_device(self) -> bool:
-        return all(split[0] == 100 for split in (self.weight_split, self.cache_split,
-                                                 self.activation_split))
-
-    def describe(self) -> str:
-        def pct(split: tuple[float, float, float]) -> str:
-            return "/".join(f"{x:g}" for x in split)
-
-        return (f"weights {pct(self.weight_split)}, cache {pct(self.cache_split)}, activations "
-                f"{pct(self.activation_split)} (% device/host/disk); micro-batch "
-                f"{self.gpu_batch_size or 'whole batch'} x {self.num_gpu_batches} per block"
-                + (", cpu attention" if self.cpu_attention else ""))
-
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 

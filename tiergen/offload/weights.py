@@ -192,6 +192,3 @@ class TieredWeights:
         self._pending.clear()
         for j in list(self._buffers):
             self.release(j)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
