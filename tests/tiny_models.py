@@ -43,6 +43,34 @@ CASES: dict[str, tuple[str, dict]] = {
                                                  rope_theta=1000000.0),
                              sliding_attention=dict(rope_type="default", rope_theta=10000.0)))),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    # Mixture of experts: 4 experts, 2 per token (Mixtral: softmax over the chosen two).
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                      num_local_experts=4, num_experts_per_tok=2)),
+    # shared expert with its sigmoid gate; layer 0 dense (mlp_only_layers); biased q/k/v
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                         num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=80,
+                                         mlp_only_layers=[0])),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         num_experts=6, num_experts_per_tok=3,
+                                         moe_intermediate_size=32, norm_topk_prob=True)),
+    # DeepSeek-V2 with q_lora_rank (V2) and without (V2-Lite); 3 layers with the first dense,
+    # group-limited routing, shared experts, YaRN with mscale corrections, a routed scale.
+    "deepseek-v2": ("DeepseekV2Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=24,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                             original_max_position_embeddings=16, mscale=1.0,
+                             mscale_all_dim=0.707, beta_fast=32, beta_slow=1))),
+    "deepseek-v2-lite": ("DeepseekV2Config", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, topk_method="greedy")),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)),
 }

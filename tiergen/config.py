@@ -12,17 +12,21 @@ from typing import Any
 from tiergen.errors import TiergenError
 
 SUPPORTED_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 
 
 @dataclass
 class RopeConfig:
-    """How rotary frequencies are made: ``kind`` is "default", "linear" or "llama3"."""
+    """How rotary frequencies are made: ``kind`` is "default", "linear", "llama3" or "yarn"."""
 
     theta: float = 10000.0
     kind: str = "default"
@@ -30,6 +34,50 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int | None = None
+    # YaRN (DeepSeek-V2): the ramp between interpolated and extrapolated frequencies, and the
+    # magnitude corrections of cos/sin (mscale / mscale_all_dim) and of the softmax scale.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass
+class MoEConfig:
+    """Routed experts replacing the dense MLP (Mixtral, Qwen2/3-MoE, DeepSeekMoE).
+
+    Each token's router picks ``top_k`` of ``num_experts`` SwiGLU experts; their outputs are
+    mixed by the router weights. Shared experts (always on) are one SwiGLU MLP of
+    ``shared_intermediate_size``, optionally gated by a sigmoid (Qwen2-MoE).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True  # renormalise the chosen weights to sum to 1 (Mixtral)
+    shared_intermediate_size: int = 0  # 0: no shared experts
+    shared_gate: bool = False
+    dense_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP
+    router_float32: bool = False  # DeepSeek scores experts in float32
+    topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2)
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass
+class MLAConfig:
+    """DeepSeek-V2 multi-head latent attention: queries optionally through a low-rank
+    bottleneck, keys and values from a shared latent of ``kv_lora_rank`` plus one RoPE key
+    of ``qk_rope_head_dim`` per token (all the cache holds)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass
@@ -61,6 +109,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -77,9 +127,25 @@ class ModelConfig:
             raise TiergenError(f"model config: num_attention_heads ({self.num_heads}) must be a "
                                f"multiple of num_key_value_heads ({self.num_kv_heads})")
         for rope in (self.rope, self.rope_local or self.rope):
-            if rope.kind not in ("default", "linear", "llama3"):
+            if rope.kind not in ("default", "linear", "llama3", "yarn"):
                 raise TiergenError(f"model config: unsupported rope_type {rope.kind!r} "
-                                   "(supported: default, linear, llama3)")
+                                   "(supported: default, linear, llama3, yarn)")
+            if rope.kind == "yarn" and not rope.original_max_position:
+                raise TiergenError("model config: yarn rope_scaling needs "
+                                   "original_max_position_embeddings")
+        if self.moe is not None:
+            m = self.moe
+            if not 0 < m.top_k <= m.num_experts:
+                raise TiergenError(f"model config: num_experts_per_tok ({m.top_k}) must be between "
+                                   f"1 and the number of experts ({m.num_experts})")
+            if m.topk_method not in ("greedy", "group_limited_greedy"):
+                raise TiergenError(f"model config: unsupported topk_method {m.topk_method!r} "
+                                   "(supported: greedy, group_limited_greedy)")
+            if m.topk_method == "group_limited_greedy" and (
+                    m.num_experts % m.num_groups or not 0 < m.topk_groups <= m.num_groups):
+                raise TiergenError(f"model config: n_group ({m.num_groups}) must divide the "
+                                   f"{m.num_experts} experts and topk_group ({m.topk_groups}) "
+                                   "must be between 1 and n_group")
         act = _ACTIVATIONS.get(self.architecture, "silu")
         if self.hidden_act != act:
             raise TiergenError(f"model config: {self.architecture} with hidden activation "
@@ -116,6 +182,21 @@ class ModelConfig:
         if all(self.window(i) for i in range(self.num_layers)):
             return UNLIMITED_CONTEXT
         return self.max_position
+
+    def kv_layout(self) -> tuple[int, int, int]:
+        """What the cache keeps per token and layer: (parts, heads, width). Keys and values
+        (2, num_kv_heads, head_dim); MLA one latent row (1, 1, kv_lora_rank + qk_rope_head_dim)."""
+        if self.mla is not None:
+            return 1, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return 2, self.num_kv_heads, self.head_dim
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """Cache bytes one token adds over all layers (before a sliding window caps a layer)."""
+        parts, heads, width = self.kv_layout()
+        return parts * heads * width * itemsize * self.num_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer's attention, or None for full attention."""
@@ -155,6 +236,9 @@ def _rope_from_hf(cfg: dict[str, Any], default_theta: float = 10000.0) -> RopeCo
 
 def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
+    def opt(name: str) -> float | None:
+        return None if params.get(name) is None else float(params[name])
+
     return RopeConfig(
         theta=float(params.get("rope_theta", default_theta)),
         kind=kind,
@@ -162,6 +246,11 @@ def _rope(params: dict[str, Any], default_theta: float) -> RopeConfig:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=params.get("original_max_position_embeddings"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+        attention_factor=opt("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -197,6 +286,43 @@ def _gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE (and MLA) fields of a ModelConfig for the mixture-of-experts architectures."""
+    layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        moe = MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                        intermediate_size=cfg["intermediate_size"])
+        return dict(moe=moe)
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        only = set(cfg.get("mlp_only_layers") or [])
+        moe = MoEConfig(
+            num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
+            shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if arch == "Qwen2MoeForCausalLM" else 0,
+            shared_gate=arch == "Qwen2MoeForCausalLM",
+            dense_layers=[i for i in range(layers) if i in only or (i + 1) % step])
+        return dict(moe=moe)
+    # DeepseekV2ForCausalLM
+    if cfg.get("attention_bias"):
+        raise TiergenError("model config: DeepSeek-V2 with attention_bias is not supported")
+    moe = MoEConfig(
+        num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=False,
+        shared_intermediate_size=cfg["moe_intermediate_size"] * int(cfg.get("n_shared_experts") or 0),
+        dense_layers=list(range(min(int(cfg.get("first_k_dense_replace") or 0), layers))),
+        router_float32=True, topk_method=cfg.get("topk_method") or "greedy",
+        num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
+    mla = MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+                    qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"])
+    return dict(moe=moe, mla=mla, head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+
+
 def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from the dict of a Hugging Face ``config.json``."""
     archs = cfg.get("architectures") or []
@@ -212,18 +338,21 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         hidden = cfg["hidden_size"]
         bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
             window = None
         fields: dict[str, Any] = dict(
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=_rope_from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=window,
             hidden_act=cfg.get("hidden_act") or "silu",
         )
         if arch == "Gemma3ForCausalLM":
             fields |= _gemma3_from_hf(cfg)
+        if arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                    "DeepseekV2ForCausalLM"):
+            fields |= _moe_from_hf(arch, cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -232,10 +361,11 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=fields.pop("head_dim", None) or cfg.get("head_dim") or hidden // heads,
             max_position=cfg.get("max_position_embeddings", 2048),
-            qkv_bias=bias or arch == "Qwen2ForCausalLM",
-            o_bias=bias and arch != "Qwen2ForCausalLM",
+            qkv_bias=bias or arch == "Qwen2ForCausalLM"
+            or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
+            o_bias=bias and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_list(cfg.get("eos_token_id")),

@@ -9,21 +9,24 @@ from tiergen.models.layers import attention
 
 
 class KVView:
-    """One layer's K and V buffers (B, KVH, capacity, D); the layer appends and reads.
+    """One layer's cache buffer ``kv`` (2, B, KVH, capacity, D): K and V, which the layer
+    appends to and reads.
 
     Attention runs where the buffers are: a view over host RAM (``cpu_attention``) takes
     q, k, v there and hands the output back, so the cache never crosses the link.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = k
-        self.v = v
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.k, self.v = kv[0], kv[-1]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+               meta: StepMeta) -> torch.Tensor:
         """Append this step's k, v (B, KVH, T, D) and attend q (B, H, T, D) over the cache."""
-        where = q.device
-        if self.k.device != where:
-            q, k, v, meta = q.to(self.k.device), k.to(self.k.device), v.to(self.k.device), meta.to(self.k.device)
+        where, there = q.device, self.k.device
+        if there != where:
+            q, k, meta = q.to(there), k.to(there), meta.to(there)
+            v = None if v is None else v.to(there)
         return self._attend(q, k, v, meta).to(where)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
@@ -52,8 +55,8 @@ class RollingKVView(KVView):
     attends to the ring as it was plus its own T keys, then leaves its last W in the ring.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, window: int) -> None:
-        super().__init__(k, v)
+    def __init__(self, kv: torch.Tensor, window: int) -> None:
+        super().__init__(kv)
         self.window = window
 
     def _slots(self, upto: int, device: torch.device) -> torch.Tensor:
@@ -85,3 +88,32 @@ class RollingKVView(KVView):
                         self._mask(key_slots, meta))
         self._write(k, v, meta)
         return out
+
+
+class LatentKVView(KVView):
+    """A multi-head latent attention layer's cache (1, B, 1, capacity, rank + rope): one row
+    [c_kv | k_pe] per token, the normalised KV latent and the rotated shared RoPE key.
+
+    With W_UK absorbed into the query (q = [q_nope W_UK | q_pe], one "head" per query head)
+    the score against a row is q_nope W_UK . c_kv + q_pe . k_pe, the sum of the two products,
+    and the value is c_kv itself: MQA over the rows, whose output (B, H, T, rank) the layer
+    turns into values with W_UV. No per-head key or value is ever built.
+    """
+
+    def __init__(self, kv: torch.Tensor, rank: int) -> None:
+        super().__init__(kv)
+        self.rank = rank
+
+    def update(self, k: torch.Tensor, v: torch.Tensor | None, meta: StepMeta
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's latent rows k (B, 1, T, rank + rope); return the rows attended."""
+        self.k[:, :, meta.start:meta.end] = k
+        rows = k if meta.start == 0 else self.k if k.shape[2] == 1 else self.k[:, :, :meta.end]
+        return rows, rows
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                meta: StepMeta) -> torch.Tensor:
+        rows, _ = self.update(k, None, meta)
+        # values are the first `rank` numbers of each row: attend with the whole row as value
+        # (contiguous, no copy) and drop the RoPE part of the output
+        return attention(q, rows, rows, meta.mask)[..., :self.rank]

@@ -2,15 +2,20 @@
 
 from tiergen.config import ModelConfig
 from tiergen.models.base import ModelFamily
+from tiergen.models.deepseek_v2 import DeepseekV2
 from tiergen.models.gemma3 import Gemma3
 from tiergen.models.llama import Llama
 
 FAMILIES = {
+    "DeepseekV2ForCausalLM": DeepseekV2,
     "Gemma3ForCausalLM": Gemma3,
     "LlamaForCausalLM": Llama,
     "MistralForCausalLM": Llama,
+    "MixtralForCausalLM": Llama,
     "Qwen2ForCausalLM": Llama,
+    "Qwen2MoeForCausalLM": Llama,
     "Qwen3ForCausalLM": Llama,
+    "Qwen3MoeForCausalLM": Llama,
 }
 
 

@@ -44,8 +44,11 @@ class ModelFamily(Protocol):
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         """Checkpoint names and shapes of layer i's tensors."""
 
-    def packed_specs(self) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of what :meth:`pack_layer` returns, for planning without loading."""
+    def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of what :meth:`pack_layer` returns for a layer, for planning
+        without loading. Routed experts, if any, are "experts.gate_up" (E, 2I, H) and
+        "experts.down" (E, H, I); the executor hands them to the layer as one
+        :class:`tiergen.models.moe.Experts` under "experts"."""
 
     def pack_globals(self, raw: Weights) -> Weights:
         """Rename/fuse loaded global tensors into the form :meth:`embed`/:meth:`head` use."""

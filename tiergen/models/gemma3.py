@@ -62,7 +62,7 @@ class Gemma3:
             p + "post_feedforward_layernorm.weight": (h,),
         }
 
-    def packed_specs(self) -> dict[str, tuple[int, ...]]:
+    def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
         """Names and shapes of what :meth:`pack_layer` returns (the same for every layer)."""
         c = self.cfg
         q, kv, i, h = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,

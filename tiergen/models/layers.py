@@ -86,7 +86,37 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         blended = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
         inv_freq = torch.where(wavelen > low_wavelen, inv_freq / rope.factor,
                                torch.where(wavelen < high_wavelen, inv_freq, blended))
+    elif rope.kind == "yarn":
+        # YaRN: extrapolate high frequencies, interpolate (divide by factor) low ones, with a
+        # linear ramp between the dimensions that turn beta_fast and beta_slow times over the
+        # original context.
+        def dim_of(rotations: float) -> float:
+            ctx = rope.original_max_position
+            return head_dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+        low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        high = high + 0.001 if low == high else high
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        inv_freq = inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
     return inv_freq
+
+
+def yarn_mscale(factor: float, mscale: float | None = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * (mscale or 1.0) * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The factor YaRN multiplies cos/sin by (1 for other kinds)."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
@@ -103,9 +133,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, D) whose rotation pairs are adjacent elements (2i, 2i+1), as
+    DeepSeek's checkpoints lay them out; cos/sin (B, 1, T, D/2). Computed in float32."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos.float(), sin.float()
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
               ) -> torch.Tensor:
-    """Scaled dot-product attention of q (B, H, T, D) over k, v (B, KVH, S, D).
+    """Scaled dot-product attention of q (B, H, T, D) over k (B, KVH, S, D), v (B, KVH, S, Dv),
+    scaled by D**-0.5 (a layer wanting another scale pre-scales q).
 
     ``mask`` (B, 1, T, S) is True where a query may attend; None means plain causal.
     Grouped-query attention shares each K/V head among H/KVH query heads without
@@ -120,7 +160,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v).view(B, H, 1, D)
+        return torch.matmul(probs, v).view(B, H, 1, v.shape[-1])
     gqa = H != kvh
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

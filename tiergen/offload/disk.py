@@ -3,7 +3,8 @@ cache and activations.
 
 Weights are converted once into ``<offload_dir>/<key>/``: one raw file per tensor (read in one
 large sequential ``preadv`` straight into a reusable buffer, no parsing) and a manifest with
-each file's dtype, shape, size and CRC32. Conversion writes into a temporary sibling directory
+each file's dtype, shape, size and CRC32 (and, for stacked tensors such as routed experts,
+a CRC32 per row, since those are read one row at a time). Conversion writes into a temporary sibling directory
 and renames it into place only when complete, so an interrupted conversion never leaves a
 directory that a later run trusts.
 """
@@ -23,7 +24,7 @@ from tqdm import tqdm
 
 from tiergen.errors import TiergenError
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
 
 
@@ -46,6 +47,13 @@ def write_file(path: Path, t: torch.Tensor) -> int:
     return zlib.crc32(data)
 
 
+def row_crcs(t: torch.Tensor) -> list[int]:
+    """CRC32 of each row (along the first dimension) of a contiguous CPU tensor."""
+    data = _as_bytes(t.detach().contiguous().cpu())
+    step = len(data) // max(len(t), 1)
+    return [zlib.crc32(data[i * step:(i + 1) * step]) for i in range(len(t))]
+
+
 def read_exact(fd: int, out: memoryview, offset: int, what: str) -> None:
     got = os.preadv(fd, [out], offset)
     if got != len(out):
@@ -60,7 +68,8 @@ class OffloadedWeights:
         self.directory = directory
         manifest = json.loads((directory / MANIFEST).read_text())
         self.entries: dict[str, dict] = manifest["tensors"]
-        self._verified: set[str] = set()
+        self._verified: set = set()  # keys (and (key, row) pairs) whose checksum passed
+        self.rows_read = 0
         for e in self.entries.values():
             path = directory / e["file"]
             size = path.stat().st_size if path.exists() else -1
@@ -95,11 +104,35 @@ class OffloadedWeights:
         finally:
             os.close(fd)
         if key not in self._verified:
-            if zlib.crc32(buf) != e["crc32"]:
-                raise TiergenError(f"offload file {path} is corrupt (checksum mismatch); delete "
-                                   f"{self.directory} and run again to convert afresh")
+            self._verify(zlib.crc32(buf) == e["crc32"], path)
             self._verified.add(key)
         return out
+
+    def read_row(self, layer: int, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` with row ``row`` (along the first dimension) of a stacked tensor, e.g.
+        one routed expert, reading only that row's bytes."""
+        key = self.key(layer, name)
+        e = self.entries[key]
+        path = self.directory / e["file"]
+        buf = _as_bytes(out)
+        size = e["nbytes"] // e["shape"][0]
+        if len(buf) != size:
+            raise ValueError(f"buffer of {len(buf)} bytes for a row of {key} of {size}")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            read_exact(fd, buf, row * size, f"offload file {path}")
+        finally:
+            os.close(fd)
+        self.rows_read += 1
+        if (key, row) not in self._verified:
+            self._verify(zlib.crc32(buf) == e["rows"][row], path)
+            self._verified.add((key, row))
+        return out
+
+    def _verify(self, ok: bool, path: Path) -> None:
+        if not ok:
+            raise TiergenError(f"offload file {path} is corrupt (checksum mismatch); delete "
+                               f"{self.directory} and run again to convert afresh")
 
     @classmethod
     def open_or_convert(cls, root: Path, key: str, num_layers: int,
@@ -126,6 +159,8 @@ class OffloadedWeights:
                     entries[cls.key(layer, name)] = {
                         "file": file, "dtype": str(t.dtype).removeprefix("torch."),
                         "shape": list(t.shape), "nbytes": t.nbytes, "crc32": crc}
+                    if t.dim() == 3:
+                        entries[cls.key(layer, name)]["rows"] = row_crcs(t)
             manifest = {"format": FORMAT, "key": key, "tensors": entries}
             (tmp / MANIFEST).write_text(json.dumps(manifest))
             try:

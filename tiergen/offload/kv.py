@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tiergen.cache.kv import KVView, RollingKVView
+from tiergen.cache.kv import KVView, LatentKVView, RollingKVView
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.offload.disk import SpillFile
@@ -22,7 +22,8 @@ def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
     """Bytes per tier of the caches of a block of micro-batches given as (rows, capacity)."""
     needs = {"device": 0, "host": 0, "disk": 0}
     for rows, capacity in micro_batches:
-        per_slot = 2 * rows * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        parts, heads, width = cfg.kv_layout()
+        per_slot = parts * rows * heads * width * dtype.itemsize
         sizes = [per_slot * layer_slots(capacity, cfg.window(j)) for j in range(len(tiers))]
         for tier, size in zip(tiers, sizes):
             needs[tier] += size
@@ -35,17 +36,20 @@ class TieredKV:
     """K/V for every layer of one micro-batch, sized for its longest sequence (a
     sliding-window layer: for its window, as a ring).
 
-    Device layers live in device tensors (2, B, KVH, slots, D). Host layers live in host RAM
+    Device layers live in device tensors (P, B, KVH, slots, D), P = 2 for K and V or 1 for
+    an MLA latent row. Host layers live in host RAM
     and are copied to a device working buffer for use (on a CPU, host is the device: no
     copy), or, with ``cpu_attention``, stay there and attention runs on the CPU. Disk layers
-    live in a spill file laid out slot-major (slots, 2, B, KVH, D), so that a step writes
+    live in a spill file laid out slot-major (slots, P, B, KVH, D), so that a step writes
     contiguous runs, and are read back into the working buffer before use.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device, tiers: list[str], spill_dir: Path | None,
                  pin: bool = False, cpu_attention: bool = False) -> None:
-        self.batch, self.heads, self.head_dim = batch, cfg.num_kv_heads, cfg.head_dim
+        self.batch = batch
+        self.parts, self.heads, self.head_dim = cfg.kv_layout()
+        self.latent_rank = cfg.mla.kv_lora_rank if cfg.mla is not None else None
         self.dtype, self.device, self.tiers = dtype, device, tiers
         self.cpu_attention = cpu_attention
         self.slots = [layer_slots(capacity, cfg.window(j)) for j in range(len(tiers))]
@@ -66,7 +70,7 @@ class TieredKV:
         self._work: dict[int, torch.Tensor] = {}  # device working buffers by slot count
 
     def shape(self, j: int) -> tuple[int, ...]:
-        return (2, self.batch, self.heads, self.slots[j], self.head_dim)
+        return (self.parts, self.batch, self.heads, self.slots[j], self.head_dim)
 
     def _numel(self, j: int) -> int:
         return torch.Size(self.shape(j)).numel()
@@ -80,7 +84,9 @@ class TieredKV:
 
     def _view(self, j: int, kv: torch.Tensor) -> KVView:
         ring = self.rings[j]
-        return KVView(kv[0], kv[1]) if ring is None else RollingKVView(kv[0], kv[1], ring)
+        if self.latent_rank is not None:
+            return LatentKVView(kv, self.latent_rank)
+        return KVView(kv) if ring is None else RollingKVView(kv, ring)
 
     def _working(self, j: int) -> torch.Tensor:
         n = self.slots[j]
@@ -98,7 +104,8 @@ class TieredKV:
         work = self._working(j)
         if isinstance(store, SpillFile):
             if used:
-                slots = torch.empty((used, 2, self.batch, self.heads, self.head_dim), dtype=self.dtype)
+                slots = torch.empty((used, self.parts, self.batch, self.heads, self.head_dim),
+                                    dtype=self.dtype)
                 store.read_into(slots)
                 work[:, :, :, :used] = slots.permute(1, 2, 3, 0, 4).to(self.device)
         else:
@@ -118,9 +125,9 @@ class TieredKV:
         """Write the step's new slots back to layer j's tier."""
         store = self.layers[j]
         for lo, hi in self._runs(j, meta):
-            new = torch.stack([view.k[:, :, lo:hi], view.v[:, :, lo:hi]])
+            new = view.kv[:, :, :, lo:hi]
             if isinstance(store, SpillFile):
-                slot_bytes = 2 * self.batch * self.heads * self.head_dim * self.dtype.itemsize
+                slot_bytes = self.parts * self.batch * self.heads * self.head_dim * self.dtype.itemsize
                 store.write(new.permute(3, 0, 1, 2, 4).cpu(), lo * slot_bytes)
             elif self.moves(j):
                 store[:, :, :, lo:hi].copy_(new)
@@ -130,7 +137,7 @@ class TieredKV:
         old_batch, self.batch = self.batch, len(rows)
         for j, store in enumerate(self.layers):
             if isinstance(store, SpillFile):
-                full = torch.empty((self.slots[j], 2, old_batch, self.heads, self.head_dim),
+                full = torch.empty((self.slots[j], self.parts, old_batch, self.heads, self.head_dim),
                                    dtype=self.dtype)
                 store.read_into(full)
                 store.write(full[:, :, rows.cpu()].contiguous())

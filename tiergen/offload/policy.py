@@ -38,6 +38,11 @@ def _split(name: str, pair: tuple[float, float]) -> tuple[float, float, float]:
 class Policy:
     """Where things live. Percentages are (device, host); disk takes what they leave.
 
+    ``experts`` puts the routed experts of mixture-of-experts layers on one tier ("device",
+    "host" or "disk") whatever the weight percentages say; the other weights follow
+    ``weights``. Experts off the device run where they are when few tokens chose them (see
+    :mod:`tiergen.offload.experts`); from disk only the chosen experts are read.
+
     ``gpu_batch_size`` sequences run through a layer at once (a micro-batch);
     ``num_gpu_batches`` micro-batches form a *block* that shares one trip of each layer's
     weights, so weight traffic per token falls as the block grows. ``gpu_batch_size=None``
@@ -52,6 +57,7 @@ class Policy:
     pin_memory: bool = True
     cpu_attention: bool = False
     offload_dir: str | Path | None = None
+    experts: str | None = None
 
     def __post_init__(self) -> None:
         self.weight_split = _split("weights", self.weights)
@@ -64,6 +70,9 @@ class Policy:
         if not isinstance(self.num_gpu_batches, int) or self.num_gpu_batches < 1:
             raise TiergenError(f"policy: num_gpu_batches must be a positive integer, "
                                f"got {self.num_gpu_batches!r}")
+        if self.experts is not None and self.experts not in TIERS:
+            raise TiergenError(f"policy: experts must be one of {', '.join(TIERS)} (or None to "
+                               f"follow the weight percentages), got {self.experts!r}")
         if self.cpu_attention and self.cache_split[2] > 0:
             raise TiergenError("policy: cpu_attention keeps the KV cache in host RAM; "
                                "set cache=(0, 100) or leave cpu_attention off")

@@ -12,7 +12,9 @@ import torch
 
 from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
+from tiergen.models.moe import Experts
 from tiergen.offload.disk import FORMAT as DISK_FORMAT, OffloadedWeights
+from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
 
 Specs = dict[str, tuple[int, ...]]
@@ -50,37 +52,62 @@ def default_offload_dir() -> Path:
 
 @dataclass
 class WeightPlan:
-    """Which tier each packed tensor of a layer goes to, and the bytes that makes per tier."""
+    """Which tier each packed tensor of each layer goes to, and the bytes that makes per tier.
 
-    sizes: dict[str, int]  # bytes of each packed tensor of one layer
-    shapes: dict[str, tuple[int, ...]]
-    tiers: dict[str, str]
-    num_layers: int
+    Routed experts (MoE) are not streamed with their layer: off the device they stay where
+    they are and the layer asks for the experts it routes to (:mod:`tiergen.offload.experts`).
+    """
+
+    shapes: list[Specs]  # packed tensor shapes of each layer
+    tiers: list[dict[str, str]]
+    itemsize: int
     global_bytes: int
     device_type: str
 
     @classmethod
     def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
              device: torch.device) -> WeightPlan:
-        shapes = model.packed_specs()
-        sizes = {n: torch.Size(s).numel() * dtype.itemsize for n, s in shapes.items()}
+        shapes = [model.packed_specs(j) for j in range(model.cfg.num_layers)]
+        tiers = []
+        for layer in shapes:
+            sizes = {n: torch.Size(s).numel() * dtype.itemsize for n, s in layer.items()}
+            pinned = {n: policy.experts for n in sizes if policy.experts and is_expert(n)}
+            placed = place({n: b for n, b in sizes.items() if n not in pinned}, policy.weight_split)
+            tiers.append({n: pinned.get(n) or placed[n] for n in layer})
         global_bytes = sum(torch.Size(s).numel() * dtype.itemsize
                            for s in model.global_specs().values())
-        return cls(sizes, shapes, place(sizes, policy.weight_split), model.cfg.num_layers,
-                   global_bytes, device.type)
+        return cls(shapes, tiers, dtype.itemsize, global_bytes, device.type)
 
-    def layer_bytes(self, tier: str) -> int:
-        return sum(size for n, size in self.sizes.items() if self.tiers[n] == tier)
+    def nbytes(self, j: int, name: str) -> int:
+        return torch.Size(self.shapes[j][name]).numel() * self.itemsize
+
+    def layer_bytes(self, j: int, tier: str, experts: bool | None = None) -> int:
+        """Bytes of layer j on a tier (only routed experts, or only the rest, if asked)."""
+        return sum(self.nbytes(j, n) for n, t in self.tiers[j].items()
+                   if t == tier and (experts is None or is_expert(n) == experts))
+
+    def buffer_shapes(self, tier: str, experts: bool) -> Specs:
+        """Shapes of the reusable buffers for one layer's tensors on ``tier`` (the union
+        over layers: layers may differ, e.g. dense and MoE layers)."""
+        return {n: self.shapes[j][n] for j in range(len(self.shapes))
+                for n, t in self.tiers[j].items() if t == tier and is_expert(n) == experts}
 
     def needs(self) -> dict[str, int]:
         """Bytes per tier: placed weights plus the buffers that stream the rest."""
-        moving = self.layer_bytes("host") + self.layer_bytes("disk")
-        device = self.layer_bytes("device") * self.num_layers + self.global_bytes
-        if self.device_type == "cuda":
-            device += 2 * moving  # the layer in use and the one arriving
-        return {"device": device,
-                "host": self.layer_bytes("host") * self.num_layers + 2 * self.layer_bytes("disk"),
-                "disk": self.layer_bytes("disk") * self.num_layers}
+        layers = range(len(self.shapes))
+        total = {t: sum(self.layer_bytes(j, t) for j in layers) for t in ("device", "host", "disk")}
+
+        def size(specs: Specs) -> int:
+            return sum(torch.Size(s).numel() * self.itemsize for s in specs.values())
+
+        device = total["device"] + self.global_bytes
+        # two buffer sets stream disk layers; one set holds a layer's experts read from disk
+        host = total["host"] + 2 * size(self.buffer_shapes("disk", False)) \
+            + size(self.buffer_shapes("disk", True))
+        if self.device_type == "cuda":  # the layer in use and the one arriving
+            device += 2 * max((self.layer_bytes(j, "host", False) + self.layer_bytes(j, "disk", False)
+                               for j in layers), default=0)
+        return {"device": device, "host": host, "disk": total["disk"]}
 
 
 class TieredWeights:
@@ -93,7 +120,8 @@ class TieredWeights:
     """
 
     def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
-                 policy: Policy, plan: WeightPlan, model_id: str, io_threads: int = 2) -> None:
+                 policy: Policy, plan: WeightPlan, model_id: str, io_threads: int = 2,
+                 expert_rates: HostRates | None = None) -> None:
         self.device, self.dtype, self.policy, self.plan = device, dtype, policy, plan
         cfg = model.cfg
         self.num_layers = cfg.num_layers
@@ -104,26 +132,31 @@ class TieredWeights:
             return model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
 
         self.disk: OffloadedWeights | None = None
-        if "disk" in self.tiers.values():
+        if any("disk" in layer.values() for layer in self.tiers):
             root = Path(policy.offload_dir) if policy.offload_dir else default_offload_dir()
             key = hashlib.sha256(f"{model_id}|{dtype}|{DISK_FORMAT}".encode()).hexdigest()[:16]
             self.disk = OffloadedWeights.open_or_convert(root, key, cfg.num_layers, produce)
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
-        for j in range(cfg.num_layers):
+        for j, tiers in enumerate(self.tiers):
             if self.disk is not None:  # read back only what is not on disk
                 layer = {n: self.disk.read_into(j, n, torch.empty(*self.disk.shape(j, n)[0],
                                                                   dtype=self.disk.shape(j, n)[1]))
-                         for n, tier in self.tiers.items() if tier != "disk"}
+                         for n, tier in tiers.items() if tier != "disk"}
             else:
                 layer = produce(j)
-            self.resident.append({n: (t.to(device) if self.tiers[n] == "device" else
+            self.resident.append({n: (t.to(device) if tiers[n] == "device" else
                                       t.pin_memory() if pin else t) for n, t in layer.items()})
-        disk_names = [n for n, tier in self.tiers.items() if tier == "disk"]
+        # Two buffer sets stream disk tensors; routed experts read from disk share one set.
+        self.streamed = [[n for n, t in tiers.items() if t == "disk" and not is_expert(n)]
+                         for tiers in self.tiers]
         self._free: queue.Queue[Weights] = queue.Queue()
-        for _ in range(2 if disk_names else 0):
-            self._free.put({n: torch.empty(plan.shapes[n], dtype=dtype, pin_memory=pin)
-                            for n in disk_names})
+        shapes = plan.buffer_shapes("disk", experts=False)
+        for _ in range(2 if shapes else 0):
+            self._free.put({n: torch.empty(s, dtype=dtype, pin_memory=pin) for n, s in shapes.items()})
+        self._expert_buffers = {n: torch.empty(s, dtype=dtype, pin_memory=pin)
+                                for n, s in plan.buffer_shapes("disk", experts=True).items()}
+        self.expert_rates = expert_rates or HostRates()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Slots per layer: filled by prefetch and emptied by take (pending), by the load and
@@ -135,7 +168,8 @@ class TieredWeights:
     def prefetch(self, j: int) -> None:
         if j >= self.num_layers or j in self._pending:
             return
-        if self.disk is None and (self.device.type == "cpu" or self.policy.weight_split[0] == 100):
+        if not self.streamed[j] and (self.device.type == "cpu" or all(
+                t == "device" or is_expert(n) for n, t in self.tiers[j].items())):
             done: Future = Future()  # everything is already where compute reads it
             done.set_result((self.resident[j], None))
             self._pending[j] = done
@@ -150,6 +184,19 @@ class TieredWeights:
             compute.wait_event(event)
             for t in weights.values():  # memory copied on the side stream is in use here too
                 t.record_stream(compute)
+        return self._with_experts(j, weights)
+
+    def _with_experts(self, j: int, weights: Weights) -> Weights:
+        """Hand a MoE layer its routed experts as one object under "experts"."""
+        if EXPERT_NAMES[0] not in self.tiers[j]:
+            return weights
+        weights = {n: t for n, t in weights.items() if not is_expert(n)}
+        resident = {n: self.resident[j][n] for n in EXPERT_NAMES if n in self.resident[j]}
+        if len(resident) == 2 and all(t.device == self.device for t in resident.values()):
+            weights["experts"] = Experts(resident[EXPERT_NAMES[0]], resident[EXPERT_NAMES[1]])
+        else:
+            weights["experts"] = OffloadedExperts(j, resident, self.disk, self._expert_buffers,
+                                                  self.device, self.expert_rates)
         return weights
 
     def release(self, j: int) -> None:
@@ -160,13 +207,14 @@ class TieredWeights:
             self._free.put(buffers)
 
     def _load(self, j: int) -> tuple[Weights, torch.cuda.Event | None]:
-        weights = dict(self.resident[j])
+        # routed experts stay where they are: the layer asks for the ones it needs
+        weights = {n: t for n, t in self.resident[j].items() if not is_expert(n)}
         buffers = None
-        if self.disk is not None:
+        if self.streamed[j]:
             buffers = self._free.get()
             try:
-                for n, buf in buffers.items():
-                    weights[n] = self.disk.read_into(j, n, buf)
+                for n in self.streamed[j]:
+                    weights[n] = self.disk.read_into(j, n, buffers[n])
             except BaseException:
                 self._free.put(buffers)
                 raise

@@ -1,0 +1,139 @@
+"""Mixture of experts and latent attention beyond parity: expert placement, reads of routed
+experts only, the MLA cache's size, and absorbed against naive attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiergen.models.moe as moe
+from tiergen import LLM, Policy, SamplingParams
+from tiergen.config import from_hf_config
+from tiergen.errors import TiergenError
+from tiergen.offload.experts import HostRates
+from tiny_models import CASES, build
+from test_offload import PROMPTS, prefill_and_decode_logits
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+MOE_CASES = ["deepseek-v2", "deepseek-v2-lite", "mixtral", "qwen2-moe", "qwen3-moe"]
+
+EXPERT_POLICIES = {
+    "experts-on-disk": dict(experts="disk"),
+    "experts-in-host-rest-on-disk": dict(experts="host", weights=(0, 0)),
+    "experts-on-disk-micro-batches": dict(experts="disk", weights=(50, 50), gpu_batch_size=2,
+                                          num_gpu_batches=3, cache=(0, 0)),
+}
+
+
+@pytest.fixture(scope="module", params=MOE_CASES)
+def moe_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    build(request.param, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(moe_dir):
+    llm = LLM(moe_dir, dtype="float32")
+    return [r.token_ids for r in llm.generate(PROMPTS, GREEDY)], prefill_and_decode_logits(llm)
+
+
+def test_cases_are_listed():
+    assert set(MOE_CASES) <= set(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(EXPERT_POLICIES))
+def test_expert_placement_matches_all_on_device(moe_dir, reference, name, tmp_path):
+    tokens, logits = reference
+    llm = LLM(moe_dir, dtype="float32", policy=Policy(**EXPERT_POLICIES[name], offload_dir=tmp_path))
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+    for ours, ref in zip(prefill_and_decode_logits(llm), logits):
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_experts_on_disk_read_only_routed_experts(moe_dir, tmp_path, monkeypatch):
+    """Each MoE layer call reads exactly the experts its tokens chose, once per block."""
+    llm = LLM(moe_dir, dtype="float32", policy=Policy(experts="disk", offload_dir=tmp_path))
+    disk = llm.executor.weights.disk
+    reads: list[tuple[int, str, int]] = []
+    read_row = disk.read_row
+
+    def counting(layer, name, row, out):
+        reads.append((layer, name, row))
+        return read_row(layer, name, row, out)
+
+    routed: list[set[int]] = []
+    route = moe.route
+
+    def recording(cfg, x, gate):
+        ids, weights = route(cfg, x, gate)
+        routed.append(set(ids.flatten().tolist()))
+        return ids, weights
+
+    monkeypatch.setattr(disk, "read_row", counting)
+    monkeypatch.setattr(moe, "route", recording)
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    cfg = llm.executor.cfg
+    moe_layers = [j for j in range(cfg.num_layers) if cfg.is_moe_layer(j)]
+    assert routed and len(routed) % len(moe_layers) == 0
+    # one block (all prompts in one micro-batch) per step: calls go layer by layer
+    expected = []
+    for call, experts in enumerate(routed):
+        layer = moe_layers[call % len(moe_layers)]
+        expected += [(layer, name, e) for e in sorted(experts)
+                     for name in ("experts.gate_up", "experts.down")]
+    assert sorted(reads) == sorted(expected)
+    assert len(reads) < 2 * cfg.moe.num_experts * len(routed)  # fewer than every expert
+
+
+def test_mla_cache_holds_only_the_latent(tmp_path):
+    build("deepseek-v2", tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    cfg = llm.executor.cfg
+    per_token = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    assert cfg.kv_layout() == (1, 1, per_token)
+    assert cfg.kv_bytes_per_token(4) == per_token * 4 * cfg.num_layers
+    cache = llm.executor.new_cache(batch=3, capacity=10)
+    for layer in cache.layers:
+        assert layer.numel() == 3 * 10 * per_token
+    cache.close()
+
+
+@pytest.mark.parametrize("case", ["deepseek-v2", "deepseek-v2-lite"])
+def test_absorbed_equals_naive(case, tmp_path):
+    build(case, tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    absorbed = prefill_and_decode_logits(llm)
+    tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+    llm.executor.model.absorb = False
+    for a, n in zip(absorbed, prefill_and_decode_logits(llm)):
+        torch.testing.assert_close(a, n, atol=1e-5, rtol=1e-5)
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+
+
+def test_experts_run_where_cheapest():
+    rates = HostRates(host_flops=1e11, host_bandwidth=5e10, link_bandwidth=2e10)
+    expert = 3 * 4096 * 14336 * 2  # a Mixtral expert in bfloat16
+    assert rates.on_host(1, expert, 4096, 2)  # decode: reading beats shipping
+    assert not rates.on_host(512, expert, 4096, 2)  # a long prompt: ship it to the GPU
+
+
+def test_bad_moe_configs_are_refused():
+    base = dict(architectures=["MixtralForCausalLM"], vocab_size=8, hidden_size=8,
+                intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                num_local_experts=4)
+    with pytest.raises(TiergenError, match="num_experts_per_tok"):
+        from_hf_config(base | dict(num_experts_per_tok=5))
+    with pytest.raises(TiergenError, match="num_local_experts"):
+        from_hf_config({k: v for k, v in base.items() if k != "num_local_experts"}
+                       | dict(num_experts_per_tok=2))
+    ds = dict(architectures=["DeepseekV2ForCausalLM"], vocab_size=8, hidden_size=8,
+              intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=4,
+              kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2)
+    with pytest.raises(TiergenError, match="n_group"):
+        from_hf_config(ds | dict(topk_method="group_limited_greedy", n_group=3, topk_group=1))
+    with pytest.raises(TiergenError, match="topk_method"):
+        from_hf_config(ds | dict(topk_method="noaux_tc"))
+    with pytest.raises(TiergenError, match="experts must be one of"):
+        Policy(experts="gpu")

@@ -1,0 +1,168 @@
+"""DeepSeek-V2 (and V2-Lite): multi-head latent attention (MLA) and DeepSeekMoE.
+
+MLA compresses keys and values into one latent per token: c_kv = norm(W_DKV x) of
+kv_lora_rank numbers, plus a RoPE key k_pe of qk_rope_head_dim numbers shared by all heads.
+Per head, k = [W_UK c_kv | k_pe] and v = W_UV c_kv. The cache keeps only [c_kv | k_pe].
+
+Absorbed (the default): W_UK moves into the query, q_lat = q_nope W_UK (per head, rank
+numbers), so scores are q_lat . c_kv + q_pe . k_pe against the cached rows directly, and W_UV
+is applied once to the attention output. Naive (``absorb=False``, kept to check the absorbed
+path and to compare their speed): every step rebuilds per-head keys and values from the
+cached latents.
+
+Per layer: h += o_proj(mla(rms_norm(h))); h += mlp(rms_norm(h)), the MLP dense for the first
+``first_k_dense_replace`` layers and DeepSeekMoE (shared + routed experts) after.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiergen.config import ModelConfig
+from tiergen.engine.step import StepMeta
+from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
+from tiergen.models.layers import (apply_rope_interleaved, attention, linear, rms_norm,
+                                   rope_attention_factor, rope_inv_freq, swiglu_mlp, yarn_mscale)
+from tiergen.models.moe import (CHECKPOINT_NAMES, checkpoint_moe_specs, moe_mlp, moe_specs,
+                                pack_moe)
+
+if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
+    from tiergen.cache.kv import KVView
+
+
+class DeepseekV2:
+    def __init__(self, cfg: ModelConfig, absorb: bool = True) -> None:
+        assert cfg.mla is not None and cfg.moe is not None
+        self.cfg, self.mla, self.absorb = cfg, cfg.mla, absorb
+        m = cfg.mla
+        self.inv_freq = rope_inv_freq(cfg.rope, m.qk_rope_head_dim)
+        self.rope_factor = rope_attention_factor(cfg.rope)
+        self.qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+        self.scale = self.qk_dim**-0.5
+        if cfg.rope.kind != "default" and cfg.rope.mscale_all_dim:
+            self.scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
+
+    def global_specs(self) -> dict[str, tuple[int, ...]]:
+        return causal_lm_global_specs(self.cfg)
+
+    def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
+        c, m = self.cfg, self.mla
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        h, heads, rank = c.hidden_size, c.num_heads, m.kv_lora_rank
+        specs = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                 a + "kv_a_proj_with_mqa.weight": (rank + m.qk_rope_head_dim, h),
+                 a + "kv_a_layernorm.weight": (rank,),
+                 a + "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), rank),
+                 a + "o_proj.weight": (h, heads * m.v_head_dim)}
+        if m.q_lora_rank:
+            specs |= {a + "q_a_proj.weight": (m.q_lora_rank, h),
+                      a + "q_a_layernorm.weight": (m.q_lora_rank,),
+                      a + "q_b_proj.weight": (heads * self.qk_dim, m.q_lora_rank)}
+        else:
+            specs[a + "q_proj.weight"] = (heads * self.qk_dim, h)
+        if c.is_moe_layer(i):
+            names = CHECKPOINT_NAMES[c.architecture]
+            specs |= {p + n: s for n, s in checkpoint_moe_specs(c.moe, h, names).items()}
+        else:
+            specs |= {p + "mlp.gate_proj.weight": (c.intermediate_size, h),
+                      p + "mlp.up_proj.weight": (c.intermediate_size, h),
+                      p + "mlp.down_proj.weight": (h, c.intermediate_size)}
+        return specs
+
+    def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """The projections reading x fused into "qkv_a": [q_a | kv_a] with q_lora_rank, else
+        [q | kv_a]; kv_b split into W_UK (H, nope, rank) and W_UV (H, v, rank)."""
+        c, m = self.cfg, self.mla
+        h, heads, rank = c.hidden_size, c.num_heads, m.kv_lora_rank
+        q_out = m.q_lora_rank or heads * self.qk_dim
+        specs = {"input_norm": (h,), "qkv_a": (q_out + rank + m.qk_rope_head_dim, h),
+                 "kv_norm": (rank,), "w_uk": (heads, m.qk_nope_head_dim, rank),
+                 "w_uv": (heads, m.v_head_dim, rank), "o": (h, heads * m.v_head_dim),
+                 "post_norm": (h,)}
+        if m.q_lora_rank:
+            specs |= {"q_norm": (m.q_lora_rank,), "q_b": (heads * self.qk_dim, m.q_lora_rank)}
+        i = c.intermediate_size
+        specs |= moe_specs(c.moe, h) if c.is_moe_layer(layer) else {"gate_up": (2 * i, h),
+                                                                    "down": (h, i)}
+        return specs
+
+    def pack_globals(self, raw: Weights) -> Weights:
+        return pack_causal_lm_globals(self.cfg, raw)
+
+    def pack_layer(self, i: int, raw: Weights) -> Weights:
+        c, m = self.cfg, self.mla
+        r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
+        a = "self_attn."
+        q = r[a + "q_a_proj.weight"] if m.q_lora_rank else r[a + "q_proj.weight"]
+        kv_b = r[a + "kv_b_proj.weight"].view(c.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+        w = {"input_norm": r["input_layernorm.weight"],
+             "qkv_a": torch.cat([q, r[a + "kv_a_proj_with_mqa.weight"]]),
+             "kv_norm": r[a + "kv_a_layernorm.weight"],
+             "w_uk": kv_b[:, :m.qk_nope_head_dim].contiguous(),
+             "w_uv": kv_b[:, m.qk_nope_head_dim:].contiguous(),
+             "o": r[a + "o_proj.weight"], "post_norm": r["post_attention_layernorm.weight"]}
+        if m.q_lora_rank:
+            w["q_norm"], w["q_b"] = r[a + "q_a_layernorm.weight"], r[a + "q_b_proj.weight"]
+        if c.is_moe_layer(i):
+            w |= pack_moe(c.moe, r, CHECKPOINT_NAMES[c.architecture])
+        else:
+            w["gate_up"] = torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]])
+            w["down"] = r["mlp.down_proj.weight"]
+        return w
+
+    def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, 1, T, rope/2) in float32, with YaRN's magnitude factor folded in."""
+        freqs = meta.positions.float()[..., None] * self.inv_freq.to(meta.positions.device)
+        return ((freqs.cos() * self.rope_factor)[:, None], (freqs.sin() * self.rope_factor)[:, None])
+
+    def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
+        return w["embed"][ids].float()
+
+    def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
+              shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        c, m = self.cfg, self.mla
+        B, T, _ = h.shape
+        heads, rank, rope = c.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
+        x = rms_norm(h, w["input_norm"], c.rms_norm_eps)
+        a = linear(x, w["qkv_a"])
+        q, latent = a.split([a.shape[-1] - rank - rope, rank + rope], dim=-1)
+        if m.q_lora_rank:
+            q = linear(rms_norm(q, w["q_norm"], c.rms_norm_eps), w["q_b"])
+        q = q.view(B, T, heads, self.qk_dim).transpose(1, 2)  # (B, H, T, nope + rope)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, rope], dim=-1)
+        c_kv, k_pe = latent.split([rank, rope], dim=-1)
+        cos, sin = shared
+        q_pe = apply_rope_interleaved(q_pe, cos, sin)
+        row = torch.cat([rms_norm(c_kv, w["kv_norm"], c.rms_norm_eps),
+                         apply_rope_interleaved(k_pe[:, None], cos, sin)[:, 0]], dim=-1)[:, None]
+        if self.absorb:
+            q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w["w_uk"])
+            # attention scales by (rank + rope)**-0.5; MLA wants self.scale
+            qa = torch.cat([q_lat, q_pe], dim=-1) * (self.scale * (rank + rope) ** 0.5)
+            o_lat = cache.attend(qa, row, None, meta)  # (B, H, T, rank)
+            o = torch.einsum("bhtr,hvr->bhtv", o_lat, w["w_uv"])
+        else:
+            o = self._naive_attention(w, q_nope, q_pe, row, cache, meta)
+        h = h + linear(o.transpose(1, 2).reshape(B, T, -1), w["o"])
+        x = rms_norm(h, w["post_norm"], c.rms_norm_eps)
+        if c.is_moe_layer(i):
+            return h + moe_mlp(c.moe, w, x)
+        return h + swiglu_mlp(x, w["gate_up"], w["down"])
+
+    def _naive_attention(self, w: Weights, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                         row: torch.Tensor, cache: KVView, meta: StepMeta) -> torch.Tensor:
+        """Decompress the cached latents into per-head keys and values, then attend."""
+        rank = self.mla.kv_lora_rank
+        rows, _ = cache.update(row.to(cache.k.device), None, meta.to(cache.k.device))
+        rows = rows.to(q_nope.device)[:, 0]  # (B, S, rank + rope)
+        c_kv, k_pe = rows.split([rank, rows.shape[-1] - rank], dim=-1)
+        k_nope = torch.einsum("bsr,hdr->bhsd", c_kv, w["w_uk"])
+        v = torch.einsum("bsr,hvr->bhsv", c_kv, w["w_uv"])
+        k = torch.cat([k_nope, k_pe[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1) * (self.scale * self.qk_dim**0.5)
+        return attention(q, k, v, meta.mask)
+
+    def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        return linear(rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])

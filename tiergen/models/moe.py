@@ -1,0 +1,164 @@
+"""Mixture of experts: routing, and the routed experts' weights as something a layer asks
+for by expert id, so that they can live wherever the policy puts them.
+
+A MoE MLP over tokens x (N, H)::
+
+    ids, weights = route(x)                  # (N, k) experts and mixing weights per token
+    y = sum over chosen e of weights * expert_e(x)   # expert_e: SwiGLU (2I, H), (H, I)
+    y += shared(x) [* sigmoid(gate(x))]      # shared experts, if any
+
+Only the experts some token chose run; the experts object is told which ones first
+(:meth:`Experts.fetch`) so that a disk-backed store reads just those.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tiergen.config import MoEConfig
+from tiergen.models.layers import linear, swiglu_mlp
+
+
+class Experts:
+    """Routed experts' weights as two stacked tensors, gate_up (E, 2I, H) and down (E, H, I),
+    resident where compute runs. Offloaded stores (host RAM behind a GPU, disk) subclass it."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def fetch(self, ids: list[int]) -> None:
+        """Experts ``ids`` are about to run (the others will not be asked for)."""
+
+    def mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on its tokens x (n, H)."""
+        return swiglu_mlp(x, self.gate_up[e], self.down[e])
+
+
+def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen experts (N, k) and their float32 mixing weights (N, k) for tokens x (N, H)."""
+    if cfg.router_float32:
+        logits = F.linear(x.float(), gate.float())
+    else:
+        logits = linear(x, gate)
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if cfg.topk_method == "group_limited_greedy":
+        # DeepSeek-V2: keep the topk_groups groups whose best expert scores highest.
+        groups = scores.view(len(x), cfg.num_groups, -1)
+        best = groups.max(dim=-1).values.topk(cfg.topk_groups, dim=-1).indices
+        keep = torch.zeros(len(x), cfg.num_groups, dtype=torch.bool, device=x.device)
+        keep.scatter_(1, best, True)
+        scores = (groups * keep[..., None]).view(len(x), -1)
+    weights, ids = scores.topk(cfg.top_k, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   experts: Experts) -> torch.Tensor:
+    """Mix the chosen experts' outputs for tokens x (N, H); returns (N, H) in x's dtype."""
+    k = ids.shape[1]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)  # token slots grouped by expert
+    counts = torch.bincount(flat, minlength=1).tolist()
+    active = [e for e, c in enumerate(counts) if c]
+    experts.fetch(active)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, c in enumerate(counts):
+        if not c:
+            continue
+        slots = order[start:start + c]
+        start += c
+        tokens = slots // k
+        y = experts.mlp(e, x[tokens])
+        out.index_add_(0, tokens, y * weights.flatten()[slots, None].to(y.dtype))
+    return out
+
+
+def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """The MoE MLP of a layer on x (B, T, H): routed experts plus shared experts.
+
+    ``w`` holds "router" (E, H), "experts" (an :class:`Experts`) and, with shared experts,
+    "shared_gate_up", "shared_down" and optionally "shared_gate" (1, H).
+    """
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    ids, weights = route(cfg, x, w["router"])
+    y = routed_experts(x, ids, weights, w["experts"])
+    if cfg.shared_intermediate_size:
+        shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
+        if cfg.shared_gate:
+            shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared
+        y = y + shared
+    return y.view(shape)
+
+
+# Checkpoint names of a MoE MLP by architecture (layer prefix removed; {e}: expert index).
+_QWEN = {"router": "mlp.gate.weight", "gate": "mlp.experts.{e}.gate_proj.weight",
+         "up": "mlp.experts.{e}.up_proj.weight", "down": "mlp.experts.{e}.down_proj.weight"}
+CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
+    "MixtralForCausalLM": {"router": "block_sparse_moe.gate.weight",
+                           "gate": "block_sparse_moe.experts.{e}.w1.weight",
+                           "up": "block_sparse_moe.experts.{e}.w3.weight",
+                           "down": "block_sparse_moe.experts.{e}.w2.weight"},
+    "Qwen2MoeForCausalLM": _QWEN | {"shared_gate": "mlp.shared_expert.gate_proj.weight",
+                                    "shared_up": "mlp.shared_expert.up_proj.weight",
+                                    "shared_down": "mlp.shared_expert.down_proj.weight",
+                                    "shared_expert_gate": "mlp.shared_expert_gate.weight"},
+    "Qwen3MoeForCausalLM": _QWEN,
+    "DeepseekV2ForCausalLM": _QWEN | {"shared_gate": "mlp.shared_experts.gate_proj.weight",
+                                      "shared_up": "mlp.shared_experts.up_proj.weight",
+                                      "shared_down": "mlp.shared_experts.down_proj.weight"},
+}
+
+
+def moe_specs(cfg: MoEConfig, hidden: int) -> dict[str, tuple[int, ...]]:
+    """Packed tensor names and shapes of a MoE MLP (experts stacked, gate and up fused)."""
+    e, i = cfg.num_experts, cfg.intermediate_size
+    specs = {"router": (e, hidden), "experts.gate_up": (e, 2 * i, hidden),
+             "experts.down": (e, hidden, i)}
+    if cfg.shared_intermediate_size:
+        s = cfg.shared_intermediate_size
+        specs |= {"shared_gate_up": (2 * s, hidden), "shared_down": (hidden, s)}
+        if cfg.shared_gate:
+            specs["shared_gate"] = (1, hidden)
+    return specs
+
+
+def pack_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) -> dict:
+    """Stack checkpoint experts into the packed MoE tensors.
+
+    ``names`` gives the checkpoint names (layer prefix removed) with ``{e}`` for the expert
+    index: keys "router", "gate", "up", "down", and "shared_gate"/"shared_up"/"shared_down"/
+    "shared_expert_gate" as the model has them.
+    """
+    n = range(cfg.num_experts)
+    w = {"router": r[names["router"]],
+         "experts.gate_up": torch.stack([torch.cat([r[names["gate"].format(e=e)],
+                                                    r[names["up"].format(e=e)]]) for e in n]),
+         "experts.down": torch.stack([r[names["down"].format(e=e)] for e in n])}
+    if cfg.shared_intermediate_size:
+        w["shared_gate_up"] = torch.cat([r[names["shared_gate"]], r[names["shared_up"]]])
+        w["shared_down"] = r[names["shared_down"]]
+        if cfg.shared_gate:
+            w["shared_gate"] = r[names["shared_expert_gate"]]
+    return w
+
+
+def checkpoint_moe_specs(cfg: MoEConfig, hidden: int, names: dict[str, str]
+                         ) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names (as in :func:`pack_moe`) and shapes of a MoE MLP."""
+    i = cfg.intermediate_size
+    specs = {names["router"]: (cfg.num_experts, hidden)}
+    for e in range(cfg.num_experts):
+        specs |= {names["gate"].format(e=e): (i, hidden), names["up"].format(e=e): (i, hidden),
+                  names["down"].format(e=e): (hidden, i)}
+    if cfg.shared_intermediate_size:
+        s = cfg.shared_intermediate_size
+        specs |= {names["shared_gate"]: (s, hidden), names["shared_up"]: (s, hidden),
+                  names["shared_down"]: (hidden, s)}
+        if cfg.shared_gate:
+            specs[names["shared_expert_gate"]] = (1, hidden)
+    return specs

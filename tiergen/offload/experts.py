@@ -1,0 +1,77 @@
+"""Routed experts kept off the compute device: in host RAM, or on disk.
+
+A MoE layer asks for experts by id after routing, so an offloaded store can do better than
+moving the whole layer: from disk it reads only the experts this step's tokens chose, and for
+an expert in host RAM behind a GPU it decides by arithmetic intensity whether to ship the
+expert's weights to the device or to run the expert on the CPU where they already are
+(few tokens per weight byte: the CPU wins; many: the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiergen.models.layers import swiglu_mlp
+from tiergen.models.moe import Experts
+from tiergen.offload.disk import OffloadedWeights
+
+NAMES = ("experts.gate_up", "experts.down")
+
+
+def is_expert(name: str) -> bool:
+    return name in NAMES
+
+
+@dataclass
+class HostRates:
+    """What placing an expert's work costs: the host's matmul rate (FLOP/s) and memory
+    bandwidth (bytes/s) against the host-to-device link (bytes/s). Calibration
+    (``tiergen calibrate``) replaces these defaults with measured values."""
+
+    host_flops: float = 2e11
+    host_bandwidth: float = 5e10
+    link_bandwidth: float = 2e10
+
+    def on_host(self, tokens: int, weight_bytes: int, hidden: int, itemsize: int) -> bool:
+        """Whether running an expert on ``tokens`` tokens is cheaper on the host than moving
+        its ``weight_bytes`` of weights to the device (device compute is taken as free)."""
+        params = weight_bytes / itemsize
+        host = max(weight_bytes / self.host_bandwidth, 2 * params * tokens / self.host_flops)
+        host += 2 * tokens * hidden * itemsize / self.link_bandwidth  # activations there and back
+        return host < weight_bytes / self.link_bandwidth
+
+
+class OffloadedExperts(Experts):
+    """One layer's routed experts, each of the two stacked tensors either in host RAM
+    (``resident``) or on disk (read row by row into ``buffers``, host tensors of full shape
+    owned by the caller and reused layer after layer)."""
+
+    def __init__(self, layer: int, resident: dict[str, torch.Tensor],
+                 disk: OffloadedWeights | None, buffers: dict[str, torch.Tensor],
+                 device: torch.device, rates: HostRates) -> None:
+        self.layer, self.disk, self.device, self.rates = layer, disk, device, rates
+        self.tensors = {n: resident[n] if n in resident else buffers[n] for n in NAMES}
+        self.on_disk = [n for n in NAMES if n not in resident]
+        self.loaded: set[int] = set()  # experts of this layer now in the buffers
+        super().__init__(self.tensors["experts.gate_up"], self.tensors["experts.down"])
+
+    def fetch(self, ids: list[int]) -> None:
+        """Read the chosen experts not yet read for this layer (micro-batches of a block
+        share the reads)."""
+        for e in ids:
+            if e not in self.loaded:
+                for name in self.on_disk:
+                    self.disk.read_row(self.layer, name, e, self.tensors[name][e])
+                self.loaded.add(e)
+
+    def mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.gate_up[e], self.down[e]
+        if x.device == gate_up.device:
+            return swiglu_mlp(x, gate_up, down)
+        nbytes = gate_up.nbytes + down.nbytes
+        if self.rates.on_host(x.shape[0], nbytes, x.shape[-1], gate_up.element_size()):
+            return swiglu_mlp(x.to(gate_up.device), gate_up, down).to(x.device)
+        return swiglu_mlp(x, gate_up.to(x.device, non_blocking=True),
+                          down.to(x.device, non_blocking=True))
