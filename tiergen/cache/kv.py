@@ -16,9 +16,10 @@ class KVView:
     q, k, v there and hands the output back, so the cache never crosses the link.
     """
 
-    def __init__(self, kv: torch.Tensor) -> None:
+    def __init__(self, kv: torch.Tensor, sparsity: float = 1.0) -> None:
         self.kv = kv
         self.k, self.v = kv[0], kv[-1]
+        self.sparsity = sparsity  # of decode attention (see models.layers.attention)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                meta: StepMeta) -> torch.Tensor:
@@ -31,7 +32,7 @@ class KVView:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         k_all, v_all = self.update(k, v, meta)
-        return attention(q, k_all, v_all, meta.mask)
+        return attention(q, k_all, v_all, meta.mask, self.sparsity)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, KVH, T, D) and return what the step attends to: its own
@@ -55,8 +56,8 @@ class RollingKVView(KVView):
     attends to the ring as it was plus its own T keys, then leaves its last W in the ring.
     """
 
-    def __init__(self, kv: torch.Tensor, window: int) -> None:
-        super().__init__(kv)
+    def __init__(self, kv: torch.Tensor, window: int, sparsity: float = 1.0) -> None:
+        super().__init__(kv, sparsity)
         self.window = window
 
     def _slots(self, upto: int, device: torch.device) -> torch.Tensor:
@@ -81,7 +82,8 @@ class RollingKVView(KVView):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         if k.shape[2] == 1:  # decode: write first, then the ring is exactly the window
             self._write(k, v, meta)
-            return attention(q, self.k, self.v, self._mask(self._slots(meta.end, q.device), meta))
+            return attention(q, self.k, self.v, self._mask(self._slots(meta.end, q.device), meta),
+                             self.sparsity)
         key_slots = torch.cat([self._slots(meta.start, q.device),
                                torch.arange(meta.start, meta.end, device=q.device)])
         out = attention(q, torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
@@ -100,8 +102,8 @@ class LatentKVView(KVView):
     turns into values with W_UV. No per-head key or value is ever built.
     """
 
-    def __init__(self, kv: torch.Tensor, rank: int) -> None:
-        super().__init__(kv)
+    def __init__(self, kv: torch.Tensor, rank: int, sparsity: float = 1.0) -> None:
+        super().__init__(kv, sparsity)
         self.rank = rank
 
     def update(self, k: torch.Tensor, v: torch.Tensor | None, meta: StepMeta
@@ -116,4 +118,4 @@ class LatentKVView(KVView):
         rows, _ = self.update(k, None, meta)
         # values are the first `rank` numbers of each row: attend with the whole row as value
         # (contiguous, no copy) and drop the RoPE part of the output
-        return attention(q, rows, rows, meta.mask)[..., :self.rank]
+        return attention(q, rows, rows, meta.mask, self.sparsity)[..., :self.rank]

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tiergen.cache.kv import KVView
+from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.activations import Activations
@@ -82,6 +83,25 @@ class RunStats:
         return "\n".join(lines)
 
 
+def cache_compression(policy: Policy) -> tuple[int, int] | None:
+    """(bits, group size) of the KV cache's compression, or None."""
+    return (policy.compress_bits, policy.compress_group_size) if policy.compress_cache else None
+
+
+def block_needs(weights: WeightPlan, cfg: ModelConfig, dtype: torch.dtype, policy: Policy,
+                micro_batches: list[tuple[int, int]], prompt_len: int) -> dict[str, int]:
+    """Bytes per tier that running a block needs: the weights as placed (with their streaming
+    buffers), the KV cache of micro-batches given as (rows, capacity), and the hidden states
+    of ``prompt_len`` tokens per row."""
+    hidden = cfg.hidden_size * dtype.itemsize
+    acts = {"device": 0, "host": 0, "disk": 0}
+    for (rows, _), tier in zip(micro_batches, tiers_for(len(micro_batches), policy.activation_split)):
+        acts[tier] += rows * prompt_len * hidden
+    cache = cache_needs(cfg, dtype, tiers_for(cfg.num_layers, policy.cache_split), micro_batches,
+                        weights.device_type, cache_compression(policy))
+    return add(weights.needs(), cache, acts)
+
+
 class Executor:
     def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
                  policy: Policy | None = None, model_id: str = "",
@@ -121,14 +141,8 @@ class Executor:
 
     def check_block(self, micro_batches: list[tuple[int, int]], prompt_len: int) -> None:
         """Refuse, before it starts, a block whose cache and activations do not fit."""
-        hidden = self.cfg.hidden_size * self.dtype.itemsize
-        act_tiers = tiers_for(len(micro_batches), self.policy.activation_split)
-        acts = {"device": 0, "host": 0, "disk": 0}
-        for (rows, _), tier in zip(micro_batches, act_tiers):
-            acts[tier] += rows * prompt_len * hidden
-        needs = add(self.weight_plan.needs(),
-                    cache_needs(self.cfg, self.dtype, self.cache_tiers, micro_batches,
-                                self.device.type), acts)
+        needs = block_needs(self.weight_plan, self.cfg, self.dtype, self.policy, micro_batches,
+                            prompt_len)
         self.budgets.check(needs, f"a block of {sum(r for r, _ in micro_batches)} sequences", {
             "device": "move KV cache off the device (--percent), use smaller micro-batches "
                       "(--gpu-batch-size) or fewer per block, or raise --device-memory",
@@ -137,14 +151,18 @@ class Executor:
 
     def new_cache(self, batch: int, capacity: int) -> TieredKV:
         return TieredKV(self.cfg, batch, capacity, self.dtype, self.device, self.cache_tiers,
-                        self.spill_dir, self.policy.pin_memory, self.policy.cpu_attention)
+                        self.spill_dir, self.policy.pin_memory, self.policy.cpu_attention,
+                        cache_compression(self.policy), self.policy.attn_sparsity)
 
-    def forward(self, ids: torch.Tensor, meta: StepMeta, cache: TieredKV) -> torch.Tensor:
-        """Run one micro-batch (B, T); return float32 logits of the last position (B, V)."""
-        return self.forward_block([MicroBatch(ids, meta, cache)])[0]
+    def forward(self, ids: torch.Tensor, meta: StepMeta, cache: TieredKV,
+                all_positions: bool = False) -> torch.Tensor:
+        """Run one micro-batch (B, T); return float32 logits of the last position (B, V), or
+        of every position (B, T, V)."""
+        return self.forward_block([MicroBatch(ids, meta, cache)], all_positions)[0]
 
     @torch.inference_mode()
-    def forward_block(self, block: list[MicroBatch]) -> list[torch.Tensor]:
+    def forward_block(self, block: list[MicroBatch], all_positions: bool = False
+                      ) -> list[torch.Tensor]:
         """Run every micro-batch of a block through all layers, layer by layer."""
         model, t = self.model, self.stats
         started = time.perf_counter()
@@ -178,7 +196,8 @@ class Executor:
             for f in stored:
                 if f is not None:
                     f.result()
-            logits = [model.head(self.globals, acts.take(k)[:, -1]).float() for k in range(len(block))]
+            last = slice(None) if all_positions else -1
+            logits = [model.head(self.globals, acts.take(k)[:, last]).float() for k in range(len(block))]
             seconds = time.perf_counter() - started
             is_prompt = [mb.meta.start == 0 or mb.ids.shape[1] > 1 for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)

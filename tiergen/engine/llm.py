@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from tiergen.engine.executor import Executor
 from tiergen.engine.executor import RunStats
 from tiergen.engine.generate import Sequence, StepEvent, make_sequences, run_block
 from tiergen.engine.sampler import SamplingParams
+from tiergen.engine.step import StepMeta
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.layers import use_compiled_gemv
@@ -214,6 +216,34 @@ class LLM:
         return [GenerationResult(t if isinstance(t, str) else None, s.prompt_ids, s.text,
                                  s.token_ids, s.finish_reason or "length")
                 for t, s in zip(texts, seqs)]
+
+    def perplexity(self, text: Prompt) -> float:
+        """exp(mean negative log-likelihood) of each token of ``text`` given those before it,
+        fed in chunks of ``prefill_chunk_size`` through the policy's cache."""
+        ids = self.encode(text)
+        if len(ids) < 2:
+            raise TiergenError("perplexity needs a text of at least two tokens")
+        if len(ids) > self.config.context_length:
+            raise TiergenError(f"the text has {len(ids)} tokens, more than the model's context "
+                               f"of {self.config.context_length}; shorten it")
+        tokens = torch.tensor([ids])
+        valid = torch.ones(1, len(ids), dtype=torch.bool)
+        cache = self.executor.new_cache(1, len(ids))
+        chunk = self.prefill_chunk_size or len(ids)
+        nll = 0.0
+        self.executor.start_run()
+        try:
+            for start in range(0, len(ids), chunk):
+                piece = tokens[:, start:start + chunk]
+                meta = StepMeta.build(valid, start, piece.shape[1])
+                logits = self.executor.forward(piece, meta, cache, all_positions=True)[0]
+                targets = tokens[0, start + 1:start + 1 + piece.shape[1]]
+                logp = torch.log_softmax(logits[:len(targets)], dim=-1)
+                nll -= logp.gather(1, targets[:, None]).sum().item()
+        finally:
+            cache.close()
+            self.last_stats = self.executor.finish_run()
+        return math.exp(nll / (len(ids) - 1))
 
     def chat_prompt(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
         if self.tokenizer is None:

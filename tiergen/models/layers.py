@@ -142,14 +142,15 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-              ) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              sparsity: float = 1.0) -> torch.Tensor:
     """Scaled dot-product attention of q (B, H, T, D) over k (B, KVH, S, D), v (B, KVH, S, Dv),
     scaled by D**-0.5 (a layer wanting another scale pre-scales q).
 
     ``mask`` (B, 1, T, S) is True where a query may attend; None means plain causal.
     Grouped-query attention shares each K/V head among H/KVH query heads without
-    repeating K/V in memory.
+    repeating K/V in memory. ``sparsity`` < 1 (decode only) keeps that fraction of each
+    query's largest attention weights, renormalised, and reads only their V rows.
     """
     B, H, T, D = q.shape
     kvh = k.shape[1]
@@ -159,9 +160,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         scores = torch.matmul(q.view(B, kvh, H // kvh, D), k.transpose(-1, -2)) * D**-0.5
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v).view(B, H, 1, v.shape[-1])
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if sparsity < 1:
+            return _sparse_output(probs, v, sparsity).view(B, H, 1, v.shape[-1])
+        return torch.matmul(probs.to(q.dtype), v).view(B, H, 1, v.shape[-1])
     gqa = H != kvh
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _sparse_output(probs: torch.Tensor, v: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """probs (B, KVH, G, S) float32 over v (B, KVH, S, Dv): the top ceil(sparsity * S) weights
+    of each row, renormalised, against only the V rows they pick."""
+    valid = int((probs > 0).sum(-1).max())  # keys a query may see (the rest are masked)
+    keep = max(1, math.ceil(sparsity * valid))
+    weights, idx = probs.topk(keep, dim=-1)  # (B, KVH, G, keep)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    B, kvh, G, _ = idx.shape
+    rows = v.gather(2, idx.reshape(B, kvh, G * keep, 1).expand(-1, -1, -1, v.shape[-1]))
+    rows = rows.view(B, kvh, G, keep, -1)  # (B, KVH, G, keep, Dv)
+    return (weights.to(v.dtype).unsqueeze(-2) @ rows).squeeze(-2)

@@ -136,3 +136,33 @@ def dequantize(q: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
     moved = q.shape[:q.dim] + q.shape[q.dim + 1:] + (q.shape[q.dim],)
     out.copy_(values.view(moved).movedim(-1, q.dim))
     return out
+
+
+def packed_width(width: int, bits: int, group_size: int) -> int:
+    """Bytes per row of ``width`` numbers in the :func:`pack_rows` form."""
+    _check((width,), bits, group_size, -1)
+    return width * bits // 8 + (width // group_size) * 2 * PARAM_DTYPE.itemsize
+
+
+def pack_rows(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Quantise x (..., width) row by row into one uint8 tensor (..., packed_width): each
+    row's codes, then its scales, then its minima. Rows stay independent, so a KV cache can
+    be written and read a slot range at a time like an ordinary tensor."""
+    q = quantize(x, bits, group_size)
+    lead = x.shape[:-1]
+    parts = [q.data.view(*lead, -1), q.scale.view(*lead, -1).view(torch.uint8),
+             q.minimum.view(*lead, -1).view(torch.uint8)]
+    return torch.cat(parts, dim=-1)
+
+
+def unpack_rows(packed: torch.Tensor, width: int, bits: int, group_size: int,
+                dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of :func:`pack_rows`: (..., packed_width) uint8 -> (..., width) ``dtype``."""
+    lead = packed.shape[:-1]
+    codes, groups = width * bits // 8, width // group_size
+    data, scale, minimum = packed.split([codes, 4 * groups, 4 * groups], dim=-1)
+    n = packed[..., 0].numel()
+    q = Quantized(data.reshape(n * groups, -1), scale.contiguous().view(PARAM_DTYPE).reshape(-1, 1),
+                  minimum.contiguous().view(PARAM_DTYPE).reshape(-1, 1), (*lead, width), dtype,
+                  bits, group_size)
+    return dequantize(q, out)

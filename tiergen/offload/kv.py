@@ -9,7 +9,25 @@ import torch
 from tiergen.cache.kv import KVView, LatentKVView, RollingKVView
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
+from tiergen.offload.compress import pack_rows, packed_width, unpack_rows
 from tiergen.offload.disk import SpillFile
+
+
+def cache_group_size(width: int, group_size: int) -> int:
+    """The quantisation group of a cache row of ``width`` numbers: the largest even divisor
+    of the width not above ``group_size`` (a head_dim of 64 with groups of 64: one group per
+    head per token)."""
+    return max(g for g in range(2, min(width, group_size) + 1, 2) if width % g == 0)
+
+
+def stored_width(cfg: ModelConfig, dtype: torch.dtype, compress: tuple[int, int] | None
+                 ) -> tuple[int, torch.dtype]:
+    """Numbers (or bytes, compressed) per cached row, and their dtype."""
+    width = cfg.kv_layout()[2]
+    if compress is None:
+        return width, dtype
+    bits, group = compress
+    return packed_width(width, bits, cache_group_size(width, group)), torch.uint8
 
 
 def layer_slots(capacity: int, window: int | None) -> int:
@@ -18,17 +36,18 @@ def layer_slots(capacity: int, window: int | None) -> int:
 
 
 def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
-                micro_batches: list[tuple[int, int]], device_type: str) -> dict[str, int]:
+                micro_batches: list[tuple[int, int]], device_type: str,
+                compress: tuple[int, int] | None = None) -> dict[str, int]:
     """Bytes per tier of the caches of a block of micro-batches given as (rows, capacity)."""
     needs = {"device": 0, "host": 0, "disk": 0}
+    parts, heads, width = cfg.kv_layout()
+    stored, stored_dtype = stored_width(cfg, dtype, compress)
     for rows, capacity in micro_batches:
-        parts, heads, width = cfg.kv_layout()
-        per_slot = parts * rows * heads * width * dtype.itemsize
-        sizes = [per_slot * layer_slots(capacity, cfg.window(j)) for j in range(len(tiers))]
-        for tier, size in zip(tiers, sizes):
-            needs[tier] += size
-        if "disk" in tiers or ("host" in tiers and device_type != "cpu"):
-            needs["device"] += max(sizes)  # working buffer
+        slots = [layer_slots(capacity, cfg.window(j)) for j in range(len(tiers))]
+        for tier, n in zip(tiers, slots):
+            needs[tier] += parts * rows * heads * n * stored * stored_dtype.itemsize
+        if compress or "disk" in tiers or ("host" in tiers and device_type != "cpu"):
+            needs["device"] += parts * rows * heads * max(slots) * width * dtype.itemsize  # working buffer
     return needs
 
 
@@ -46,9 +65,16 @@ class TieredKV:
 
     def __init__(self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype,
                  device: torch.device, tiers: list[str], spill_dir: Path | None,
-                 pin: bool = False, cpu_attention: bool = False) -> None:
+                 pin: bool = False, cpu_attention: bool = False,
+                 compress: tuple[int, int] | None = None, sparsity: float = 1.0) -> None:
         self.batch = batch
         self.parts, self.heads, self.head_dim = cfg.kv_layout()
+        # compressed (bits, group size): every tier holds packed rows (see compress.pack_rows)
+        # and the layer works on a dense buffer, unpacked before use and packed after
+        self.compress = None if compress is None else (
+            compress[0], cache_group_size(self.head_dim, compress[1]))
+        self.stored_width, self.stored_dtype = stored_width(cfg, dtype, compress)
+        self.sparsity = sparsity
         self.latent_rank = cfg.mla.kv_lora_rank if cfg.mla is not None else None
         self.dtype, self.device, self.tiers = dtype, device, tiers
         self.cpu_attention = cpu_attention
@@ -59,34 +85,42 @@ class TieredKV:
         for j, tier in enumerate(tiers):
             if tier == "disk":
                 assert spill_dir is not None
-                f = SpillFile(spill_dir, self._numel(j) * dtype.itemsize)
-                f.write(torch.zeros(self._numel(j), dtype=dtype))
+                f = SpillFile(spill_dir, self._numel(j) * self.stored_dtype.itemsize)
+                f.write(torch.zeros(self._numel(j), dtype=self.stored_dtype))
                 self.layers.append(f)
             else:
                 host = tier == "host" and device.type != "cpu"
-                self.layers.append(torch.zeros(self.shape(j), dtype=dtype,
+                self.layers.append(torch.zeros(self.stored_shape(j), dtype=self.stored_dtype,
                                                device="cpu" if host else device,
                                                pin_memory=host and pin))
         self._work: dict[int, torch.Tensor] = {}  # device working buffers by slot count
 
     def shape(self, j: int) -> tuple[int, ...]:
+        """Layer j's cache as the layer sees it."""
         return (self.parts, self.batch, self.heads, self.slots[j], self.head_dim)
 
+    def stored_shape(self, j: int) -> tuple[int, ...]:
+        """Layer j's cache as its tier holds it (packed rows when compressed)."""
+        return (self.parts, self.batch, self.heads, self.slots[j], self.stored_width)
+
     def _numel(self, j: int) -> int:
-        return torch.Size(self.shape(j)).numel()
+        return torch.Size(self.stored_shape(j)).numel()
+
+    def _slot_bytes(self) -> int:
+        return self.parts * self.batch * self.heads * self.stored_width * self.stored_dtype.itemsize
 
     def moves(self, j: int) -> bool:
         """Whether layer j's K/V must travel to and from the device around its use."""
         store = self.layers[j]
-        if isinstance(store, SpillFile):
+        if isinstance(store, SpillFile) or self.compress:
             return True
         return store.device != self.device and not self.cpu_attention
 
     def _view(self, j: int, kv: torch.Tensor) -> KVView:
-        ring = self.rings[j]
+        ring, sparsity = self.rings[j], self.sparsity
         if self.latent_rank is not None:
-            return LatentKVView(kv, self.latent_rank)
-        return KVView(kv) if ring is None else RollingKVView(kv, ring)
+            return LatentKVView(kv, self.latent_rank, sparsity)
+        return KVView(kv, sparsity) if ring is None else RollingKVView(kv, ring, sparsity)
 
     def _working(self, j: int) -> torch.Tensor:
         n = self.slots[j]
@@ -102,14 +136,19 @@ class TieredKV:
         if not self.moves(j):
             return self._view(j, store)
         work = self._working(j)
+        if not used:
+            return self._view(j, work)
         if isinstance(store, SpillFile):
-            if used:
-                slots = torch.empty((used, self.parts, self.batch, self.heads, self.head_dim),
-                                    dtype=self.dtype)
-                store.read_into(slots)
-                work[:, :, :, :used] = slots.permute(1, 2, 3, 0, 4).to(self.device)
+            slots = torch.empty((used, self.parts, self.batch, self.heads, self.stored_width),
+                                dtype=self.stored_dtype)
+            store.read_into(slots)
+            rows = slots.permute(1, 2, 3, 0, 4).to(self.device)
         else:
-            work[:, :, :, :used].copy_(store[:, :, :, :used], non_blocking=True)
+            rows = store[:, :, :, :used].to(self.device, non_blocking=True)
+        if self.compress:
+            bits, group = self.compress
+            rows = unpack_rows(rows, self.head_dim, bits, group, self.dtype)
+        work[:, :, :, :used].copy_(rows)
         return self._view(j, work)
 
     def _runs(self, j: int, meta: StepMeta) -> list[tuple[int, int]]:
@@ -126,9 +165,10 @@ class TieredKV:
         store = self.layers[j]
         for lo, hi in self._runs(j, meta):
             new = view.kv[:, :, :, lo:hi]
+            if self.compress:
+                new = pack_rows(new, *self.compress)
             if isinstance(store, SpillFile):
-                slot_bytes = self.parts * self.batch * self.heads * self.head_dim * self.dtype.itemsize
-                store.write(new.permute(3, 0, 1, 2, 4).cpu(), lo * slot_bytes)
+                store.write(new.permute(3, 0, 1, 2, 4).cpu(), lo * self._slot_bytes())
             elif self.moves(j):
                 store[:, :, :, lo:hi].copy_(new)
 
@@ -137,8 +177,8 @@ class TieredKV:
         old_batch, self.batch = self.batch, len(rows)
         for j, store in enumerate(self.layers):
             if isinstance(store, SpillFile):
-                full = torch.empty((self.slots[j], self.parts, old_batch, self.heads, self.head_dim),
-                                   dtype=self.dtype)
+                full = torch.empty((self.slots[j], self.parts, old_batch, self.heads,
+                                    self.stored_width), dtype=self.stored_dtype)
                 store.read_into(full)
                 store.write(full[:, :, rows.cpu()].contiguous())
             else:

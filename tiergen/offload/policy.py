@@ -43,6 +43,12 @@ class Policy:
     ``weights``. Experts off the device run where they are when few tokens chose them (see
     :mod:`tiergen.offload.experts`); from disk only the chosen experts are read.
 
+    ``compress_weights`` / ``compress_cache`` store layer weight matrices / the KV cache
+    quantised group-wise (``compress_bits`` 4 or 8, groups of ``compress_group_size``) on
+    whatever tier holds them, dequantised on the compute device just before use.
+    ``attn_sparsity`` < 1 keeps only that fraction of the largest attention weights of each
+    decode query (and reads only the matching V rows).
+
     ``gpu_batch_size`` sequences run through a layer at once (a micro-batch);
     ``num_gpu_batches`` micro-batches form a *block* that shares one trip of each layer's
     weights, so weight traffic per token falls as the block grows. ``gpu_batch_size=None``
@@ -58,6 +64,11 @@ class Policy:
     cpu_attention: bool = False
     offload_dir: str | Path | None = None
     experts: str | None = None
+    compress_weights: bool = False
+    compress_cache: bool = False
+    compress_bits: int = 4
+    compress_group_size: int = 64
+    attn_sparsity: float = 1.0
 
     def __post_init__(self) -> None:
         self.weight_split = _split("weights", self.weights)
@@ -73,6 +84,18 @@ class Policy:
         if self.experts is not None and self.experts not in TIERS:
             raise TiergenError(f"policy: experts must be one of {', '.join(TIERS)} (or None to "
                                f"follow the weight percentages), got {self.experts!r}")
+        if self.compress_bits not in (4, 8):
+            raise TiergenError(f"policy: compress_bits must be 4 or 8, got {self.compress_bits!r}")
+        if (not isinstance(self.compress_group_size, int) or self.compress_group_size < 2
+                or self.compress_group_size % 2):
+            raise TiergenError("policy: compress_group_size must be an even integer >= 2, got "
+                               f"{self.compress_group_size!r}")
+        if not 0 < self.attn_sparsity <= 1:
+            raise TiergenError(f"policy: attn_sparsity is the fraction of attention weights "
+                               f"kept, in (0, 1]; got {self.attn_sparsity!r}")
+        if self.cpu_attention and self.compress_cache:
+            raise TiergenError("policy: cpu_attention attends over the cache where it lies, but a "
+                               "compressed cache is unpacked on the compute device; choose one")
         if self.cpu_attention and self.cache_split[2] > 0:
             raise TiergenError("policy: cpu_attention keeps the KV cache in host RAM; "
                                "set cache=(0, 100) or leave cpu_attention off")

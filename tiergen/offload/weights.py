@@ -13,6 +13,7 @@ import torch
 from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
+from tiergen.offload.compress import PARAM_DTYPE, Quantized, dequantize, quantize, quantized_nbytes
 from tiergen.offload.disk import FORMAT as DISK_FORMAT, OffloadedWeights
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
@@ -63,44 +64,76 @@ class WeightPlan:
     itemsize: int
     global_bytes: int
     device_type: str
+    compress: tuple[int, int] | None = None  # (bits, group size) of compressed matrices
 
     @classmethod
     def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
              device: torch.device) -> WeightPlan:
         shapes = [model.packed_specs(j) for j in range(model.cfg.num_layers)]
-        tiers = []
-        for layer in shapes:
-            sizes = {n: torch.Size(s).numel() * dtype.itemsize for n, s in layer.items()}
+        compress = (policy.compress_bits, policy.compress_group_size) if policy.compress_weights else None
+        plan = cls(shapes, [], dtype.itemsize, 0, device.type, compress)
+        for j, layer in enumerate(shapes):
+            sizes = {n: plan.nbytes(j, n) for n in layer}
             pinned = {n: policy.experts for n in sizes if policy.experts and is_expert(n)}
             placed = place({n: b for n, b in sizes.items() if n not in pinned}, policy.weight_split)
-            tiers.append({n: pinned.get(n) or placed[n] for n in layer})
-        global_bytes = sum(torch.Size(s).numel() * dtype.itemsize
-                           for s in model.global_specs().values())
-        return cls(shapes, tiers, dtype.itemsize, global_bytes, device.type)
+            plan.tiers.append({n: pinned.get(n) or placed[n] for n in layer})
+        plan.global_bytes = sum(torch.Size(s).numel() * dtype.itemsize
+                                for s in model.global_specs().values())
+        return plan
+
+    def compressed(self, j: int, name: str) -> bool:
+        """Whether layer j's tensor is stored quantised: the matrices of a layer (norms and
+        biases stay as they are; routed experts too, as they are read an expert at a time)."""
+        shape = self.shapes[j][name]
+        return (self.compress is not None and len(shape) == 2 and not is_expert(name)
+                and shape[-1] % self.compress[1] == 0)
+
+    def dense_bytes(self, j: int, name: str) -> int:
+        return torch.Size(self.shapes[j][name]).numel() * self.itemsize
 
     def nbytes(self, j: int, name: str) -> int:
-        return torch.Size(self.shapes[j][name]).numel() * self.itemsize
+        """Bytes of a tensor as stored (quantised, if compressed)."""
+        if self.compressed(j, name):
+            return quantized_nbytes(self.shapes[j][name], *self.compress)
+        return self.dense_bytes(j, name)
+
+    def stored_specs(self, j: int, name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """Stored parts of a tensor: itself (dtype None: the compute dtype), or, compressed,
+        its codes, scales and minima (see offload.compress)."""
+        shape = self.shapes[j][name]
+        if not self.compressed(j, name):
+            return {name: (shape, None)}
+        bits, group = self.compress
+        groups = torch.Size(shape).numel() // group
+        return {f"{name}#data": ((groups, group * bits // 8), torch.uint8),
+                f"{name}#scale": ((groups, 1), PARAM_DTYPE),
+                f"{name}#minimum": ((groups, 1), PARAM_DTYPE)}
 
     def layer_bytes(self, j: int, tier: str, experts: bool | None = None) -> int:
         """Bytes of layer j on a tier (only routed experts, or only the rest, if asked)."""
         return sum(self.nbytes(j, n) for n, t in self.tiers[j].items()
                    if t == tier and (experts is None or is_expert(n) == experts))
 
-    def buffer_shapes(self, tier: str, experts: bool) -> Specs:
-        """Shapes of the reusable buffers for one layer's tensors on ``tier`` (the union
-        over layers: layers may differ, e.g. dense and MoE layers)."""
-        return {n: self.shapes[j][n] for j in range(len(self.shapes))
-                for n, t in self.tiers[j].items() if t == tier and is_expert(n) == experts}
+    def buffer_shapes(self, tier: str, experts: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """Shapes (and dtypes) of the reusable buffers for one layer's stored tensors on
+        ``tier`` (the union over layers: layers may differ, e.g. dense and MoE layers)."""
+        return {k: spec for j in range(len(self.shapes)) for n, t in self.tiers[j].items()
+                if t == tier and is_expert(n) == experts
+                for k, spec in self.stored_specs(j, n).items()}
 
     def needs(self) -> dict[str, int]:
         """Bytes per tier: placed weights plus the buffers that stream the rest."""
         layers = range(len(self.shapes))
         total = {t: sum(self.layer_bytes(j, t) for j in layers) for t in ("device", "host", "disk")}
 
-        def size(specs: Specs) -> int:
-            return sum(torch.Size(s).numel() * self.itemsize for s in specs.values())
+        def size(specs: dict) -> int:
+            return sum(torch.Size(s).numel() * (d.itemsize if d else self.itemsize)
+                       for s, d in specs.values())
 
-        device = total["device"] + self.global_bytes
+        # compressed matrices are unpacked into one dense set for the layer in use
+        device = total["device"] + self.global_bytes + max(
+            (sum(self.dense_bytes(j, n) for n in self.shapes[j] if self.compressed(j, n))
+             for j in layers), default=0)
         # two buffer sets stream disk layers; one set holds a layer's experts read from disk
         host = total["host"] + 2 * size(self.buffer_shapes("disk", False)) \
             + size(self.buffer_shapes("disk", True))
@@ -129,33 +162,44 @@ class TieredWeights:
         self.globals = model.pack_globals(load_tensors(source, model.global_specs(), dtype, device))
 
         def produce(j: int) -> Weights:
-            return model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
+            """Layer j's tensors in stored form (compressed ones as their three parts)."""
+            packed = model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
+            out = {}
+            for n, t in packed.items():
+                if plan.compressed(j, n):
+                    out |= {f"{n}#{k}": part for k, part in quantize(t, *plan.compress).tensors().items()}
+                else:
+                    out[n] = t
+            return out
 
         self.disk: OffloadedWeights | None = None
         if any("disk" in layer.values() for layer in self.tiers):
             root = Path(policy.offload_dir) if policy.offload_dir else default_offload_dir()
-            key = hashlib.sha256(f"{model_id}|{dtype}|{DISK_FORMAT}".encode()).hexdigest()[:16]
+            key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{DISK_FORMAT}".encode()).hexdigest()[:16]
             self.disk = OffloadedWeights.open_or_convert(root, key, cfg.num_layers, produce)
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
         for j, tiers in enumerate(self.tiers):
             if self.disk is not None:  # read back only what is not on disk
-                layer = {n: self.disk.read_into(j, n, torch.empty(*self.disk.shape(j, n)[0],
-                                                                  dtype=self.disk.shape(j, n)[1]))
-                         for n, tier in tiers.items() if tier != "disk"}
+                layer = {k: self.disk.read_into(j, k, torch.empty(*self.disk.shape(j, k)[0],
+                                                                  dtype=self.disk.shape(j, k)[1]))
+                         for n, tier in tiers.items() if tier != "disk"
+                         for k in plan.stored_specs(j, n)}
             else:
                 layer = produce(j)
-            self.resident.append({n: (t.to(device) if tiers[n] == "device" else
-                                      t.pin_memory() if pin else t) for n, t in layer.items()})
+            self.resident.append({k: (t.to(device) if tiers[k.split("#")[0]] == "device" else
+                                      t.pin_memory() if pin else t) for k, t in layer.items()})
         # Two buffer sets stream disk tensors; routed experts read from disk share one set.
-        self.streamed = [[n for n, t in tiers.items() if t == "disk" and not is_expert(n)]
-                         for tiers in self.tiers]
+        self.streamed = [[k for n, t in tiers.items() if t == "disk" and not is_expert(n)
+                          for k in plan.stored_specs(j, n)] for j, tiers in enumerate(self.tiers)]
         self._free: queue.Queue[Weights] = queue.Queue()
         shapes = plan.buffer_shapes("disk", experts=False)
         for _ in range(2 if shapes else 0):
-            self._free.put({n: torch.empty(s, dtype=dtype, pin_memory=pin) for n, s in shapes.items()})
-        self._expert_buffers = {n: torch.empty(s, dtype=dtype, pin_memory=pin)
-                                for n, s in plan.buffer_shapes("disk", experts=True).items()}
+            self._free.put({n: torch.empty(s, dtype=d or dtype, pin_memory=pin)
+                            for n, (s, d) in shapes.items()})
+        self._expert_buffers = {n: torch.empty(s, dtype=d or dtype, pin_memory=pin)
+                                for n, (s, d) in plan.buffer_shapes("disk", experts=True).items()}
+        self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are unpacked
         self.expert_rates = expert_rates or HostRates()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -184,7 +228,22 @@ class TieredWeights:
             compute.wait_event(event)
             for t in weights.values():  # memory copied on the side stream is in use here too
                 t.record_stream(compute)
-        return self._with_experts(j, weights)
+        return self._with_experts(j, self._unpacked(j, weights))
+
+    def _unpacked(self, j: int, stored: Weights) -> Weights:
+        """Dequantise compressed matrices on the compute device, into one reused buffer set."""
+        if self.plan.compress is None:
+            return stored
+        weights = {k: t for k, t in stored.items() if "#" not in k}
+        for n, shape in self.plan.shapes[j].items():
+            if self.plan.compressed(j, n):
+                q = Quantized.from_tensors({p: stored[f"{n}#{p}"] for p in ("data", "scale", "minimum")},
+                                           shape, self.dtype, *self.plan.compress)
+                out = self._dense.get(n)
+                if out is None or tuple(out.shape) != shape:
+                    out = self._dense[n] = torch.empty(shape, dtype=self.dtype, device=self.device)
+                weights[n] = dequantize(q, out)
+        return weights
 
     def _with_experts(self, j: int, weights: Weights) -> Weights:
         """Hand a MoE layer its routed experts as one object under "experts"."""
