@@ -49,6 +49,21 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="budget for the compute device, e.g. 8G or 512M; plans that exceed it are refused")
     o.add_argument("--host-memory", default=None, metavar="SIZE",
                    help="budget for host RAM, e.g. 16G; plans that exceed it are refused")
+    o.add_argument("--experts", choices=["device", "host", "disk"], default=None,
+                   help="put the routed experts of mixture-of-experts models on this tier (off "
+                        "the device they run where they are when few tokens chose them; from "
+                        "disk only the chosen experts are read)")
+    o.add_argument("--compress-weights", action="store_true",
+                   help="store layer weight matrices quantised (see --compress-bits)")
+    o.add_argument("--compress-cache", action="store_true",
+                   help="store the KV cache quantised (see --compress-bits)")
+    o.add_argument("--compress-bits", type=int, default=4, choices=[4, 8],
+                   help="bits per number of compressed weights and cache (default: 4)")
+    o.add_argument("--compress-group-size", type=int, default=64,
+                   help="numbers sharing one scale and minimum (default: 64)")
+    o.add_argument("--attn-sparsity", type=float, default=1.0,
+                   help="fraction of the largest attention weights each decode query keeps "
+                        "(default: 1.0 = dense)")
     o.add_argument("--verbose", action="store_true",
                    help="after the run, report time per layer as well as the totals")
 
@@ -82,7 +97,10 @@ def _policy(args: argparse.Namespace):
 
     options = dict(gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches,
                    pin_memory=not args.no_pin_memory, cpu_attention=args.cpu_attention,
-                   offload_dir=args.offload_dir)
+                   offload_dir=args.offload_dir, experts=args.experts,
+                   compress_weights=args.compress_weights, compress_cache=args.compress_cache,
+                   compress_bits=args.compress_bits,
+                   compress_group_size=args.compress_group_size, attn_sparsity=args.attn_sparsity)
     if args.percent:
         return Policy.from_percent(args.percent, **options)
     return Policy(**options)
@@ -241,13 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat-template", help="a Jinja chat template to use instead of the model's")
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
+
+    from tiergen.planner import calibrate
+
+    calibrate.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except TiergenError as e:
         print(f"tiergen: error: {e}", file=sys.stderr)
         return 2
@@ -256,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Planning offload policies from what the machine measurably does (see ``calibrate``)."""
