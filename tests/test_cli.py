@@ -18,7 +18,9 @@ PARIS = "What is the capital of France?"
 
 COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--prefill-chunk-size", "--max-batch-size", "--percent",
                   "--gpu-batch-size", "--num-gpu-batches", "--no-pin-memory", "--cpu-attention",
-                  "--offload-dir", "--device-memory", "--host-memory", "--verbose",
+                  "--offload-dir", "--device-memory", "--host-memory", "--experts", "--policy",
+                  "--compress-weights", "--compress-cache", "--compress-bits",
+                  "--compress-group-size", "--attn-sparsity", "--verbose",
                   "--max-tokens", "--temperature", "--top-p", "--top-k", "--repetition-penalty",
                   "--seed", "--stop", "--ignore-eos"]
 GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS]

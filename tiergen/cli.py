@@ -31,6 +31,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="most prompts run together in one batch when --gpu-batch-size is not "
                         "given (default: 64)")
     o = p.add_argument_group("offloading policy")
+    o.add_argument("--policy", choices=["auto"], default=None,
+                   help="auto: plan the fastest policy that fits the budgets for these prompts "
+                        "(see `tiergen plan`); also used when no --percent is given and the "
+                        "model does not fit the budgets on the device")
     o.add_argument("--percent", type=float, nargs=6, metavar=("WD", "WH", "CD", "CH", "AD", "AH"),
                    help="percent of weights, KV cache and activations on the device (xD) and in "
                         "host RAM (xH); disk takes the rest (default: 100 0 100 0 100 0)")
@@ -106,12 +110,52 @@ def _policy(args: argparse.Namespace):
     return Policy(**options)
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, prompts: list[str] | None = None):
+    """The LLM of the command line, with a planned policy under --policy auto (or when the
+    default policy does not fit the budgets and no --percent was given)."""
     from tiergen.engine.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
-               policy=_policy(args), device_memory=args.device_memory, host_memory=args.host_memory,
-               compile=args.compile, prefill_chunk_size=args.prefill_chunk_size)
+    def load(policy):
+        return LLM(args.model, dtype=args.dtype, device=args.device,
+                   max_batch_size=args.max_batch_size, policy=policy,
+                   device_memory=args.device_memory, host_memory=args.host_memory,
+                   compile=args.compile, prefill_chunk_size=args.prefill_chunk_size)
+
+    args.estimate = None
+    if args.policy != "auto":
+        try:
+            return load(_policy(args))
+        except TiergenError as e:
+            if args.percent is not None or "budget" not in str(e):
+                raise
+            print("tiergen: the model does not fit the budgets on the device; planning a policy "
+                  "(--policy auto)", file=sys.stderr)
+    policy, args.estimate = _plan(args, prompts or [])
+    return load(policy)
+
+
+def _plan(args: argparse.Namespace, prompts: list[str]):
+    from tiergen.engine.llm import _resolve_device, _resolve_dtype
+    from tiergen.offload.memory import Budgets
+    from tiergen.offload.policy import parse_size
+    from tiergen.planner import calibrate
+    from tiergen.planner.cost import Workload
+    from tiergen.planner.search import choose_policy, format_plan
+    from tiergen.weights import open_model
+
+    files = open_model(args.model)
+    device = _resolve_device(args.device)
+    dtype = _resolve_dtype(args.dtype, device, files.default_dtype)
+    lengths = [len(files.tokenizer.encode(p)) if files.tokenizer else 1 for p in prompts] or [1]
+    workload = Workload(max(lengths), args.max_tokens, len(lengths))
+    budgets = Budgets(None if args.device_memory is None else parse_size(args.device_memory),
+                      None if args.host_memory is None else parse_size(args.host_memory))
+    policy, estimate = choose_policy(files.config, dtype, workload, calibrate.get(device),
+                                     device.type, budgets, args.max_batch_size)
+    if args.offload_dir:
+        policy.offload_dir = args.offload_dir
+    print(format_plan(estimate, files.config, dtype), file=sys.stderr)
+    return policy, estimate
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -139,7 +183,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def cmd_generate(args: argparse.Namespace) -> None:
     prompts = _read_prompts(args)
     params = _params(args)
-    llm = _load(args)
+    llm = _load(args, prompts)
     inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
     if len(prompts) == 1 and not args.json:
         for ev in llm.stream(inputs, params):
@@ -150,6 +194,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
         return
     results = llm.generate(inputs, params, use_tqdm=True)
     print(llm.last_stats.report(args.verbose), file=sys.stderr)
+    if args.estimate is not None:
+        s = llm.last_stats
+        measured = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
+        print(f"planned policy: predicted decode {args.estimate.decode_tok_s:.1f} tok/s, "
+              f"measured {measured:.1f} tok/s", file=sys.stderr)
     for prompt, r in zip(prompts, results):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": r.text, "finish_reason": r.finish_reason,
@@ -260,9 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 
-    from tiergen.planner import calibrate
+    from tiergen.planner import calibrate, search
 
     calibrate.add_parser(sub)
+    search.add_parser(sub)
     return parser
 
 
