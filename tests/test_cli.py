@@ -52,7 +52,7 @@ def smol() -> LLM:
 def use_smol(smol, monkeypatch):
     """Make the CLI reuse the module's loaded smollm2 instead of loading it for every call."""
 
-    def load(args):
+    def load(args, prompts=None):
         assert (args.model, args.dtype, args.device) == ("smollm2", "auto", None)
         return smol
 

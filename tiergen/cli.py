@@ -194,7 +194,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         return
     results = llm.generate(inputs, params, use_tqdm=True)
     print(llm.last_stats.report(args.verbose), file=sys.stderr)
-    if args.estimate is not None:
+    if getattr(args, "estimate", None) is not None:
         s = llm.last_stats
         measured = s.decode_tokens / s.decode_seconds if s.decode_seconds else 0.0
         print(f"planned policy: predicted decode {args.estimate.decode_tok_s:.1f} tok/s, "
