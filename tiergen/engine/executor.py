@@ -188,8 +188,10 @@ class Executor:
                     t1 = time.perf_counter()
                     h = model.layer(j, w, acts.take(k), mb.meta, kv, shared[k])
                     acts.put(k, h)
-                    if mb.cache.moves(j):
+                    if mb.cache.moves(j) and not self._inline(mb.cache, j):
                         stored[k] = self._cache_io.submit(mb.cache.store, j, kv, mb.meta)
+                    elif mb.cache.moves(j):
+                        mb.cache.store(j, kv, mb.meta)
                     t.wait_cache[j] += t1 - t0
                     t.compute[j] += time.perf_counter() - t1
                 self.weights.release(j)
@@ -216,8 +218,14 @@ class Executor:
     def _load_cache(self, block: list[MicroBatch], k: int, j: int) -> Future[KVView]:
         """Start loading micro-batch k's cache of layer j (queued after its previous store)."""
         mb = block[k]
-        if not mb.cache.moves(j):
+        if not mb.cache.moves(j) or self._inline(mb.cache, j):
             f: Future[KVView] = Future()
             f.set_result(mb.cache.load(j, mb.meta.start))
             return f
         return self._cache_io.submit(mb.cache.load, j, mb.meta.start)
+
+    def _inline(self, cache: TieredKV, j: int) -> bool:
+        """Whether layer j's cache work runs on the compute thread: on a CPU, unpacking a
+        compressed cache held in RAM is compute, and a second thread would only fight the
+        matmuls for the same cores. Disk and host-to-GPU traffic go to the cache thread."""
+        return self.device.type == "cpu" and not cache.on_disk(j)

@@ -109,6 +109,9 @@ class TieredKV:
     def _slot_bytes(self) -> int:
         return self.parts * self.batch * self.heads * self.stored_width * self.stored_dtype.itemsize
 
+    def on_disk(self, j: int) -> bool:
+        return isinstance(self.layers[j], SpillFile)
+
     def moves(self, j: int) -> bool:
         """Whether layer j's K/V must travel to and from the device around its use."""
         store = self.layers[j]
@@ -128,6 +131,7 @@ class TieredKV:
             self._work[n] = torch.zeros(self.shape(j), dtype=self.dtype, device=self.device)
         return self._work[n]
 
+    @torch.inference_mode()  # on the compute thread or the cache thread alike
     def load(self, j: int, end: int) -> KVView:
         """Layer j's K/V on the device, holding the slots before ``end`` (the step's new
         slots are written by the layer itself)."""
@@ -160,6 +164,7 @@ class TieredKV:
         lo, hi = first % ring, (meta.end - 1) % ring + 1
         return [(lo, hi)] if lo < hi else [(lo, ring), (0, hi)]
 
+    @torch.inference_mode()
     def store(self, j: int, view: KVView, meta: StepMeta) -> None:
         """Write the step's new slots back to layer j's tier."""
         store = self.layers[j]

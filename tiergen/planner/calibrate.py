@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -49,7 +49,7 @@ GEMV_BYTES = 256 * 2**20  # weights cycled per gemv run: more than any L2/L3, so
 ATTENTION = (8, 8, 8, 2048, 64)  # (B, H, KVH, S, D): q (B, H, 1, D), K/V (B, KVH, S, D)
 ATTENTION_BYTES = 256 * 2**20  # KV caches cycled per run (one per layer, as in decode)
 COPY_BYTES = 128 * 2**20  # host memcpy and host<->device copies
-DISK_CHUNK = 16 * 2**20  # sequential read size, as the disk tier reads weights
+DISK_CHUNK = 4 * 2**20  # read size: the disk tier reads one file per tensor, a few MiB each
 DISK_MIN = 2**20
 DISK_RESERVE = 64 * 2**20  # free space left over after the disk test file
 
@@ -78,6 +78,11 @@ class Calibration:
     seconds: float  # how long calibration took
     device: str = "cpu"  # the compute device measured, e.g. "cpu" or "cuda:0"
     disk_directory: str = ""  # where the disk test file was written
+    # dtype name -> bytes/s of full-precision output when unpacking 4-bit groups of 64: of
+    # weight matrices, and of KV-cache rows (many small groups)
+    dequant: dict[str, float] = field(default_factory=dict)
+    cache_unpack: dict[str, float] = field(default_factory=dict)
+    layer_overhead: float = 0.0  # seconds of dispatch per decoder layer call (a tiny layer)
 
     @property
     def device_type(self) -> str:
@@ -364,6 +369,54 @@ def _measure_gemv(dev: torch.device, dtype: torch.dtype) -> float:
     return count * base.nbytes / _seconds(run, dev)
 
 
+def _measure_dequant(dev: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """Bytes/s of ``dtype`` output that unpacking 4-bit groups of 64 writes: for weight
+    matrices the size of a small model's MLP, and for a KV cache's rows (a layer of 32
+    sequences x 96 slots)."""
+    from tiergen.offload.compress import dequantize, pack_rows, quantize, unpack_rows
+
+    q = quantize(torch.randn(3072, 576, device=dev).to(dtype), 4, 64)
+    out = torch.empty(3072, 576, device=dev, dtype=dtype)
+    count = max(1, math.ceil(GEMV_BYTES / 8 / out.nbytes))
+    rows = pack_rows(torch.randn(2, 32, 4, 96, 64, device=dev).to(dtype), 4, 64)
+
+    def run() -> None:
+        for _ in range(count):
+            dequantize(q, out)
+
+    def run_rows() -> None:
+        unpack_rows(rows, 64, 4, 64, dtype)
+
+    return (count * out.nbytes / _seconds(run, dev),
+            2 * 32 * 4 * 96 * 64 * dtype.itemsize / _seconds(run_rows, dev))
+
+
+def _measure_layer_overhead(dev: torch.device) -> float:
+    """Seconds of one decode step through a decoder layer too small to cost anything but
+    dispatch: the fixed price of every layer call of tiergen's Llama family."""
+    from tiergen.cache.kv import KVView
+    from tiergen.config import ModelConfig
+    from tiergen.engine.step import StepMeta
+    from tiergen.models.llama import Llama
+
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, max_position=64)
+    model = Llama(cfg)
+    w = {n: torch.randn(shape, device=dev) for n, shape in model.packed_specs(0).items()}
+    kv = torch.zeros(2, 1, 1, 16, 4, device=dev)
+    valid = torch.ones(1, 16, dtype=torch.bool, device=dev)
+    meta = StepMeta.build(valid, 8, 1)
+    shared = model.prepare(meta, torch.float32)
+    h = torch.randn(1, 1, 8, device=dev)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for _ in range(20):
+                model.layer(0, w, h, meta, KVView(kv), shared)
+
+    return _seconds(run, dev) / 20
+
+
 def _measure_cpu_attention() -> float:
     """KV bytes/s of decode attention as tiergen runs it on the CPU (models.layers.attention,
     T == 1): query heads folded per KV head into one batched matmul, softmax, matmul by V."""
@@ -417,16 +470,20 @@ def calibrate(device: torch.device | str = "cpu", directory: Path | None = None,
         h2d = d2h = memcpy
     matmul: dict[str, float] = {}
     gemv: dict[str, float] = {}
+    dequant: dict[str, float] = {}
+    cache_unpack: dict[str, float] = {}
     for dtype in _matmul_dtypes(dev):
         name = _dtype_name(dtype)
         step(f"{name} matmul and batch-1 gemv on {dev}")
         matmul[name] = _measure_matmul(dev, dtype)
         gemv[name] = _measure_gemv(dev, dtype)
+        dequant[name], cache_unpack[name] = _measure_dequant(dev, dtype)
     step("CPU decode attention")
     attention = _measure_cpu_attention()
     return Calibration(
         hardware=fingerprint(dev), disk_read=disk, host_to_device=h2d, device_to_host=d2h,
-        host_memcpy=memcpy, matmul=matmul, gemv=gemv, cpu_attention=attention,
+        host_memcpy=memcpy, matmul=matmul, gemv=gemv, cpu_attention=attention, dequant=dequant,
+        cache_unpack=cache_unpack, layer_overhead=_measure_layer_overhead(dev),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         seconds=time.perf_counter() - t_start, device=str(dev), disk_directory=str(where))
 
@@ -473,8 +530,18 @@ def _from_dict(d: object) -> Calibration:
             math.isfinite(seconds) and seconds >= 0):
         raise ValueError("bad seconds")
     kwargs = {k: d[k] for k in names & d.keys()}  # keys of newer versions are ignored
+    dq, cu = d.get("dequant", {}), d.get("cache_unpack", {})
+    for table in (dq, cu):
+        if not (isinstance(table, dict) and all(isinstance(k, str) for k in table)):
+            raise ValueError("bad dtype table")
+    overhead = d.get("layer_overhead", 0.0)
+    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not (
+            math.isfinite(overhead) and overhead >= 0):
+        raise ValueError("bad layer_overhead")
     kwargs.update(
         hardware=dict(hw), matmul={k: _rate(v) for k, v in mm.items()},
+        dequant={k: _rate(v) for k, v in dq.items()},
+        cache_unpack={k: _rate(v) for k, v in cu.items()}, layer_overhead=float(overhead),
         gemv={k: _rate(v) for k, v in gv.items()}, seconds=float(seconds),
         **{k: _rate(d[k]) for k in ("disk_read", "host_to_device", "device_to_host",
                                     "host_memcpy", "cpu_attention")})
@@ -573,6 +640,11 @@ def format_calibration(cal: Calibration) -> str:
         f"  matmul           {flops}  ({m}x{k} @ {k}x{n})",
         f"  gemv, batch 1    {gemv} of weights  (1x{gk} @ {gk}x{gn})",
         f"  CPU attention    {_gbs(cal.cpu_attention)} of float32 KV cache (decode)",
+        "  4-bit unpacking  " + (", ".join(f"{k} {_gbs(v)}" for k, v in cal.dequant.items())
+                                 or "-") + " of weights, " + (", ".join(
+                                     f"{k} {_gbs(v)}" for k, v in cal.cache_unpack.items())
+                                     or "-") + " of KV cache rows",
+        f"  layer overhead   {cal.layer_overhead * 1e6:.0f} us per decoder layer call",
         f"  measured {cal.measured_at} in {cal.seconds:.1f} s",
     ])
 

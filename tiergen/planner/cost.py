@@ -8,8 +8,9 @@ link that weights and cache share (disk; host-to-device). Each micro-batch pays 
 and cache traffic; a block pays each layer's weight load once.
 
 Simplifications (``benchmarks/bench_plan.py`` measures how far they hold):
-- A matmul costs max(FLOPs at the large-GEMM rate, weight bytes at the batch-1 GEMV rate), plus
-  ``LAYER_OVERHEAD_S`` per layer call; unmeasured dtypes use the float32 figures. Chunked
+- A matmul costs FLOPs at the large-GEMM rate plus weight bytes at the batch-1 GEMV rate (they
+  add up rather than overlap: measured), plus the calibrated dispatch overhead per layer call
+  (``LAYER_OVERHEAD_S`` without one); unmeasured dtypes use the float32 figures. Chunked
   prefill loads the weights once per chunk.
 - Attention costs max(FLOPs at the GEMM rate, cache bytes read at the CPU attention rate on a
   CPU, the GEMV rate (device memory) on a GPU); ``attn_sparsity`` shrinks the V half.
@@ -18,8 +19,9 @@ Simplifications (``benchmarks/bench_plan.py`` measures how far they hold):
   top_k per token). Host experts behind a GPU count as shipped to it.
 - Compression: stored and moved bytes are WeightPlan's and block_needs' compressed counts;
   dequantising writes the full-precision bytes at the host memcpy rate (CPU) or the GEMV rate
-  (GPU) over ``DEQUANT_SLOWDOWN``: weights once per block on the compute thread, the cache on
-  every load on the cache thread (the executor unpacks a compressed cache wherever it lives).
+  (GPU) over ``DEQUANT_SLOWDOWN`` unless calibration measured it: weights once per block on the
+  compute thread, the cache on every load (the executor unpacks a compressed cache wherever it
+  lives; on a CPU it does so on the compute thread unless the cache is on disk).
 - Disk writes run at the disk read rate; activations off the device move synchronously.
 """
 
@@ -152,10 +154,24 @@ class _Env:
     slot_bytes: int  # one token's cache in one layer, one row, uncompressed
     cache_ratio: float  # stored / uncompressed cache bytes
 
+    dtype_name: str = "float32"
+
     @property
     def dequant(self) -> float:
-        """Bytes/s written by dequantisation (host memcpy on a CPU, device memory on a GPU)."""
-        return (self.gemv if self.cuda else self.cal.host_memcpy) / DEQUANT_SLOWDOWN
+        """Bytes/s written by dequantisation: measured by calibration, or else estimated from
+        host memcpy (CPU) or device memory (GPU) over DEQUANT_SLOWDOWN."""
+        measured = self.cal.dequant.get(self.dtype_name)
+        return measured or (self.gemv if self.cuda else self.cal.host_memcpy) / DEQUANT_SLOWDOWN
+
+    @property
+    def cache_unpack(self) -> float:
+        """Bytes/s written unpacking compressed KV-cache rows (many small groups)."""
+        return self.cal.cache_unpack.get(self.dtype_name) or self.dequant
+
+    @property
+    def overhead(self) -> float:
+        """Seconds of dispatch per layer call: measured by calibration, else a guess."""
+        return self.cal.layer_overhead or LAYER_OVERHEAD_S
 
     def picks(self, tokens: float) -> float:
         moe = self.cfg.moe
@@ -192,7 +208,7 @@ def _cache_io(layer: LayerShape, tier: str, rows: int, new: int, before: float,
         return 0.0, 0.0, 0.0, 0.0
     dense = env.slot_bytes * rows
     old, fresh = min(before, layer.window or before), min(new, layer.window or new)
-    unpack = 1 / env.dequant if env.policy.compress_cache else 0.0
+    unpack = 1 / env.cache_unpack if env.policy.compress_cache else 0.0
     stored = dense * env.cache_ratio
     return (old * (stored * env.per_byte(tier) + dense * unpack),
             fresh * (stored * env.per_byte(tier, out=True) + dense * unpack),
@@ -206,7 +222,9 @@ def _compute(layer: LayerShape, tier: str, rows: int, new: int, before: float,
     c, tokens = env.cfg, rows * new
     flops = 2 * tokens * (layer.params + (c.moe.top_k * layer.expert_params if c.moe else 0))
     streamed = (layer.params + env.picks(tokens) * layer.expert_params) * env.itemsize
-    t = max(flops / env.matmul, streamed / env.gemv) + LAYER_OVERHEAD_S
+    # streaming the weights and the arithmetic add up rather than overlap on a CPU (measured:
+    # a (32, 576) x (576, 3072) bfloat16 matmul takes about their sum)
+    t = flops / env.matmul + streamed / env.gemv + env.overhead
     pairs = attention_pairs(new, before, layer.window)
     attn_flops = 4 * rows * c.num_heads * c.kv_layout()[2] * pairs
     slots = min(before + new, layer.window or before + new)
@@ -229,6 +247,9 @@ def _layer_step(layer: LayerShape, tier: str, rows: list[int], act_tiers: list[s
     parts = {"weights_load": w_disk / cal.disk_read + w_h2d / cal.host_to_device,
              "cache_load": sum(x[0] for x in io), "cache_store": sum(x[1] for x in io),
              "compute": compute}
+    if not env.cuda and tier != "disk":  # the executor unpacks such caches on the compute thread
+        compute += parts["cache_load"] + parts["cache_store"]
+        parts["cache_load"] = parts["cache_store"] = 0.0
     links = max((w_disk + sum(x[2] for x in io)) / cal.disk_read,  # shared by weights and cache
                 (w_h2d + sum(x[3] for x in io)) / cal.host_to_device)
     return parts, max(parts["weights_load"], parts["cache_load"] + parts["cache_store"],
@@ -262,7 +283,7 @@ def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Wor
                cal.matmul.get(name) or cal.matmul["float32"],
                cal.gemv.get(name) or cal.gemv["float32"],
                cfg.kv_bytes_per_token(dtype.itemsize) // cfg.num_layers,
-               _cache_ratio(placed.plan, cfg, dtype, policy))
+               _cache_ratio(placed.plan, cfg, dtype, policy), name)
     groups = Counter(zip(placed.layers, tiers_for(cfg.num_layers, policy.cache_split)))
     cut = blocks(policy, batch, max_batch_size)
     prefill = decode = 0.0
