@@ -34,12 +34,14 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (n, PROMPT_LEN), generator=g).tolist()
 
 
-def run_tiergen(model: str, n: int, block: int, disk: bool, budget: str, offload: str) -> float:
+def run_tiergen(model: str, n: int, block: int, disk: bool, budget: str, offload: str,
+                compress: bool = False) -> float:
     from tiergen import LLM, Policy, SamplingParams
 
     micro = min(block, 32)
     policy = Policy(weights=(0, 0) if disk else (100, 0), gpu_batch_size=micro,
-                    num_gpu_batches=block // micro, offload_dir=offload)
+                    num_gpu_batches=block // micro, offload_dir=offload,
+                    compress_weights=compress, compress_cache=compress)
     llm = LLM(model, dtype="bfloat16", policy=policy, host_memory=budget if disk else None)
     ps = prompts(n, llm.config.vocab_size)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -91,7 +93,8 @@ def child(argv: list[str]) -> None:
     if engine == "accelerate":
         seconds = run_accelerate(model, int(n), budget, offload)
     else:
-        seconds = run_tiergen(model, int(n), int(block), engine == "tiergen-disk", budget, offload)
+        seconds = run_tiergen(model, int(n), int(block), engine.startswith("tiergen-disk"),
+                              budget, offload, compress=engine == "tiergen-disk-4bit")
     print(json.dumps({"seconds": seconds, "tok_s": int(n) * NEW_TOKENS / seconds,
                       "peak_rss_mb": resident_set()[1] / 2**20}))
 
@@ -115,9 +118,14 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--plot", default=str(HERE.parent / "docs" / "bench_offload.png"))
     p.add_argument("--child", nargs=6)
+    p.add_argument("--compression", action="store_true",
+                   help="only compare weights on disk with and without 4-bit weights and cache")
     args = p.parse_args()
     if args.child:
         child(args.child)
+        return
+    if args.compression:
+        compression(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -153,6 +161,21 @@ def main() -> None:
         "block size (sequences per trip of the weights)",
         f"SmolLM2-135M bf16, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, 2 CPU cores",
         hline=(acc, f"accelerate disk offload (batch {args.prompts})"))
+
+def compression(args: argparse.Namespace) -> None:
+    """Weights on disk under the host budget, plain against 4-bit weights and KV cache."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = work / "smollm2-hf"
+        make_hf_copy(model)
+        print("\n| block | weights on disk tok/s | 4-bit weights and cache on disk tok/s | ratio |")
+        print("|---|---|---|---|")
+        for block in args.blocks:
+            n = max(block, args.prompts)
+            plain = measure("tiergen-disk", model, n, block, args.budget, work)["tok_s"]
+            packed = measure("tiergen-disk-4bit", model, n, block, args.budget, work)["tok_s"]
+            print(f"| {block} | {plain:.1f} | {packed:.1f} | {packed / plain:.2f}x |", flush=True)
+
 
 if __name__ == "__main__":
     main()
