@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import random
 import shutil
 import sys
 import tempfile
@@ -49,7 +50,7 @@ GEMV_BYTES = 256 * 2**20  # weights cycled per gemv run: more than any L2/L3, so
 ATTENTION = (8, 8, 8, 2048, 64)  # (B, H, KVH, S, D): q (B, H, 1, D), K/V (B, KVH, S, D)
 ATTENTION_BYTES = 256 * 2**20  # KV caches cycled per run (one per layer, as in decode)
 COPY_BYTES = 128 * 2**20  # host memcpy and host<->device copies
-DISK_CHUNK = 4 * 2**20  # read size: the disk tier reads one file per tensor, a few MiB each
+DISK_CHUNK = 2**20  # read size: the disk tier reads one file per tensor, about a MiB or more
 DISK_MIN = 2**20
 DISK_RESERVE = 64 * 2**20  # free space left over after the disk test file
 
@@ -67,7 +68,7 @@ class Calibration:
     """Measured speeds of one machine and compute device (bytes/s, FLOP/s)."""
 
     hardware: dict[str, str]  # fingerprint: cpu, cores, RAM, torch, threads (+ gpu on cuda)
-    disk_read: float  # sequential read from disk into host RAM, page cache dropped
+    disk_read: float  # disk -> host RAM in MiB reads, page cache dropped
     host_to_device: float  # pinned host -> device copy; host memcpy on a CPU device
     device_to_host: float  # device -> pinned host copy; host memcpy on a CPU device
     host_memcpy: float  # host RAM -> host RAM copy (bytes copied per second)
@@ -272,6 +273,17 @@ def _read_all(fd: int, buf: memoryview, nbytes: int) -> None:
         offset += got
 
 
+def _read_scattered(fd: int, buf: memoryview, nbytes: int) -> None:
+    """Read ``nbytes`` in ``len(buf)`` chunks in a shuffled order: like the disk tier, which
+    reads one file per tensor, each read starts where the kernel's readahead has not been."""
+    chunks = list(range(0, nbytes, len(buf)))
+    random.Random(0).shuffle(chunks)
+    for offset in chunks:
+        view = buf[:min(len(buf), nbytes - offset)]
+        if os.preadv(fd, [view], offset) != len(view):
+            raise OSError(5, "short read")
+
+
 def _drop_cache(fd: int) -> None:
     """Evict the (clean, fsynced) file from the page cache, so reads come from the disk."""
     if hasattr(os, "posix_fadvise"):  # not on macOS or Windows: reads may then hit the cache
@@ -280,7 +292,8 @@ def _drop_cache(fd: int) -> None:
 
 
 def _measure_disk(directory: Path, size: int) -> float:
-    """Sequential read bandwidth (bytes/s) of a ``size``-byte file in ``directory``."""
+    """Read bandwidth (bytes/s) of a ``size``-byte file in ``directory``, page cache dropped,
+    in MiB reads at shuffled offsets (as the disk tier reads many files of a few MiB)."""
     free = _free_bytes(directory)
     if free < size + DISK_RESERVE:
         raise TiergenError(
@@ -309,7 +322,7 @@ def _measure_disk(directory: Path, size: int) -> float:
             while True:
                 _drop_cache(fd)
                 t0 = time.perf_counter()
-                _read_all(fd, buf, size)
+                _read_scattered(fd, buf, size)
                 best = min(best, time.perf_counter() - t0)
                 n += 1
                 spent = time.perf_counter() - start
