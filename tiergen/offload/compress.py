@@ -60,6 +60,23 @@ class Quantized:
         """The three stored parts, e.g. to write each to its own file."""
         return {"data": self.data, "scale": self.scale, "minimum": self.minimum}
 
+    def to_bytes(self) -> torch.Tensor:
+        """The three parts as one flat uint8 tensor (codes, then scales, then minima), to be
+        stored and read as a single piece."""
+        return torch.cat([t.contiguous().view(torch.uint8).flatten() for t in self.tensors().values()])
+
+    @classmethod
+    def from_bytes(cls, flat: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, bits: int,
+                   group_size: int) -> Quantized:
+        """The inverse of :meth:`to_bytes` (views into ``flat``, no copy)."""
+        groups = prod(shape) // group_size
+        codes = groups * group_size * bits // 8
+        data, scale, minimum = flat.split([codes, 4 * groups, 4 * groups])
+        return cls.from_tensors({"data": data.view(groups, -1),
+                                 "scale": scale.view(PARAM_DTYPE).view(groups, 1),
+                                 "minimum": minimum.view(PARAM_DTYPE).view(groups, 1)},
+                                shape, dtype, bits, group_size)
+
     @classmethod
     def from_tensors(cls, parts: dict[str, torch.Tensor], shape: tuple[int, ...],
                      dtype: torch.dtype, bits: int, group_size: int, dim: int = -1) -> Quantized:

@@ -13,7 +13,7 @@ import torch
 from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
-from tiergen.offload.compress import PARAM_DTYPE, Quantized, dequantize, quantize, quantized_nbytes
+from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
 from tiergen.offload.disk import FORMAT as DISK_FORMAT, OffloadedWeights
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
@@ -97,17 +97,12 @@ class WeightPlan:
             return quantized_nbytes(self.shapes[j][name], *self.compress)
         return self.dense_bytes(j, name)
 
-    def stored_specs(self, j: int, name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-        """Stored parts of a tensor: itself (dtype None: the compute dtype), or, compressed,
-        its codes, scales and minima (see offload.compress)."""
-        shape = self.shapes[j][name]
+    def stored_spec(self, j: int, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
+        """Shape and dtype of a tensor as stored: itself (dtype None: the compute dtype), or,
+        compressed, one flat uint8 piece (codes, scales, minima: Quantized.to_bytes)."""
         if not self.compressed(j, name):
-            return {name: (shape, None)}
-        bits, group = self.compress
-        groups = torch.Size(shape).numel() // group
-        return {f"{name}#data": ((groups, group * bits // 8), torch.uint8),
-                f"{name}#scale": ((groups, 1), PARAM_DTYPE),
-                f"{name}#minimum": ((groups, 1), PARAM_DTYPE)}
+            return self.shapes[j][name], None
+        return (self.nbytes(j, name),), torch.uint8
 
     def layer_bytes(self, j: int, tier: str, experts: bool | None = None) -> int:
         """Bytes of layer j on a tier (only routed experts, or only the rest, if asked)."""
@@ -117,9 +112,8 @@ class WeightPlan:
     def buffer_shapes(self, tier: str, experts: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """Shapes (and dtypes) of the reusable buffers for one layer's stored tensors on
         ``tier`` (the union over layers: layers may differ, e.g. dense and MoE layers)."""
-        return {k: spec for j in range(len(self.shapes)) for n, t in self.tiers[j].items()
-                if t == tier and is_expert(n) == experts
-                for k, spec in self.stored_specs(j, n).items()}
+        return {n: self.stored_spec(j, n) for j in range(len(self.shapes))
+                for n, t in self.tiers[j].items() if t == tier and is_expert(n) == experts}
 
     def needs(self) -> dict[str, int]:
         """Bytes per tier: placed weights plus the buffers that stream the rest."""
@@ -162,15 +156,10 @@ class TieredWeights:
         self.globals = model.pack_globals(load_tensors(source, model.global_specs(), dtype, device))
 
         def produce(j: int) -> Weights:
-            """Layer j's tensors in stored form (compressed ones as their three parts)."""
+            """Layer j's tensors in stored form (compressed ones quantised, as flat bytes)."""
             packed = model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
-            out = {}
-            for n, t in packed.items():
-                if plan.compressed(j, n):
-                    out |= {f"{n}#{k}": part for k, part in quantize(t, *plan.compress).tensors().items()}
-                else:
-                    out[n] = t
-            return out
+            return {n: quantize(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t
+                    for n, t in packed.items()}
 
         self.disk: OffloadedWeights | None = None
         if any("disk" in layer.values() for layer in self.tiers):
@@ -181,17 +170,16 @@ class TieredWeights:
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
         for j, tiers in enumerate(self.tiers):
             if self.disk is not None:  # read back only what is not on disk
-                layer = {k: self.disk.read_into(j, k, torch.empty(*self.disk.shape(j, k)[0],
-                                                                  dtype=self.disk.shape(j, k)[1]))
-                         for n, tier in tiers.items() if tier != "disk"
-                         for k in plan.stored_specs(j, n)}
+                layer = {n: self.disk.read_into(j, n, torch.empty(*self.disk.shape(j, n)[0],
+                                                                  dtype=self.disk.shape(j, n)[1]))
+                         for n, tier in tiers.items() if tier != "disk"}
             else:
                 layer = produce(j)
-            self.resident.append({k: (t.to(device) if tiers[k.split("#")[0]] == "device" else
-                                      t.pin_memory() if pin else t) for k, t in layer.items()})
+            self.resident.append({n: (t.to(device) if tiers[n] == "device" else
+                                      t.pin_memory() if pin else t) for n, t in layer.items()})
         # Two buffer sets stream disk tensors; routed experts read from disk share one set.
-        self.streamed = [[k for n, t in tiers.items() if t == "disk" and not is_expert(n)
-                          for k in plan.stored_specs(j, n)] for j, tiers in enumerate(self.tiers)]
+        self.streamed = [[n for n, t in tiers.items() if t == "disk" and not is_expert(n)]
+                         for tiers in self.tiers]
         self._free: queue.Queue[Weights] = queue.Queue()
         shapes = plan.buffer_shapes("disk", experts=False)
         for _ in range(2 if shapes else 0):
@@ -234,11 +222,10 @@ class TieredWeights:
         """Dequantise compressed matrices on the compute device, into one reused buffer set."""
         if self.plan.compress is None:
             return stored
-        weights = {k: t for k, t in stored.items() if "#" not in k}
+        weights = dict(stored)
         for n, shape in self.plan.shapes[j].items():
             if self.plan.compressed(j, n):
-                q = Quantized.from_tensors({p: stored[f"{n}#{p}"] for p in ("data", "scale", "minimum")},
-                                           shape, self.dtype, *self.plan.compress)
+                q = Quantized.from_bytes(stored[n], shape, self.dtype, *self.plan.compress)
                 out = self._dense.get(n)
                 if out is None or tuple(out.shape) != shape:
                     out = self._dense[n] = torch.empty(shape, dtype=self.dtype, device=self.device)
