@@ -256,3 +256,20 @@ def test_chat_keeps_going_after_a_turn_fails(use_smol, monkeypatch, capsys):
     assert shown == ["> ", "> "]
     err = capsys.readouterr().err
     assert "tiergen: error: " in err and "exceeds the model's context" in err
+
+
+@pytest.mark.parametrize("flags, note", [(["--policy", "auto"], False), ([], True)])
+def test_policy_auto_plans_within_the_budget(flags, note, monkeypatch, tmp_path, capsys):
+    """--policy auto (or a model that does not fit the budget on the device) plans a policy,
+    prints it, runs it, and reports predicted against measured."""
+    from test_planner import CPU
+    from tiergen.planner import calibrate
+
+    monkeypatch.setattr(calibrate, "get", lambda device, **kw: CPU)
+    code = cli.main(["generate", *flags, "--device-memory", "120M", "--max-tokens", "4",
+                     "--offload-dir", str(tmp_path), "The capital of France is", "Two plus two is"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "plan for LlamaForCausalLM" in err and "--percent" in err
+    assert "predicted decode" in err and "measured" in err
+    assert ("does not fit the budgets" in err) == note
