@@ -17,7 +17,7 @@ from tiergen.offload.weights import WeightPlan
 from tiergen.planner import calibrate, search
 from tiergen.planner.calibrate import Calibration
 from tiergen.planner.cost import Workload, blocks, estimate, touched_experts
-from tiergen.planner.search import choose_policy, format_plan, kv_cache_line, plan
+from tiergen.planner.search import choose_policy, format_plan, kv_cache_line, plan, policy_flags
 from tiergen.weights import open_model
 from tiny_models import build
 
@@ -279,3 +279,19 @@ def test_plan_command_errors(tiny, monkeypatch, argv, match):
 def test_available_ram_reads_proc_meminfo():
     ram = search.available_ram()
     assert ram is None or ram > 0
+
+
+def test_moe_plans_can_put_experts_on_disk(tmp_path):
+    """Under a budget that holds everything but the routed experts, the plan sends them to
+    disk (read only when routed to) rather than streaming whole layers."""
+    build("mixtral", tmp_path)
+    cfg = open_model(tmp_path).config
+    model = build_model(cfg)
+    full = WeightPlan.make(model, torch.float32, Policy(), torch.device("cpu")).needs()["device"]
+    experts = WeightPlan.make(model, torch.float32, Policy(experts="disk"),
+                              torch.device("cpu")).needs()["device"]
+    budget = Budgets(host=(full + experts) // 2 + 2**20)
+    estimates = plan(cfg, torch.float32, Workload(8, 4, 2), CPU, "cpu", budget,
+                     allow_compression=False)
+    assert estimates and any(e.policy.experts == "disk" for e in estimates)
+    assert "--experts disk" in policy_flags(next(e.policy for e in estimates if e.policy.experts))

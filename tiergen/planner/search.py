@@ -35,6 +35,14 @@ def cache_options(device_type: str) -> list[dict]:
             dict(cache=(0, 50)), dict(cache=(0, 0))]
 
 
+def expert_options(cfg: ModelConfig, device_type: str) -> list[str | None]:
+    """Where routed experts may go besides following the weight split (None): disk, and on a
+    GPU host RAM (on a CPU, host RAM is the device)."""
+    if cfg.moe is None:
+        return [None]
+    return [None, "disk"] + (["host"] if device_type != "cpu" else [])
+
+
 def batch_shapes(batch: int) -> list[tuple[int, list[int]]]:
     """(gpu_batch_size, num_gpu_batches from most to fewest) with blocks of at most
     ``batch``: powers of two, and whatever covers the batch exactly."""
@@ -94,10 +102,12 @@ def _search(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calib
         return None
 
     seen: set[str] = set()  # placements already searched (a tensor goes whole to one tier)
-    for weights in weight_splits(device_type):
+    for weights, experts in [(w, e) for w in weight_splits(device_type)
+                             for e in expert_options(cfg, device_type)]:
         placements: dict[tuple[bool, int], PlacedWeights] = {}
         for cw, cc, b in packs:
-            base = Policy(weights=weights, compress_weights=cw, compress_cache=cc, compress_bits=b)
+            base = Policy(weights=weights, compress_weights=cw, compress_cache=cc, compress_bits=b,
+                          experts=experts)
             if (cw, b * cw) not in placements:
                 placements[cw, b * cw] = PlacedWeights.make(cfg, dtype, base, device_type, model)
             placed = placements[cw, b * cw]
@@ -166,6 +176,8 @@ def policy_flags(p: Policy) -> str:
     flags += ["--compress-cache"] * p.compress_cache
     if (p.compress_weights or p.compress_cache) and p.compress_bits != 4:
         flags += ["--compress-bits", str(p.compress_bits)]
+    if p.experts:
+        flags += ["--experts", p.experts]
     return " ".join(flags)
 
 
