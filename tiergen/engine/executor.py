@@ -25,6 +25,7 @@ from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.activations import Activations
+from tiergen.offload.experts import HostRates
 from tiergen.offload.kv import TieredKV, cache_needs
 from tiergen.offload.memory import (Budgets, add, device_peak, fmt, reset_peak_resident_set,
                                     resident_set)
@@ -105,7 +106,7 @@ def block_needs(weights: WeightPlan, cfg: ModelConfig, dtype: torch.dtype, polic
 class Executor:
     def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
                  policy: Policy | None = None, model_id: str = "",
-                 budgets: Budgets | None = None) -> None:
+                 budgets: Budgets | None = None, expert_rates: HostRates | None = None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.dtype = dtype
@@ -118,7 +119,7 @@ class Executor:
                       "--device-memory",
             "host": "put more weights on disk (--percent), or raise --host-memory"})
         self.weights = TieredWeights(model, source, dtype, device, self.policy, self.weight_plan,
-                                     model_id)
+                                     model_id, expert_rates=expert_rates)
         self.globals = self.weights.globals
         self.cache_tiers = tiers_for(self.cfg.num_layers, self.policy.cache_split)
         root = Path(self.policy.offload_dir) if self.policy.offload_dir else default_offload_dir()

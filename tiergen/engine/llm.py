@@ -19,6 +19,7 @@ from tiergen.engine.step import StepMeta
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.layers import use_compiled_gemv
+from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
 from tiergen.weights import open_model
@@ -87,6 +88,21 @@ def _resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+def _expert_rates(device: torch.device) -> HostRates | None:
+    """Where routed experts in host RAM should run, from this machine's calibration if one
+    is cached (``tiergen calibrate``); only a GPU has the choice."""
+    if device.type != "cuda":
+        return None
+    from tiergen.planner import calibrate
+
+    gpu, cpu = calibrate.load(device), calibrate.load("cpu")  # the link; the host's own rates
+    if gpu is None and cpu is None:
+        return None
+    return HostRates.measured(max(cpu.matmul.values(), default=None) if cpu else None,
+                              cpu.host_memcpy if cpu else None,
+                              gpu.host_to_device if gpu else None)
+
+
 class LLM:
     """A loaded model.
 
@@ -126,7 +142,7 @@ class LLM:
         budgets = Budgets(None if device_memory is None else parse_size(device_memory),
                           None if host_memory is None else parse_size(host_memory))
         self.executor = Executor(build_model(self.config), files.source, self.dtype, self.device,
-                                 self.policy, files.fingerprint, budgets)
+                                 self.policy, files.fingerprint, budgets, _expert_rates(self.device))
         self.last_stats: RunStats | None = None
         if compile:  # process-wide, like torch's own backend switches
             use_compiled_gemv(True)

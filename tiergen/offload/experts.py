@@ -34,6 +34,14 @@ class HostRates:
     host_bandwidth: float = 5e10
     link_bandwidth: float = 2e10
 
+    @classmethod
+    def measured(cls, host_flops: float | None, host_bandwidth: float | None,
+                 link_bandwidth: float | None) -> HostRates:
+        """Rates from a calibration, the defaults standing in for what it lacks."""
+        d = cls()
+        return cls(host_flops or d.host_flops, host_bandwidth or d.host_bandwidth,
+                   link_bandwidth or d.link_bandwidth)
+
     def on_host(self, tokens: int, weight_bytes: int, hidden: int, itemsize: int) -> bool:
         """Whether running an expert on ``tokens`` tokens is cheaper on the host than moving
         its ``weight_bytes`` of weights to the device (device compute is taken as free)."""
