@@ -137,3 +137,10 @@ def test_bad_moe_configs_are_refused():
         from_hf_config(ds | dict(topk_method="noaux_tc"))
     with pytest.raises(TiergenError, match="experts must be one of"):
         Policy(experts="gpu")
+
+
+def test_measured_rates_fill_in_defaults():
+    rates = HostRates.measured(None, 1e10, None)
+    assert rates.host_bandwidth == 1e10
+    assert rates.host_flops == HostRates().host_flops
+    assert rates.link_bandwidth == HostRates().link_bandwidth
