@@ -150,7 +150,8 @@ def _plan(args: argparse.Namespace, prompts: list[str]):
     workload = Workload(max(lengths), args.max_tokens, len(lengths))
     budgets = Budgets(None if args.device_memory is None else parse_size(args.device_memory),
                       None if args.host_memory is None else parse_size(args.host_memory))
-    policy, estimate = choose_policy(files.config, dtype, workload, calibrate.get(device),
+    policy, estimate = choose_policy(files.config, dtype, workload,
+                                     calibrate.get(device, progress=True),
                                      device.type, budgets, args.max_batch_size)
     if args.offload_dir:
         policy.offload_dir = args.offload_dir
