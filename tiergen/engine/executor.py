@@ -189,10 +189,10 @@ class Executor:
                     t1 = time.perf_counter()
                     h = model.layer(j, w, acts.take(k), mb.meta, kv, shared[k])
                     acts.put(k, h)
-                    if mb.cache.moves(j) and not self._inline(mb.cache, j):
-                        stored[k] = self._cache_io.submit(mb.cache.store, j, kv, mb.meta)
-                    elif mb.cache.moves(j):
+                    if mb.cache.moves(j) and self._inline(mb.cache, j):
                         mb.cache.store(j, kv, mb.meta)
+                    elif mb.cache.moves(j):
+                        stored[k] = self._cache_io.submit(mb.cache.store, j, kv, mb.meta)
                     t.wait_cache[j] += t1 - t0
                     t.compute[j] += time.perf_counter() - t1
                 self.weights.release(j)

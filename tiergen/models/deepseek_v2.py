@@ -24,9 +24,8 @@ from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
 from tiergen.models.layers import (apply_rope_interleaved, attention, linear, rms_norm,
-                                   rope_attention_factor, rope_inv_freq, swiglu_mlp, yarn_mscale)
-from tiergen.models.moe import (CHECKPOINT_NAMES, checkpoint_moe_specs, moe_mlp, moe_specs,
-                                pack_moe)
+                                   rope_attention_factor, rope_inv_freq, yarn_mscale)
+from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
 
 if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
     from tiergen.cache.kv import KVView
@@ -62,14 +61,7 @@ class DeepseekV2:
                       a + "q_b_proj.weight": (heads * self.qk_dim, m.q_lora_rank)}
         else:
             specs[a + "q_proj.weight"] = (heads * self.qk_dim, h)
-        if c.is_moe_layer(i):
-            names = CHECKPOINT_NAMES[c.architecture]
-            specs |= {p + n: s for n, s in checkpoint_moe_specs(c.moe, h, names).items()}
-        else:
-            specs |= {p + "mlp.gate_proj.weight": (c.intermediate_size, h),
-                      p + "mlp.up_proj.weight": (c.intermediate_size, h),
-                      p + "mlp.down_proj.weight": (h, c.intermediate_size)}
-        return specs
+        return specs | {p + n: s for n, s in ffn_checkpoint_specs(c, i).items()}
 
     def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The projections reading x fused into "qkv_a": [q_a | kv_a] with q_lora_rank, else
@@ -83,10 +75,7 @@ class DeepseekV2:
                  "post_norm": (h,)}
         if m.q_lora_rank:
             specs |= {"q_norm": (m.q_lora_rank,), "q_b": (heads * self.qk_dim, m.q_lora_rank)}
-        i = c.intermediate_size
-        specs |= moe_specs(c.moe, h) if c.is_moe_layer(layer) else {"gate_up": (2 * i, h),
-                                                                    "down": (h, i)}
-        return specs
+        return specs | ffn_packed_specs(c, layer)
 
     def pack_globals(self, raw: Weights) -> Weights:
         return pack_causal_lm_globals(self.cfg, raw)
@@ -105,12 +94,7 @@ class DeepseekV2:
              "o": r[a + "o_proj.weight"], "post_norm": r["post_attention_layernorm.weight"]}
         if m.q_lora_rank:
             w["q_norm"], w["q_b"] = r[a + "q_a_layernorm.weight"], r[a + "q_b_proj.weight"]
-        if c.is_moe_layer(i):
-            w |= pack_moe(c.moe, r, CHECKPOINT_NAMES[c.architecture])
-        else:
-            w["gate_up"] = torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]])
-            w["down"] = r["mlp.down_proj.weight"]
-        return w
+        return w | pack_ffn(c, i, r)
 
     def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (B, 1, T, rope/2) in float32, with YaRN's magnitude factor folded in."""
@@ -146,10 +130,7 @@ class DeepseekV2:
         else:
             o = self._naive_attention(w, q_nope, q_pe, row, cache, meta)
         h = h + linear(o.transpose(1, 2).reshape(B, T, -1), w["o"])
-        x = rms_norm(h, w["post_norm"], c.rms_norm_eps)
-        if c.is_moe_layer(i):
-            return h + moe_mlp(c.moe, w, x)
-        return h + swiglu_mlp(x, w["gate_up"], w["down"])
+        return h + ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps))
 
     def _naive_attention(self, w: Weights, q_nope: torch.Tensor, q_pe: torch.Tensor,
                          row: torch.Tensor, cache: KVView, meta: StepMeta) -> torch.Tensor:

@@ -15,10 +15,8 @@ import torch
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
-from tiergen.models.layers import (apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq,
-                                   swiglu_mlp)
-from tiergen.models.moe import (CHECKPOINT_NAMES, checkpoint_moe_specs, moe_mlp, moe_specs,
-                                pack_moe)
+from tiergen.models.layers import apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq
+from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
 
 if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
     from tiergen.cache.kv import KVView
@@ -44,13 +42,7 @@ class Llama:
             p + "self_attn.o_proj.weight": (c.hidden_size, q),
             p + "post_attention_layernorm.weight": (c.hidden_size,),
         }
-        if c.is_moe_layer(i):
-            names = CHECKPOINT_NAMES[c.architecture]
-            specs |= {p + n: s for n, s in checkpoint_moe_specs(c.moe, c.hidden_size, names).items()}
-        else:
-            specs |= {p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-                      p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-                      p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
+        specs |= {p + n: s for n, s in ffn_checkpoint_specs(c, i).items()}
         if c.qkv_bias:
             specs |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                       p + "self_attn.v_proj.bias": (kv,)}
@@ -59,29 +51,21 @@ class Llama:
         if c.qk_norm:
             specs |= {p + "self_attn.q_norm.weight": (c.head_dim,),
                       p + "self_attn.k_norm.weight": (c.head_dim,)}
-        if c.mlp_bias and not c.is_moe_layer(i):
-            specs |= {p + "mlp.gate_proj.bias": (c.intermediate_size,),
-                      p + "mlp.up_proj.bias": (c.intermediate_size,),
-                      p + "mlp.down_proj.bias": (c.hidden_size,)}
         return specs
 
     def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
         """Names and shapes of what :meth:`pack_layer` returns."""
         c = self.cfg
-        q, kv, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         specs = {"input_norm": (c.hidden_size,), "qkv": (q + 2 * kv, c.hidden_size),
-                 "o": (c.hidden_size, q), "post_norm": (c.hidden_size,)}
-        moe = c.is_moe_layer(layer)
-        specs |= moe_specs(c.moe, c.hidden_size) if moe else {
-            "gate_up": (2 * i, c.hidden_size), "down": (c.hidden_size, i)}
+                 "o": (c.hidden_size, q), "post_norm": (c.hidden_size,),
+                 **ffn_packed_specs(c, layer)}
         if c.qkv_bias:
             specs["qkv_bias"] = (q + 2 * kv,)
         if c.o_bias:
             specs["o_bias"] = (c.hidden_size,)
         if c.qk_norm:
             specs["q_norm"] = specs["k_norm"] = (c.head_dim,)
-        if c.mlp_bias and not moe:
-            specs["gate_up_bias"], specs["down_bias"] = (2 * i,), (c.hidden_size,)
         return specs
 
     def pack_globals(self, raw: Weights) -> Weights:
@@ -95,21 +79,14 @@ class Llama:
             "qkv": torch.cat([r[f"self_attn.{n}_proj.weight"] for n in "qkv"]),
             "o": r["self_attn.o_proj.weight"],
             "post_norm": r["post_attention_layernorm.weight"],
+            **pack_ffn(self.cfg, i, r),
         }
-        if self.cfg.is_moe_layer(i):
-            w |= pack_moe(self.cfg.moe, r, CHECKPOINT_NAMES[self.cfg.architecture])
-        else:
-            w["gate_up"] = torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]])
-            w["down"] = r["mlp.down_proj.weight"]
         if self.cfg.qkv_bias:
             w["qkv_bias"] = torch.cat([r[f"self_attn.{n}_proj.bias"] for n in "qkv"])
         if self.cfg.o_bias:
             w["o_bias"] = r["self_attn.o_proj.bias"]
         if self.cfg.qk_norm:
             w["q_norm"], w["k_norm"] = r["self_attn.q_norm.weight"], r["self_attn.k_norm.weight"]
-        if self.cfg.mlp_bias and not self.cfg.is_moe_layer(i):
-            w["gate_up_bias"] = torch.cat([r["mlp.gate_proj.bias"], r["mlp.up_proj.bias"]])
-            w["down_bias"] = r["mlp.down_proj.bias"]
         return w
 
     def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,10 +114,7 @@ class Llama:
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         o = cache.attend(q, k, v, meta).transpose(1, 2).reshape(B, T, -1)
         h = h + linear(o, w["o"], w.get("o_bias"))
-        x = rms_norm(h, w["post_norm"], c.rms_norm_eps)
-        if c.is_moe_layer(i):
-            return h + moe_mlp(c.moe, w, x)
-        return h + swiglu_mlp(x, w["gate_up"], w["down"], w.get("gate_up_bias"), w.get("down_bias"))
+        return h + ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps))
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])

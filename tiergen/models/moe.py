@@ -13,11 +13,15 @@ Only the experts some token chose run; the experts object is told which ones fir
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
-from tiergen.config import MoEConfig
+from tiergen.config import ModelConfig, MoEConfig
 from tiergen.models.layers import linear, swiglu_mlp
+
+Specs = dict[str, tuple[int, ...]]
 
 
 class Experts:
@@ -59,21 +63,18 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    experts: Experts) -> torch.Tensor:
     """Mix the chosen experts' outputs for tokens x (N, H); returns (N, H) in x's dtype."""
     k = ids.shape[1]
-    flat = ids.flatten()
+    flat, mix = ids.flatten(), weights.flatten()
     order = flat.argsort(stable=True)  # token slots grouped by expert
-    counts = torch.bincount(flat, minlength=1).tolist()
+    counts = torch.bincount(flat).tolist()
+    ends = list(accumulate(counts))
     active = [e for e, c in enumerate(counts) if c]
     experts.fetch(active)
     out = torch.zeros_like(x)
-    start = 0
-    for e, c in enumerate(counts):
-        if not c:
-            continue
-        slots = order[start:start + c]
-        start += c
+    for e in active:
+        slots = order[ends[e] - counts[e]:ends[e]]
         tokens = slots // k
         y = experts.mlp(e, x[tokens])
-        out.index_add_(0, tokens, y * weights.flatten()[slots, None].to(y.dtype))
+        out.index_add_(0, tokens, y * mix[slots, None].to(y.dtype))
     return out
 
 
@@ -114,7 +115,51 @@ CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
 }
 
 
-def moe_specs(cfg: MoEConfig, hidden: int) -> dict[str, tuple[int, ...]]:
+# -- the feed-forward part of a layer: a dense SwiGLU MLP, or a MoE one ---------------------
+
+def ffn_checkpoint_specs(cfg: ModelConfig, layer: int) -> Specs:
+    """Checkpoint names (layer prefix removed) and shapes of a layer's feed-forward part."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    if cfg.is_moe_layer(layer):
+        return checkpoint_moe_specs(cfg.moe, h, CHECKPOINT_NAMES[cfg.architecture])
+    specs = {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+             "mlp.down_proj.weight": (h, i)}
+    if cfg.mlp_bias:
+        specs |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)}
+    return specs
+
+
+def ffn_packed_specs(cfg: ModelConfig, layer: int) -> Specs:
+    """Names and shapes of what :func:`pack_ffn` returns (gate and up fused)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    if cfg.is_moe_layer(layer):
+        return moe_specs(cfg.moe, h)
+    specs = {"gate_up": (2 * i, h), "down": (h, i)}
+    if cfg.mlp_bias:
+        specs |= {"gate_up_bias": (2 * i,), "down_bias": (h,)}
+    return specs
+
+
+def pack_ffn(cfg: ModelConfig, layer: int, r: dict[str, torch.Tensor]) -> dict:
+    """A layer's feed-forward tensors (checkpoint names, layer prefix removed), packed."""
+    if cfg.is_moe_layer(layer):
+        return pack_moe(cfg.moe, r, CHECKPOINT_NAMES[cfg.architecture])
+    w = {"gate_up": torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
+         "down": r["mlp.down_proj.weight"]}
+    if cfg.mlp_bias:
+        w["gate_up_bias"] = torch.cat([r["mlp.gate_proj.bias"], r["mlp.up_proj.bias"]])
+        w["down_bias"] = r["mlp.down_proj.bias"]
+    return w
+
+
+def ffn(cfg: ModelConfig, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
+    """A layer's feed-forward part on x (B, T, H)."""
+    if cfg.is_moe_layer(layer):
+        return moe_mlp(cfg.moe, w, x)
+    return swiglu_mlp(x, w["gate_up"], w["down"], w.get("gate_up_bias"), w.get("down_bias"))
+
+
+def moe_specs(cfg: MoEConfig, hidden: int) -> Specs:
     """Packed tensor names and shapes of a MoE MLP (experts stacked, gate and up fused)."""
     e, i = cfg.num_experts, cfg.intermediate_size
     specs = {"router": (e, hidden), "experts.gate_up": (e, 2 * i, hidden),

@@ -28,16 +28,17 @@ Simplifications (``benchmarks/bench_plan.py`` measures how far they hold):
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from tiergen.config import ModelConfig
-from tiergen.engine.executor import block_needs
+from tiergen.engine.executor import block_needs, cache_compression
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.base import ModelFamily
 from tiergen.offload.experts import is_expert
+from tiergen.offload.kv import stored_width
 from tiergen.offload.policy import TIERS, Policy, tiers_for
 from tiergen.offload.weights import WeightPlan
 from tiergen.planner.calibrate import Calibration
@@ -283,7 +284,7 @@ def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Wor
                cal.matmul.get(name) or cal.matmul["float32"],
                cal.gemv.get(name) or cal.gemv["float32"],
                cfg.kv_bytes_per_token(dtype.itemsize) // cfg.num_layers,
-               _cache_ratio(placed.plan, cfg, dtype, policy), name)
+               _cache_ratio(cfg, dtype, policy), name)
     groups = Counter(zip(placed.layers, tiers_for(cfg.num_layers, policy.cache_split)))
     cut = blocks(policy, batch, max_batch_size)
     prefill = decode = 0.0
@@ -302,13 +303,7 @@ def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Wor
                     per_layer, workload, device_type)
 
 
-def _cache_ratio(plan: WeightPlan, cfg: ModelConfig, dtype: torch.dtype, policy: Policy) -> float:
-    """Stored / uncompressed bytes of the KV cache, as block_needs counts them."""
-    if not policy.compress_cache:
-        return 1.0
-    on_disk = replace(policy, cache=(0, 0), cpu_attention=False)
-
-    def cache(p: Policy) -> int:
-        return block_needs(plan, cfg, dtype, p, [(1, 256)], 0)["disk"] - plan.needs()["disk"]
-
-    return cache(on_disk) / cache(replace(on_disk, compress_cache=False))
+def _cache_ratio(cfg: ModelConfig, dtype: torch.dtype, policy: Policy) -> float:
+    """Stored / uncompressed bytes of the KV cache (see offload.kv.stored_width)."""
+    width, stored_dtype = stored_width(cfg, dtype, cache_compression(policy))
+    return width * stored_dtype.itemsize / (cfg.kv_layout()[2] * dtype.itemsize)
