@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -30,7 +29,7 @@ from tiergen.offload.kv import TieredKV, cache_needs
 from tiergen.offload.memory import (Budgets, add, device_peak, fmt, reset_peak_resident_set,
                                     resident_set)
 from tiergen.offload.policy import Policy, tiers_for
-from tiergen.offload.weights import TieredWeights, WeightPlan, default_offload_dir
+from tiergen.offload.weights import TieredWeights, WeightPlan, offload_root
 
 
 @dataclass
@@ -122,8 +121,7 @@ class Executor:
                                      model_id, expert_rates=expert_rates)
         self.globals = self.weights.globals
         self.cache_tiers = tiers_for(self.cfg.num_layers, self.policy.cache_split)
-        root = Path(self.policy.offload_dir) if self.policy.offload_dir else default_offload_dir()
-        self.spill_dir = root / "spill"
+        self.spill_dir = offload_root(self.policy) / "spill"
         self._cache_io = ThreadPoolExecutor(1, thread_name_prefix="tiergen-cache")  # FIFO
         self.stats = RunStats(self.cfg.num_layers)
 

@@ -74,6 +74,11 @@ def make_sequences(prompts: list[list[int]], params: list[SamplingParams], eos_i
             for i, (ids, p) in enumerate(zip(prompts, params))]
 
 
+def capacity(seqs: list[Sequence]) -> int:
+    """Cache slots a micro-batch needs: its longest prompt plus its largest max_tokens."""
+    return max(len(s.prompt_ids) for s in seqs) + max(s.params.max_tokens for s in seqs)
+
+
 class MicroBatchState:
     """The sequences of one micro-batch between steps: next input, slot validity, cache."""
 
@@ -81,15 +86,15 @@ class MicroBatchState:
                  prefill_chunk: int | None = None) -> None:
         device = executor.device
         longest = max(len(s.prompt_ids) for s in seqs)
-        capacity = longest + max(s.params.max_tokens for s in seqs)
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-        valid = torch.zeros(len(seqs), capacity, dtype=torch.bool)
+        slots = capacity(seqs)
+        valid = torch.zeros(len(seqs), slots, dtype=torch.bool)
         for row, s in enumerate(seqs):
             ids[row, longest - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
             valid[row, longest - len(s.prompt_ids):longest] = True
         self.prompt, self.valid = ids.to(device), valid.to(device)
         self.chunk = prefill_chunk or longest
-        self.cache = executor.new_cache(len(seqs), capacity)
+        self.cache = executor.new_cache(len(seqs), slots)
         self.sampler = Sampler([s.params for s in seqs], [s.prompt_ids for s in seqs],
                                executor.cfg.vocab_size, device)
         self.live = list(seqs)
@@ -145,8 +150,7 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
     """
     groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
     longest = max(len(s.prompt_ids) for s in seqs)
-    executor.check_block([(len(g), max(len(s.prompt_ids) for s in g) +
-                           max(s.params.max_tokens for s in g)) for g in groups], longest)
+    executor.check_block([(len(g), capacity(g)) for g in groups], longest)
     states = [MicroBatchState(executor, g, prefill_chunk) for g in groups]
     try:
         while states:

@@ -103,7 +103,7 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if p.top_p < 1.0:
             sorted_logits, order = logits.sort(descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
+            probs = sorted_logits.softmax(-1)
+            drop = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest set reaching top_p
             logits = logits.index_fill(0, order[drop], float("-inf"))
         return torch.multinomial(logits.softmax(-1), 1, generator=gen)[0]

@@ -157,8 +157,7 @@ def dequantize(q: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
 
 def packed_width(width: int, bits: int, group_size: int) -> int:
     """Bytes per row of ``width`` numbers in the :func:`pack_rows` form."""
-    _check((width,), bits, group_size, -1)
-    return width * bits // 8 + (width // group_size) * 2 * PARAM_DTYPE.itemsize
+    return quantized_nbytes((width,), bits, group_size)
 
 
 def pack_rows(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:

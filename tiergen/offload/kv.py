@@ -35,6 +35,14 @@ def layer_slots(capacity: int, window: int | None) -> int:
     return min(capacity, window) if window else capacity
 
 
+def cache_moves(tier: str, device_type: str, compressed: bool, cpu_attention: bool) -> bool:
+    """Whether a layer's cache on ``tier`` is loaded into a device working buffer before use
+    and stored back after: from disk, from host RAM behind a GPU (unless attention runs
+    there), and always when compressed (it is unpacked for use)."""
+    return compressed or tier == "disk" or (
+        tier == "host" and device_type != "cpu" and not cpu_attention)
+
+
 def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
                 micro_batches: list[tuple[int, int]], device_type: str,
                 compress: tuple[int, int] | None = None) -> dict[str, int]:
@@ -85,9 +93,8 @@ class TieredKV:
         for j, tier in enumerate(tiers):
             if tier == "disk":
                 assert spill_dir is not None
-                f = SpillFile(spill_dir, self._numel(j) * self.stored_dtype.itemsize)
-                f.write(torch.zeros(self._numel(j), dtype=self.stored_dtype))
-                self.layers.append(f)
+                # a new spill file reads back as zeros: no need to write them
+                self.layers.append(SpillFile(spill_dir, self._numel(j) * self.stored_dtype.itemsize))
             else:
                 host = tier == "host" and device.type != "cpu"
                 self.layers.append(torch.zeros(self.stored_shape(j), dtype=self.stored_dtype,
@@ -114,10 +121,8 @@ class TieredKV:
 
     def moves(self, j: int) -> bool:
         """Whether layer j's K/V must travel to and from the device around its use."""
-        store = self.layers[j]
-        if isinstance(store, SpillFile) or self.compress:
-            return True
-        return store.device != self.device and not self.cpu_attention
+        return cache_moves(self.tiers[j], self.device.type, self.compress is not None,
+                           self.cpu_attention)
 
     def _view(self, j: int, kv: torch.Tensor) -> KVView:
         ring, sparsity = self.rings[j], self.sparsity

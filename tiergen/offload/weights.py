@@ -44,7 +44,11 @@ def place(sizes: dict[str, int], split: tuple[float, float, float]) -> dict[str,
     return tiers
 
 
-def default_offload_dir() -> Path:
+def offload_root(policy: Policy) -> Path:
+    """Where converted weights and spill files go: the policy's offload_dir, or else
+    ~/.cache/tiergen/offload (honouring XDG_CACHE_HOME)."""
+    if policy.offload_dir:
+        return Path(policy.offload_dir)
     import os
 
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -163,7 +167,7 @@ class TieredWeights:
 
         self.disk: OffloadedWeights | None = None
         if any("disk" in layer.values() for layer in self.tiers):
-            root = Path(policy.offload_dir) if policy.offload_dir else default_offload_dir()
+            root = offload_root(policy)
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{DISK_FORMAT}".encode()).hexdigest()[:16]
             self.disk = OffloadedWeights.open_or_convert(root, key, cfg.num_layers, produce)
         pin = policy.pin_memory and device.type == "cuda"
@@ -180,6 +184,10 @@ class TieredWeights:
         # Two buffer sets stream disk tensors; routed experts read from disk share one set.
         self.streamed = [[n for n, t in tiers.items() if t == "disk" and not is_expert(n)]
                          for tiers in self.tiers]
+        # layers whose weights compute already reads where they are (routed experts aside)
+        self._in_place = [not streamed and (device.type == "cpu" or all(
+            t == "device" or is_expert(n) for n, t in tiers.items()))
+            for streamed, tiers in zip(self.streamed, self.tiers)]
         self._free: queue.Queue[Weights] = queue.Queue()
         shapes = plan.buffer_shapes("disk", experts=False)
         for _ in range(2 if shapes else 0):
@@ -200,9 +208,8 @@ class TieredWeights:
     def prefetch(self, j: int) -> None:
         if j >= self.num_layers or j in self._pending:
             return
-        if not self.streamed[j] and (self.device.type == "cpu" or all(
-                t == "device" or is_expert(n) for n, t in self.tiers[j].items())):
-            done: Future = Future()  # everything is already where compute reads it
+        if self._in_place[j]:
+            done: Future = Future()
             done.set_result((self.resident[j], None))
             self._pending[j] = done
         else:

@@ -38,7 +38,7 @@ from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.base import ModelFamily
 from tiergen.offload.experts import is_expert
-from tiergen.offload.kv import stored_width
+from tiergen.offload.kv import cache_moves, stored_width
 from tiergen.offload.policy import TIERS, Policy, tiers_for
 from tiergen.offload.weights import WeightPlan
 from tiergen.planner.calibrate import Calibration
@@ -189,8 +189,7 @@ class _Env:
         """Whether a layer's cache on ``tier`` is loaded and stored around its use (the
         executor unpacks a compressed cache wherever it lives)."""
         p = self.policy
-        return p.compress_cache or tier == "disk" or (
-            tier == "host" and self.cuda and not p.cpu_attention)
+        return cache_moves(tier, "cuda" if self.cuda else "cpu", p.compress_cache, p.cpu_attention)
 
 
 def _weight_traffic(layer: LayerShape, tokens: int, env: _Env) -> tuple[float, float]:
