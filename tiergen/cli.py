@@ -114,9 +114,12 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
     """The LLM of the command line, with a planned policy under --policy auto (or when the
     default policy does not fit the budgets and no --percent was given)."""
     from tiergen.engine.llm import LLM
+    from tiergen.weights import open_model
+
+    files = open_model(args.model)  # once, whether or not a policy must be planned
 
     def load(policy):
-        return LLM(args.model, dtype=args.dtype, device=args.device,
+        return LLM(files, dtype=args.dtype, device=args.device,
                    max_batch_size=args.max_batch_size, policy=policy,
                    device_memory=args.device_memory, host_memory=args.host_memory,
                    compile=args.compile, prefill_chunk_size=args.prefill_chunk_size)
@@ -130,20 +133,18 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
                 raise
             print("tiergen: the model does not fit the budgets on the device; planning a policy "
                   "(--policy auto)", file=sys.stderr)
-    policy, args.estimate = _plan(args, prompts or [])
+    policy, args.estimate = _plan(args, files, prompts or [])
     return load(policy)
 
 
-def _plan(args: argparse.Namespace, prompts: list[str]):
+def _plan(args: argparse.Namespace, files, prompts: list[str]):
     from tiergen.engine.llm import _resolve_device, _resolve_dtype
     from tiergen.offload.memory import Budgets
     from tiergen.offload.policy import parse_size
     from tiergen.planner import calibrate
     from tiergen.planner.cost import Workload
     from tiergen.planner.search import choose_policy, format_plan
-    from tiergen.weights import open_model
 
-    files = open_model(args.model)
     device = _resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device, files.default_dtype)
     lengths = [len(files.tokenizer.encode(p)) if files.tokenizer else 1 for p in prompts] or [1]

@@ -107,7 +107,6 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -0.5 power (Gemma)
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
-    bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
@@ -217,7 +216,8 @@ UNLIMITED_CONTEXT = 2**62
 _ACTIVATIONS = {"Gemma3ForCausalLM": "gelu_pytorch_tanh"}
 
 
-def _as_id_list(value: Any) -> list[int]:
+def as_id_list(value: Any) -> list[int]:
+    """Token ids given as None, one id or a list of them, as a list."""
     if value is None:
         return []
     if isinstance(value, int):
@@ -367,8 +367,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
             o_bias=bias and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_as_id_list(cfg.get("eos_token_id")),
+            eos_token_ids=as_id_list(cfg.get("eos_token_id")),
             **fields,
         )
     except KeyError as e:

@@ -22,7 +22,7 @@ from tiergen.models.layers import use_compiled_gemv
 from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
-from tiergen.weights import open_model
+from tiergen.weights import ModelFiles, open_model
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -117,7 +117,7 @@ class LLM:
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
     """
 
-    def __init__(self, model: str | Path, dtype: str | torch.dtype = "auto",
+    def __init__(self, model: str | Path | ModelFiles, dtype: str | torch.dtype = "auto",
                  device: str | None = None, max_batch_size: int = 64,
                  policy: Policy | None = None, device_memory: int | str | None = None,
                  host_memory: int | str | None = None, compile: bool = False,
@@ -131,7 +131,7 @@ class LLM:
         self.prefill_chunk_size = prefill_chunk_size
         self.policy = policy or Policy()
         self.device = _resolve_device(device)
-        files = open_model(model)
+        files = model if isinstance(model, ModelFiles) else open_model(model)
         self.name = files.name
         self.config = files.config
         self.tokenizer = files.tokenizer

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from tiergen.config import ModelConfig, from_hf_config
+from tiergen.config import ModelConfig, as_id_list, from_hf_config
 from tiergen.errors import TiergenError
 from tiergen.tokenizer import Tokenizer
 
@@ -167,8 +167,7 @@ def _from_hf_dir(directory: Path) -> ModelFiles:
     config = from_hf_config(raw)
     gen_path = directory / "generation_config.json"
     if gen_path.exists():
-        eos = _read_json(gen_path).get("eos_token_id")
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        eos = as_id_list(_read_json(gen_path).get("eos_token_id"))
         config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos))
     dtype_name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None

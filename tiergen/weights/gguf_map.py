@@ -109,7 +109,6 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     gemma3 = _gemma3_from_gguf(meta, arch, hidden, heads) if arch == "gemma3" else {}
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
-    bos = meta.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
@@ -127,7 +126,6 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         o_bias="blk.0.attn_output.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
-        bos_token_id=None if bos is None else int(bos),
         eos_token_ids=sorted(set(eos)),
         **gemma3,
     )
