@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter
 
 from tiergen.engine.scheduler import Request, Scheduler
 
@@ -21,9 +20,9 @@ class Histogram:
         self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
         self.sum = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
 
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
@@ -41,9 +40,6 @@ class ServerMetrics:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
-        self._steps_seen: Counter[int] = Counter()
-        self.batch_size = Histogram("tiergen_batch_size", "Sequences in each engine step.",
-                                    BATCH_BUCKETS)
         self.latency = Histogram("tiergen_request_latency_seconds",
                                  "Seconds from submission to the last token, per finished request.",
                                  SECONDS_BUCKETS)
@@ -59,10 +55,10 @@ class ServerMetrics:
 
     def render(self) -> str:
         m = self._scheduler.snapshot()
-        for size, steps in (m.batch_sizes - self._steps_seen).items():  # steps since last time
-            for _ in range(steps):
-                self.batch_size.observe(size)
-        self._steps_seen = m.batch_sizes
+        batch_size = Histogram("tiergen_batch_size", "Sequences in each engine step.",
+                               BATCH_BUCKETS)
+        for size, steps in m.batch_sizes.items():  # the scheduler counts every step
+            batch_size.observe(size, steps)
         lines: list[str] = []
         for name, kind, help, value in [
             ("requests_total", "counter", "Requests submitted to the engine.", m.requests_total),
@@ -80,6 +76,6 @@ class ServerMetrics:
         ]:
             lines += [f"# HELP tiergen_{name} {help}", f"# TYPE tiergen_{name} {kind}",
                       f"tiergen_{name} {value}"]
-        for histogram in (self.batch_size, self.latency, self.ttft):
+        for histogram in (batch_size, self.latency, self.ttft):
             lines += histogram.render()
         return "\n".join(lines) + "\n"
