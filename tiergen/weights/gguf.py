@@ -8,6 +8,7 @@ stays in a memory map and is only read (and dequantised) on request.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -267,10 +268,7 @@ class GGUFFile:
                 f"tensor {name!r} data offset {offset} is not aligned to {alignment} bytes; "
                 "the file is corrupt"
             )
-        n_elements = 1
-        for d in dims:
-            n_elements *= d
-        nbytes = tensor_nbytes(ggml_type, n_elements)
+        nbytes = tensor_nbytes(ggml_type, math.prod(dims))
         return GGUFTensorInfo(name, torch_shape(dims), ggml_type, data_offset + offset, nbytes)
 
     def _check_tensor_ranges(self, size: int) -> None:

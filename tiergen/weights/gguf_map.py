@@ -106,7 +106,10 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     rope = RopeConfig(theta=float(key("rope.freq_base", 10000.0)))
     if scaling == "linear":
         rope.kind, rope.factor = "linear", float(key("rope.scaling.factor"))
-    gemma3 = _gemma3_from_gguf(meta, arch, hidden, heads) if arch == "gemma3" else {}
+    layers = int(key("block_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    gemma3 = (_gemma3_from_gguf(meta, arch, layers, hidden, heads, head_dim)
+              if arch == "gemma3" else {})
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
     return ModelConfig(
@@ -114,10 +117,10 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(kv_heads if not hasattr(kv_heads, "__len__") else kv_heads[0]),
-        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         max_position=int(key("context_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope=rope,
@@ -131,10 +134,9 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     )
 
 
-def _gemma3_from_gguf(meta: dict, arch: str, hidden: int, heads: int) -> dict:
+def _gemma3_from_gguf(meta: dict, arch: str, layers: int, hidden: int, heads: int,
+                      head_dim: int) -> dict:
     """Gemma 3 fields, with llama.cpp's defaults for what converters do not write."""
-    layers = int(meta[f"{arch}.block_count"])
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
     if hasattr(pattern, "__len__"):  # one flag per layer: True for sliding layers
         kinds = [bool(x) for x in pattern]

@@ -6,6 +6,7 @@ operations follow llama.cpp's ``ggml-quants.c`` (as mirrored by gguf-py's ``gguf
 so results match the reference bit for bit.
 """
 
+import math
 from collections.abc import Callable
 from enum import IntEnum
 
@@ -315,10 +316,7 @@ def dequantize(
             f"{ggml_type_name(ggml_type)} tensor of shape {tuple(shape)}: rows of {shape[-1]} "
             f"values are not a multiple of the block size {block_size}; the file is corrupt"
         )
-    n_elements = 1
-    for dim in shape:
-        n_elements *= dim
-    expected = tensor_nbytes(ggml_type, n_elements)
+    expected = tensor_nbytes(ggml_type, math.prod(shape))
     if raw.numel() != expected:
         raise TiergenError(
             f"{ggml_type_name(ggml_type)} tensor of shape {tuple(shape)} needs {expected} bytes, "
