@@ -23,7 +23,7 @@ import torch
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
-from tiergen.models.layers import (apply_rope_interleaved, attention, linear, rms_norm,
+from tiergen.models.layers import (apply_rope_interleaved, attention, embedding, linear, rms_norm,
                                    rope_attention_factor, rope_inv_freq, yarn_mscale)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
 
@@ -102,7 +102,7 @@ class DeepseekV2:
         return ((freqs.cos() * self.rope_factor)[:, None], (freqs.sin() * self.rope_factor)[:, None])
 
     def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
-        return w["embed"][ids].float()
+        return embedding(w["embed"], ids, w["norm"].dtype).float()
 
     def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
               shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

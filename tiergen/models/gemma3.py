@@ -20,8 +20,8 @@ import torch
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
-from tiergen.models.layers import (apply_rope, gelu_tanh_mlp, gemma_rms_norm, linear,
-                                   rope_cos_sin, rope_inv_freq)
+from tiergen.models.layers import (apply_rope, cat_rows, embedding, gelu_tanh_mlp,
+                                   gemma_rms_norm, linear, rope_cos_sin, rope_inv_freq)
 
 if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
     from tiergen.cache.kv import KVView
@@ -79,13 +79,13 @@ class Gemma3:
         r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
         return {
             "input_norm": r["input_layernorm.weight"],
-            "qkv": torch.cat([r[f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+            "qkv": cat_rows([r[f"self_attn.{n}_proj.weight"] for n in "qkv"]),
             "q_norm": r["self_attn.q_norm.weight"],
             "k_norm": r["self_attn.k_norm.weight"],
             "o": r["self_attn.o_proj.weight"],
             "post_attn_norm": r["post_attention_layernorm.weight"],
             "pre_ffw_norm": r["pre_feedforward_layernorm.weight"],
-            "gate_up": torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
+            "gate_up": cat_rows([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
             "down": r["mlp.down_proj.weight"],
             "post_ffw_norm": r["post_feedforward_layernorm.weight"],
         }
@@ -99,7 +99,7 @@ class Gemma3:
     def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
         # transformers multiplies by sqrt(hidden) cast to the weights' dtype (55.4256 -> 55.5
         # in bfloat16), in that dtype; the residual stream then continues in float32.
-        e = w["embed"][ids]
+        e = embedding(w["embed"], ids, w["norm"].dtype)
         return (e * torch.tensor(self.cfg.hidden_size**0.5, dtype=e.dtype)).float()
 
     def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,

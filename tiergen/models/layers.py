@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergen.config import RopeConfig
+from tiergen.weights.packed import Packed, cat_rows  # noqa: F401  (cat_rows: for the families)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,11 +51,23 @@ def use_compiled_gemv(enabled: bool) -> None:
         _compiled_gemv = None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    if isinstance(weight, Packed):
+        from tiergen.kernels import packed_linear
+
+        return packed_linear(x, weight, bias)
     if _compiled_gemv is not None and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
         y = _compiled_gemv(x.reshape(-1), weight).view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def embedding(weight: torch.Tensor | Packed, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of an embedding matrix, as ``dtype``."""
+    if isinstance(weight, Packed):
+        return weight.rows(ids, dtype)
+    return weight[ids].to(dtype)
 
 
 def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

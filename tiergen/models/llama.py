@@ -15,7 +15,8 @@ import torch
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
 from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
-from tiergen.models.layers import apply_rope, linear, rms_norm, rope_cos_sin, rope_inv_freq
+from tiergen.models.layers import (apply_rope, cat_rows, embedding, linear, rms_norm,
+                                   rope_cos_sin, rope_inv_freq)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
 
 if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
@@ -76,7 +77,7 @@ class Llama:
         r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
         w = {
             "input_norm": r["input_layernorm.weight"],
-            "qkv": torch.cat([r[f"self_attn.{n}_proj.weight"] for n in "qkv"]),
+            "qkv": cat_rows([r[f"self_attn.{n}_proj.weight"] for n in "qkv"]),
             "o": r["self_attn.o_proj.weight"],
             "post_norm": r["post_attention_layernorm.weight"],
             **pack_ffn(self.cfg, i, r),
@@ -93,7 +94,8 @@ class Llama:
         return rope_cos_sin(self.inv_freq.to(meta.positions.device), meta.positions, dtype)
 
     def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
-        return w["embed"][ids].float()  # the residual stream is float32 (see rms_norm)
+        # the residual stream is float32 (see rms_norm); the norm weights hold the compute dtype
+        return embedding(w["embed"], ids, w["norm"].dtype).float()
 
     def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
               shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergen.config import ModelConfig, MoEConfig
-from tiergen.models.layers import linear, swiglu_mlp
+from tiergen.models.layers import cat_rows, linear, swiglu_mlp
 
 Specs = dict[str, tuple[int, ...]]
 
@@ -144,7 +144,7 @@ def pack_ffn(cfg: ModelConfig, layer: int, r: dict[str, torch.Tensor]) -> dict:
     """A layer's feed-forward tensors (checkpoint names, layer prefix removed), packed."""
     if cfg.is_moe_layer(layer):
         return pack_moe(cfg.moe, r, CHECKPOINT_NAMES[cfg.architecture])
-    w = {"gate_up": torch.cat([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
+    w = {"gate_up": cat_rows([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
          "down": r["mlp.down_proj.weight"]}
     if cfg.mlp_bias:
         w["gate_up_bias"] = torch.cat([r["mlp.gate_proj.bias"], r["mlp.up_proj.bias"]])
@@ -185,7 +185,7 @@ def pack_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) 
                                                     r[names["up"].format(e=e)]]) for e in n]),
          "experts.down": torch.stack([r[names["down"].format(e=e)] for e in n])}
     if cfg.shared_intermediate_size:
-        w["shared_gate_up"] = torch.cat([r[names["shared_gate"]], r[names["shared_up"]]])
+        w["shared_gate_up"] = cat_rows([r[names["shared_gate"]], r[names["shared_up"]]])
         w["shared_down"] = r[names["shared_down"]]
         if cfg.shared_gate:
             w["shared_gate"] = r[names["shared_expert_gate"]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,20 +17,33 @@ from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_
 from tiergen.offload.disk import FORMAT as DISK_FORMAT, OffloadedWeights
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
+from tiergen.weights.packed import Packed, Parts, packed_nbytes
 
 Specs = dict[str, tuple[int, ...]]
 
 
 def load_tensors(source, specs: Specs, dtype: torch.dtype, device: torch.device | str) -> Weights:
-    """Read the named tensors, check their shapes, and convert them."""
+    """Read the named tensors, check their shapes, and convert them (packed matrices stay
+    packed: they only move)."""
     out = {}
     for name, shape in specs.items():
         t = source.get(name)
         if tuple(t.shape) != shape:
             raise TiergenError(f"tensor {name!r} has shape {tuple(t.shape)} but the model config "
                                f"implies {shape}; the checkpoint does not match its config")
-        out[name] = t.to(device=device, dtype=dtype)
+        out[name] = t.to(device) if isinstance(t, Packed) else t.to(device=device, dtype=dtype)
     return out
+
+
+def meta_tensors(source, specs: Specs, dtype: torch.dtype) -> Weights:
+    """The tensors :func:`load_tensors` would give, as layouts without data (meta device)."""
+    meta = getattr(source, "meta", None)
+    return {n: (meta(n) if meta else None) or torch.empty(s, dtype=dtype, device="meta")
+            for n, s in specs.items()}
+
+
+def packed_layouts(packed: Weights) -> dict[str, Parts]:
+    return {n: t.parts for n, t in packed.items() if isinstance(t, Packed)}
 
 
 def place(sizes: dict[str, int], split: tuple[float, float, float]) -> dict[str, str]:
@@ -69,42 +82,58 @@ class WeightPlan:
     global_bytes: int
     device_type: str
     compress: tuple[int, int] | None = None  # (bits, group size) of compressed matrices
+    blocks: list[dict[str, Parts]] = field(default_factory=list)  # matrices kept in GGML blocks
 
     @classmethod
     def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
-             device: torch.device) -> WeightPlan:
-        shapes = [model.packed_specs(j) for j in range(model.cfg.num_layers)]
+             device: torch.device, source=None) -> WeightPlan:
+        layers = range(model.cfg.num_layers)
+        shapes = [model.packed_specs(j) for j in layers]
         compress = (policy.compress_bits, policy.compress_group_size) if policy.compress_weights else None
-        plan = cls(shapes, [], dtype.itemsize, 0, device.type, compress)
+        blocks = [packed_layouts(model.pack_layer(j, meta_tensors(source, model.layer_specs(j), dtype)))
+                  if source is not None else {} for j in layers]
+        plan = cls(shapes, [], dtype.itemsize, 0, device.type, compress, blocks)
         for j, layer in enumerate(shapes):
             sizes = {n: plan.nbytes(j, n) for n in layer}
             pinned = {n: policy.experts for n in sizes if policy.experts and is_expert(n)}
             placed = place({n: b for n, b in sizes.items() if n not in pinned}, policy.weight_split)
             plan.tiers.append({n: pinned.get(n) or placed[n] for n in layer})
-        plan.global_bytes = sum(torch.Size(s).numel() * dtype.itemsize
-                                for s in model.global_specs().values())
+        specs = model.global_specs()
+        raw = meta_tensors(source, specs, dtype) if source is not None else {}
+        plan.global_bytes = sum(raw[n].nbytes if isinstance(raw.get(n), Packed) else
+                                torch.Size(s).numel() * dtype.itemsize for n, s in specs.items())
         return plan
+
+    def __post_init__(self) -> None:
+        self.blocks = self.blocks or [{} for _ in self.shapes]
+
+    def packed(self, j: int, name: str) -> bool:
+        """Whether layer j's tensor is kept in the checkpoint's quantised blocks."""
+        return name in self.blocks[j]
 
     def compressed(self, j: int, name: str) -> bool:
         """Whether layer j's tensor is stored quantised: the matrices of a layer (norms and
         biases stay as they are; routed experts too, as they are read an expert at a time)."""
         shape = self.shapes[j][name]
         return (self.compress is not None and len(shape) == 2 and not is_expert(name)
-                and shape[-1] % self.compress[1] == 0)
+                and shape[-1] % self.compress[1] == 0 and not self.packed(j, name))
 
     def dense_bytes(self, j: int, name: str) -> int:
         return torch.Size(self.shapes[j][name]).numel() * self.itemsize
 
     def nbytes(self, j: int, name: str) -> int:
-        """Bytes of a tensor as stored (quantised, if compressed)."""
+        """Bytes of a tensor as stored (packed or quantised, if it is)."""
+        if self.packed(j, name):
+            return packed_nbytes(self.shapes[j][name], self.blocks[j][name])
         if self.compressed(j, name):
             return quantized_nbytes(self.shapes[j][name], *self.compress)
         return self.dense_bytes(j, name)
 
     def stored_spec(self, j: int, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
         """Shape and dtype of a tensor as stored: itself (dtype None: the compute dtype), or,
-        compressed, one flat uint8 piece (codes, scales, minima: Quantized.to_bytes)."""
-        if not self.compressed(j, name):
+        compressed, one flat uint8 piece (codes, scales, minima: Quantized.to_bytes), or
+        packed, its blocks as one flat uint8 piece."""
+        if not self.compressed(j, name) and not self.packed(j, name):
             return self.shapes[j][name], None
         return (self.nbytes(j, name),), torch.uint8
 
@@ -128,10 +157,12 @@ class WeightPlan:
             return sum(torch.Size(s).numel() * (d.itemsize if d else self.itemsize)
                        for s, d in specs.values())
 
-        # compressed matrices are unpacked into one dense set for the layer in use
+        # compressed matrices are unpacked into one dense set for the layer in use; packed
+        # ones, multiplied by many rows, are decoded one at a time into one buffer
         device = total["device"] + self.global_bytes + max(
             (sum(self.dense_bytes(j, n) for n in self.shapes[j] if self.compressed(j, n))
-             for j in layers), default=0)
+             for j in layers), default=0) + max(
+            (self.dense_bytes(j, n) for j in layers for n in self.blocks[j]), default=0)
         # two buffer sets stream disk layers; one set holds a layer's experts read from disk
         host = total["host"] + 2 * size(self.buffer_shapes("disk", False)) \
             + size(self.buffer_shapes("disk", True))
@@ -160,15 +191,18 @@ class TieredWeights:
         self.globals = model.pack_globals(load_tensors(source, model.global_specs(), dtype, device))
 
         def produce(j: int) -> Weights:
-            """Layer j's tensors in stored form (compressed ones quantised, as flat bytes)."""
+            """Layer j's tensors in stored form (compressed ones quantised, and packed ones
+            their blocks, as flat bytes)."""
             packed = model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
-            return {n: quantize(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t
+            return {n: t.data if isinstance(t, Packed) else
+                    quantize(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t
                     for n, t in packed.items()}
 
         self.disk: OffloadedWeights | None = None
         if any("disk" in layer.values() for layer in self.tiers):
             root = offload_root(policy)
-            key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{DISK_FORMAT}".encode()).hexdigest()[:16]
+            key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
+                                 .encode()).hexdigest()[:16]
             self.disk = OffloadedWeights.open_or_convert(root, key, cfg.num_layers, produce)
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
@@ -226,12 +260,15 @@ class TieredWeights:
         return self._with_experts(j, self._unpacked(j, weights))
 
     def _unpacked(self, j: int, stored: Weights) -> Weights:
-        """Dequantise compressed matrices on the compute device, into one reused buffer set."""
-        if self.plan.compress is None:
+        """Dequantise compressed matrices on the compute device, into one reused buffer set;
+        give packed ones their layout (they are multiplied packed)."""
+        if self.plan.compress is None and not self.plan.blocks[j]:
             return stored
         weights = dict(stored)
         for n, shape in self.plan.shapes[j].items():
-            if self.plan.compressed(j, n):
+            if self.plan.packed(j, n):
+                weights[n] = Packed(stored[n], shape, self.plan.blocks[j][n])
+            elif self.plan.compressed(j, n):
                 q = Quantized.from_bytes(stored[n], shape, self.dtype, *self.plan.compress)
                 out = self._dense.get(n)
                 if out is None or tuple(out.shape) != shape:

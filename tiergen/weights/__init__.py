@@ -154,11 +154,11 @@ def _read_json(path: Path) -> dict:
     return value
 
 
-def _from_hf_dir(directory: Path) -> ModelFiles:
+def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
     if not (directory / "config.json").exists():
         ggufs = sorted(directory.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _from_gguf(ggufs[0])
+            return _from_gguf(ggufs[0], packed)
         raise TiergenError(f"{directory} is not a model directory: it has no config.json "
                            "(and not exactly one .gguf file)")
     from tiergen.weights.safetensors import SafetensorsSource
@@ -176,10 +176,10 @@ def _from_hf_dir(directory: Path) -> ModelFiles:
                       fingerprint(list(directory.glob("*.safetensors")) + [directory / "config.json"]))
 
 
-def _from_gguf(path: Path) -> ModelFiles:
+def _from_gguf(path: Path, packed: bool = True) -> ModelFiles:
     from tiergen.weights.gguf_map import GGUFSource
 
-    source = GGUFSource(path)
+    source = GGUFSource(path, packed)
     return ModelFiles(path.stem, source.config, source,
                       Tokenizer.from_gguf_metadata(source.file.metadata), None, fingerprint([path]))
 
@@ -195,20 +195,21 @@ def _download(repo_id: str) -> Path:
                            "check the id and your network, or pass a local directory") from None
 
 
-def open_model(model: str | Path) -> ModelFiles:
-    """Resolve a model argument to its config, tensors and tokenizer."""
+def open_model(model: str | Path, packed: bool = True) -> ModelFiles:
+    """Resolve a model argument to its config, tensors and tokenizer. ``packed``: a GGUF's
+    quantised matrices stay in their blocks (False: dequantised at load)."""
     spec = str(model)
     if spec in SHORT_NAMES:
-        return _from_gguf(_packaged_file(spec))
+        return _from_gguf(_packaged_file(spec), packed)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _from_hf_dir(path)
+        return _from_hf_dir(path, packed)
     if path.is_file():
         if path.suffix != ".gguf":
             raise TiergenError(f"{path} is a file but not a .gguf; pass a GGUF file or a "
                                "Hugging Face model directory")
-        return _from_gguf(path)
+        return _from_gguf(path, packed)
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _from_hf_dir(_download(spec))
+        return _from_hf_dir(_download(spec), packed)
     raise TiergenError(f"model {spec!r} not found: it is no existing path, no short name "
                        f"({', '.join(SHORT_NAMES)}) and no hub id (org/name)")

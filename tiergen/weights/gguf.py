@@ -297,6 +297,11 @@ class GGUFFile:
         view.flags.writeable = False
         return view
 
+    def packed_bytes(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as a uint8 tensor backed by the map (copy-on-write: changing
+        it never changes the file)."""
+        return torch.from_numpy(self._lookup(name)[1])
+
     def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor dequantised to ``dtype``, in torch order.
 

@@ -12,6 +12,7 @@ import torch
 from tiergen.config import ModelConfig, RopeConfig
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf import GGUFFile
+from tiergen.weights.packed import PACKED_TYPES, Packed, packed_like
 
 # general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
@@ -73,13 +74,17 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     return None
 
 
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert-time permutation of Q or K rows (weight or bias).
+def unpermute_qk(w: torch.Tensor | Packed, n_heads: int) -> torch.Tensor | Packed:
+    """Undo llama.cpp's convert-time permutation of Q or K rows (weight or bias; packed
+    matrices have their rows, each a run of whole blocks, reordered the same way).
 
     llama.cpp stores each head's rotary pairs interleaved (x0, x_{d/2}, x1, ...); Hugging Face
     keeps the two halves apart. The converter did reshape(heads, 2, d/2).swapaxes(1, 2).
     """
     rows = w.shape[0]
+    if isinstance(w, Packed):
+        order = unpermute_qk(torch.arange(rows), n_heads)
+        return w.permute_rows(order)
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -156,11 +161,14 @@ def _gemma3_from_gguf(meta: dict, arch: str, layers: int, hidden: int, heads: in
 
 
 class GGUFSource:
-    """Tensors of a GGUF file under Hugging Face names, dequantised on read."""
+    """Tensors of a GGUF file under Hugging Face names. Matrices in a block type tiergen
+    multiplies packed come back as :class:`Packed` views of the file (no copy, no
+    dequantisation) unless ``packed`` is False; everything else is dequantised on read."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, packed: bool = True) -> None:
         self.file = GGUFFile(path)
         self.config = config_from_gguf(self.file.metadata, set(self.file.tensors))
+        self.packed = packed
         self._arch = self.file.metadata["general.architecture"]
         self._names = {hf: g for g in self.file.tensors
                        if (hf := hf_name(g, self._arch)) is not None}
@@ -168,10 +176,28 @@ class GGUFSource:
     def has(self, name: str) -> bool:
         return name in self._names
 
-    def get(self, name: str) -> torch.Tensor:
+    def _keeps_packed(self, name: str) -> bool:
+        info = self.file.tensors[self._names[name]]
+        return self.packed and len(info.shape) == 2 and info.ggml_type in PACKED_TYPES
+
+    def meta(self, name: str) -> Packed | None:
+        """The layout :meth:`get` gives a packed tensor, without its data (None if it is
+        not kept packed)."""
+        if name not in self._names or not self._keeps_packed(name):
+            return None
+        info = self.file.tensors[self._names[name]]
+        return packed_like(info.shape, info.ggml_type)
+
+    def get(self, name: str) -> torch.Tensor | Packed:
         if name not in self._names:
             raise TiergenError(f"the GGUF file has no tensor for {name!r}; it may be incomplete")
-        t = self.file.read(self._names[name])
+        gguf_name = self._names[name]
+        if self._keeps_packed(name):
+            info = self.file.tensors[gguf_name]
+            t = Packed(self.file.packed_bytes(gguf_name), info.shape,
+                       ((info.ggml_type, info.shape[0]),))
+        else:
+            t = self.file.read(gguf_name)
         if self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
             t = t - 1
         if self._arch in PERMUTED_QK:

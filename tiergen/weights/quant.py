@@ -144,17 +144,17 @@ def _scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """``(..., n)`` bytes -> ``(..., 2, n)``: the low nibbles, then the high nibbles."""
-    return (qs.unsqueeze(-2) >> _NIBBLE_SHIFTS) & 0x0F
+    return (qs.unsqueeze(-2) >> _NIBBLE_SHIFTS.to(qs.device)) & 0x0F
 
 
 def _crumbs(qs: torch.Tensor) -> torch.Tensor:
     """``(..., n)`` bytes -> ``(..., 4, n)``: 2-bit fields from the low bits up."""
-    return (qs.unsqueeze(-2) >> _CRUMB_SHIFTS) & 0x03
+    return (qs.unsqueeze(-2) >> _CRUMB_SHIFTS.to(qs.device)) & 0x03
 
 
 def _bits(qs: torch.Tensor) -> torch.Tensor:
     """``(..., n)`` bytes -> ``(..., 8, n)``: single bits from the low bit up."""
-    return (qs.unsqueeze(-2) >> _BIT_SHIFTS) & 0x01
+    return (qs.unsqueeze(-2) >> _BIT_SHIFTS.to(qs.device)) & 0x01
 
 
 def _f32(blocks: torch.Tensor) -> torch.Tensor:
@@ -325,7 +325,7 @@ def dequantize(
     blocks = raw.view(-1, type_size)
     if ggml_type in _FLOAT_TYPES:
         return decode(blocks).view(shape).to(dtype)
-    out = torch.empty(blocks.shape[0], block_size, dtype=dtype)
+    out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=raw.device)
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
         stop = start + _CHUNK_BLOCKS
         out[start:stop] = decode(blocks[start:stop])

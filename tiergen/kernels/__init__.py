@@ -1,0 +1,158 @@
+"""Matrix products on packed weights (:class:`tiergen.weights.packed.Packed`).
+
+On a CPU, few rows (decode) go through ``packed.c``: each weight block is decoded in
+registers and multiplied at once, so the weights are read packed. Many rows (prefill) are
+bound by arithmetic, not by reading weights: the matrix is decoded into a reused float
+buffer and multiplied by the BLAS. ``set_row_threshold`` moves the boundary (``tiergen
+calibrate`` measures it). The C library is compiled on first use with the machine's C
+compiler for its own SIMD (-march=native) and cached; without a compiler, or on a GPU,
+every product takes the decode-then-multiply path in plain torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tiergen.weights.packed import Packed
+
+log = logging.getLogger("tiergen")
+
+SOURCE = Path(__file__).with_name("packed.c")
+_row_threshold = 16  # products with more rows than this decode the matrix, then use the BLAS
+_lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
+_lock = threading.Lock()
+_scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (numel, dtype, device)
+
+
+def set_row_threshold(rows: int) -> None:
+    global _row_threshold
+    _row_threshold = rows
+
+
+def row_threshold() -> int:
+    return _row_threshold
+
+
+def _compile(target: Path) -> None:
+    """Build packed.c into ``target`` (written beside it, then renamed into place)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise OSError("no C compiler (cc, gcc or clang) found")
+    # The OpenMP runtime torch ships, so that both share one thread pool.
+    torch_lib = Path(torch.__file__).parent / "lib"
+    gomp = next(iter(sorted(torch_lib.glob("libgomp*.so*"))), None)
+    # -ffast-math is avoided: in a shared library it would switch the whole process to
+    # flushing denormals. Reassociation alone lets dot products vectorise.
+    flags = ["-O3", "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native",
+             "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fassociative-math",
+             "-fno-signed-zeros", "-fno-trapping-math", "-std=c11"]
+    libs = [f"-L{torch_lib}", f"-l:{gomp.name}", f"-Wl,-rpath,{torch_lib}"] if gomp else []
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, *libs], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    except subprocess.CalledProcessError as e:
+        raise OSError(f"{cc} failed: {e.stderr.strip()[:500]}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _library_path() -> Path:
+    """Cached library for this source and this CPU (its flags decide what -march=native emits)."""
+    from tiergen._platform import cpu_flags
+    from tiergen.weights import cache_dir
+
+    ident = SOURCE.read_bytes() + platform.machine().encode() + " ".join(sorted(cpu_flags())).encode()
+    return cache_dir() / "kernels" / f"packed-{hashlib.sha256(ident).hexdigest()[:16]}.so"
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them once; None (with one warning) if they cannot be
+    built here, or when TIERGEN_KERNELS=torch asks for the plain-torch path."""
+    global _lib
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _lib = _load()
+    return _lib or None
+
+
+def _load() -> ctypes.CDLL | bool:
+    if os.environ.get("TIERGEN_KERNELS") == "torch":
+        return False
+    try:
+        path = _library_path()
+        if not path.exists():
+            _compile(path)
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("tiergen: packed-weight kernels unavailable (%s); packed matrices are "
+                    "decoded and multiplied by torch instead, which is slower", e)
+        return False
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.tg_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64]
+    lib.tg_dequant.argtypes = [ctypes.c_int, ptr, i64, ptr]
+    return lib
+
+
+def _scratch_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                    ) -> torch.Tensor:
+    numel = shape[0] * shape[1]
+    key = (dtype, device)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+def dequantize_into(w: Packed, out: torch.Tensor) -> torch.Tensor:
+    """Decode ``w`` into ``out`` (float32 CPU through the C library when there is one)."""
+    lib = library() if w.device.type == "cpu" and out.dtype == torch.float32 else None
+    if lib is None:
+        return w.dequantize(out.dtype, out)
+    for ggml_type, row, rows, raw in w.segments():
+        part = out[row:row + rows]
+        if lib.tg_dequant(ggml_type, raw.data_ptr(), raw.numel() // _block_bytes(ggml_type),
+                          part.data_ptr()):
+            w.dequantize(out.dtype, out)  # not a type the library knows
+            break
+    return out
+
+
+def _block_bytes(ggml_type: int) -> int:
+    from tiergen.weights.quant import ggml_type_sizes
+
+    return ggml_type_sizes(ggml_type)[1]
+
+
+def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w.dequantize(), bias)`` without inflating ``w`` when few rows multiply it."""
+    rows = x.shape[:-1].numel()
+    lib = library() if x.device.type == "cpu" and rows <= _row_threshold else None
+    if lib is None:
+        dense = dequantize_into(w, _scratch_buffer(w.shape, x.dtype, x.device))
+        return F.linear(x, dense, bias)
+    xf = x.reshape(rows, -1).float().contiguous()
+    y = torch.empty(rows, w.shape[0], dtype=torch.float32)
+    for ggml_type, row, n, raw in w.segments():
+        if lib.tg_matmul(ggml_type, raw.data_ptr(), n, w.shape[1], xf.data_ptr(), rows,
+                         y[:, row:].data_ptr(), w.shape[0]):
+            raise ValueError(f"no packed kernel for GGML type {ggml_type}")
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])

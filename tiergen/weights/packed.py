@@ -1,0 +1,145 @@
+"""Packed weights: a matrix kept in a checkpoint's quantised blocks (GGML formats) on every
+tier, moved as those bytes, and multiplied without inflating it (:mod:`tiergen.kernels`).
+
+A :class:`Packed` is one flat uint8 tensor plus its layout: the matrix's (out, in) shape and
+its row segments ("parts"), each a run of rows in one block type. A fused matrix such as
+q/k/v may join rows of different types (a Q4_K_M file keeps V in Q6_K); a part never splits
+a row, since blocks run along the rows.
+
+Worked example: q (576, 576) in Q4_K and k, v (192, 576) in Q6_K fuse into
+``Packed(data, (960, 576), ((Q4_K, 576), (Q6_K, 384)))``; Q4_K takes 144 bytes per 256
+values, so the first part is 576 * 576 / 256 * 144 = 186,624 bytes, the second 384 * 576 /
+256 * 210 = 181,440, and ``data`` holds 368,064 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from tiergen.errors import TiergenError
+from tiergen.weights.quant import GGMLType, dequantize, ggml_type_name, tensor_nbytes
+
+# Block types kept packed (and multiplied packed); others are dequantised at load.
+PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+                          GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+
+Parts = tuple[tuple[int, int], ...]  # (ggml type, rows) in row order
+
+
+@dataclass
+class Packed:
+    """A (out, in) matrix stored as GGML blocks; see the module docstring."""
+
+    data: torch.Tensor  # flat uint8
+    shape: tuple[int, int]
+    parts: Parts
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.shape)
+        if sum(rows for _, rows in self.parts) != self.shape[0]:
+            raise TiergenError(f"packed parts {self.parts} do not add up to {self.shape[0]} rows")
+        if self.data.numel() != packed_nbytes(self.shape, self.parts):
+            raise TiergenError(f"packed matrix {self.shape} of {self.type_names} needs "
+                               f"{packed_nbytes(self.shape, self.parts)} bytes, got "
+                               f"{self.data.numel()}; the data is corrupt")
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def type_names(self) -> str:
+        return "+".join(ggml_type_name(t) for t, _ in self.parts)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Packed:
+        return replace(self, data=self.data.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Packed:
+        return replace(self, data=self.data.pin_memory())
+
+    def with_data(self, data: torch.Tensor) -> Packed:
+        """The same layout over other storage (a buffer this matrix was read into)."""
+        return replace(self, data=data)
+
+    def segments(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """(ggml type, first row, rows, that part's bytes) of each part."""
+        row = byte = 0
+        for ggml_type, rows in self.parts:
+            n = tensor_nbytes(ggml_type, rows * self.shape[1])
+            yield ggml_type, row, rows, self.data[byte:byte + n]
+            row, byte = row + rows, byte + n
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The matrix as ``dtype`` values (into ``out`` if given)."""
+        if out is None:
+            out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        for ggml_type, row, rows, raw in self.segments():
+            out[row:row + rows] = dequantize(raw, ggml_type, (rows, self.shape[1]), out.dtype)
+        return out
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (any shape) dequantised: an embedding lookup, ids.shape + (in,)."""
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.numel(), self.shape[1], dtype=dtype, device=self.device)
+        for ggml_type, row, rows, raw in self.segments():
+            hit = ((flat >= row) & (flat < row + rows)).nonzero().squeeze(1)
+            if hit.numel():
+                per_row = raw.view(rows, -1)[flat[hit] - row].reshape(-1)
+                out[hit] = dequantize(per_row, ggml_type, (hit.numel(), self.shape[1]), dtype)
+        return out.view(*ids.shape, self.shape[1])
+
+    def permute_rows(self, perm: torch.Tensor) -> Packed:
+        """Rows reordered (``perm[i]`` is the old row of new row i), within one part."""
+        if len(self.parts) != 1:
+            raise TiergenError("only a single-type packed matrix can have its rows permuted")
+        return replace(self, data=self.data.view(self.shape[0], -1)[perm].reshape(-1))
+
+
+def packed_nbytes(shape: Sequence[int], parts: Parts) -> int:
+    return sum(tensor_nbytes(t, rows * shape[1]) for t, rows in parts)
+
+
+def cat_rows(matrices: Sequence[torch.Tensor | Packed]) -> torch.Tensor | Packed:
+    """Stack matrices along their rows (fusing q/k/v or gate/up), packed or not. A mix of
+    packed and float matrices is joined as floats."""
+    if all(isinstance(m, torch.Tensor) for m in matrices):
+        return torch.cat(list(matrices))
+    if not all(isinstance(m, Packed) for m in matrices):
+        dtype = next(m.dtype for m in matrices if isinstance(m, torch.Tensor))
+        return torch.cat([m.dequantize(dtype) if isinstance(m, Packed) else m for m in matrices])
+    if len({m.shape[1] for m in matrices}) != 1:
+        raise TiergenError("cannot stack packed matrices with different row lengths")
+    parts: list[tuple[int, int]] = []
+    for m in matrices:
+        for ggml_type, rows in m.parts:
+            if parts and parts[-1][0] == ggml_type:
+                parts[-1] = (ggml_type, parts[-1][1] + rows)
+            else:
+                parts.append((ggml_type, rows))
+    data = torch.cat([m.data for m in matrices]) if len(matrices) > 1 else matrices[0].data
+    rows = sum(m.shape[0] for m in matrices)
+    return Packed(data, (rows, matrices[0].shape[1]), tuple(parts))
+
+
+def packed_like(shape: Sequence[int], ggml_type: int, device: torch.device | str = "meta"
+                ) -> Packed:
+    """An empty packed matrix (on the meta device by default: a layout with no storage)."""
+    rows, cols = shape
+    nbytes = tensor_nbytes(ggml_type, rows * cols)
+    return Packed(torch.empty(nbytes, dtype=torch.uint8, device=device), (rows, cols),
+                  ((ggml_type, rows),))
+
+
+def element_bits(parts: Parts, cols: int) -> float:
+    """Average bits per value of a packed layout."""
+    rows = sum(r for _, r in parts)
+    return 8 * packed_nbytes((rows, cols), parts) / max(1, rows * cols) if rows else math.nan
