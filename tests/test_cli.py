@@ -266,7 +266,7 @@ def test_policy_auto_plans_within_the_budget(flags, note, monkeypatch, tmp_path,
     from tiergen.planner import calibrate
 
     monkeypatch.setattr(calibrate, "get", lambda device, **kw: CPU)
-    code = cli.main(["generate", *flags, "--device-memory", "120M", "--max-tokens", "4",
+    code = cli.main(["generate", *flags, "--device-memory", "60M", "--max-tokens", "4",
                      "--offload-dir", str(tmp_path), "The capital of France is", "Two plus two is"])
     err = capsys.readouterr().err
     assert code == 0, err

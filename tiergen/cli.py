@@ -21,6 +21,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "the checkpoint's half type on GPU)")
     g.add_argument("--device", default=None,
                    help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="decode a GGUF's quantised matrices to --dtype at load instead of keeping "
+                        "them packed (more memory; the float path)")
     g.add_argument("--compile", action="store_true",
                    help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
                         "seconds of compilation on first use")
@@ -116,7 +119,7 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
     from tiergen.engine.llm import LLM
     from tiergen.weights import open_model
 
-    files = open_model(args.model)  # once, whether or not a policy must be planned
+    files = open_model(args.model, packed=not args.dequantize)  # once, planned or not
 
     def load(policy):
         return LLM(files, dtype=args.dtype, device=args.device,
@@ -153,7 +156,8 @@ def _plan(args: argparse.Namespace, files, prompts: list[str]):
                       None if args.host_memory is None else parse_size(args.host_memory))
     policy, estimate = choose_policy(files.config, dtype, workload,
                                      calibrate.get(device, progress=True),
-                                     device.type, budgets, args.max_batch_size)
+                                     device.type, budgets, args.max_batch_size,
+                                     source=files.source)
     if args.offload_dir:
         policy.offload_dir = args.offload_dir
     print(format_plan(estimate, files.config, dtype), file=sys.stderr)
@@ -311,10 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 
+    from tiergen import bench
     from tiergen.planner import calibrate, search
 
     calibrate.add_parser(sub)
     search.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -111,7 +111,9 @@ class LLM:
     ``compile=True`` compiles batch-1 CPU matmuls (faster decode after a few seconds of
     compilation on first use); ``prefill_chunk_size`` feeds long prompts in chunks that each
     attend to the cache plus themselves, so prefill memory grows with chunk x context rather
-    than context squared (None: whole prompts at once).
+    than context squared (None: whole prompts at once). ``packed=False`` decodes a GGUF's
+    quantised matrices at load (by default they stay in their blocks and are multiplied
+    packed).
 
     >>> llm = LLM("smollm2")
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
@@ -121,7 +123,7 @@ class LLM:
                  device: str | None = None, max_batch_size: int = 64,
                  policy: Policy | None = None, device_memory: int | str | None = None,
                  host_memory: int | str | None = None, compile: bool = False,
-                 prefill_chunk_size: int | None = 512) -> None:
+                 prefill_chunk_size: int | None = 512, packed: bool = True) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
@@ -131,7 +133,7 @@ class LLM:
         self.prefill_chunk_size = prefill_chunk_size
         self.policy = policy or Policy()
         self.device = _resolve_device(device)
-        files = model if isinstance(model, ModelFiles) else open_model(model)
+        files = model if isinstance(model, ModelFiles) else open_model(model, packed)
         self.name = files.name
         self.config = files.config
         self.tokenizer = files.tokenizer

@@ -164,31 +164,37 @@ static void sub_sums(const float *x, int64_t m, int64_t k, int L, float *sums) {
         }
 }
 
+/* Blocks are unpacked G at a time (up to 256 values), so that short blocks (32 values)
+ * share the per-block loop overhead the way one 256-value K-quant block does. */
 #define MATMUL(NAME, QK, L, BYTES, UNPACK)                                                    \
     static void NAME(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,      \
                      float *y, int64_t ldy) {                                                 \
+        enum { G = 256 / QK, S = QK / L };                                                    \
         const int64_t nb = k / QK, row_bytes = nb * BYTES, ns = k / L;                        \
         float *sums = malloc(sizeof(float) * (size_t)(m * ns));                               \
         sub_sums(x, m, k, L, sums);                                                           \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r = 0; r < n; r++) {                                                     \
-            int8_t q[QK] __attribute__((aligned(64)));                                        \
-            float a[QK / L], c[QK / L];                                                       \
+            int8_t q[G * QK] __attribute__((aligned(64)));                                    \
+            float a[G * S], c[G * S];                                                         \
             const uint8_t *wr = w + r * row_bytes;                                            \
             for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {                                    \
                 const int rows = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;                \
                 float acc[MAX_ROWS][LANES] __attribute__((aligned(64))) = {{0}};              \
                 float bias[MAX_ROWS] = {0};                                                   \
-                for (int64_t bl = 0; bl < nb; bl++) {                                         \
-                    UNPACK(wr + bl * BYTES, q, a, c);                                         \
+                for (int64_t bl = 0; bl < nb;) {                                              \
+                    const int g = nb - bl >= G ? G : 1;                                       \
+                    for (int u = 0; u < g; u++)                                               \
+                        UNPACK(wr + (bl + u) * BYTES, q + u * QK, a + u * S, c + u * S);      \
                     for (int i = 0; i < rows; i++) {                                          \
                         const float *xb = x + (i0 + i) * k + bl * QK;                         \
-                        const float *sb = sums + (i0 + i) * ns + bl * (QK / L);               \
-                        for (int s = 0; s < QK / L; s++) {                                    \
+                        const float *sb = sums + (i0 + i) * ns + bl * S;                      \
+                        for (int s = 0; s < g * S; s++) {                                     \
                             axpy_q(acc[i], a[s], q + s * L, xb + s * L, L);                   \
                             bias[i] += c[s] * sb[s];                                          \
                         }                                                                     \
                     }                                                                         \
+                    bl += g;                                                                  \
                 }                                                                             \
                 for (int i = 0; i < rows; i++) {                                              \
                     float t = bias[i];                                                        \

@@ -83,7 +83,7 @@ class Llama:
             **pack_ffn(self.cfg, i, r),
         }
         if self.cfg.qkv_bias:
-            w["qkv_bias"] = torch.cat([r[f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            w["qkv_bias"] = cat_rows([r[f"self_attn.{n}_proj.bias"] for n in "qkv"])
         if self.cfg.o_bias:
             w["o_bias"] = r["self_attn.o_proj.bias"]
         if self.cfg.qk_norm:

@@ -37,8 +37,7 @@ def load_tensors(source, specs: Specs, dtype: torch.dtype, device: torch.device 
 
 def meta_tensors(source, specs: Specs, dtype: torch.dtype) -> Weights:
     """The tensors :func:`load_tensors` would give, as layouts without data (meta device)."""
-    meta = getattr(source, "meta", None)
-    return {n: (meta(n) if meta else None) or torch.empty(s, dtype=dtype, device="meta")
+    return {n: source.meta(n) or torch.empty(s, dtype=dtype, device="meta")
             for n, s in specs.items()}
 
 
@@ -91,7 +90,7 @@ class WeightPlan:
         shapes = [model.packed_specs(j) for j in layers]
         compress = (policy.compress_bits, policy.compress_group_size) if policy.compress_weights else None
         blocks = [packed_layouts(model.pack_layer(j, meta_tensors(source, model.layer_specs(j), dtype)))
-                  if source is not None else {} for j in layers]
+                  if hasattr(source, "meta") else {} for j in layers]
         plan = cls(shapes, [], dtype.itemsize, 0, device.type, compress, blocks)
         for j, layer in enumerate(shapes):
             sizes = {n: plan.nbytes(j, n) for n in layer}
@@ -99,7 +98,7 @@ class WeightPlan:
             placed = place({n: b for n, b in sizes.items() if n not in pinned}, policy.weight_split)
             plan.tiers.append({n: pinned.get(n) or placed[n] for n in layer})
         specs = model.global_specs()
-        raw = meta_tensors(source, specs, dtype) if source is not None else {}
+        raw = meta_tensors(source, specs, dtype) if hasattr(source, "meta") else {}
         plan.global_bytes = sum(raw[n].nbytes if isinstance(raw.get(n), Packed) else
                                 torch.Size(s).numel() * dtype.itemsize for n, s in specs.items())
         return plan

@@ -102,8 +102,9 @@ class PlacedWeights:
 
     @classmethod
     def make(cls, cfg: ModelConfig, dtype: torch.dtype, policy: Policy, device_type: str,
-             model: ModelFamily | None = None) -> PlacedWeights:
-        plan = WeightPlan.make(model or build_model(cfg), dtype, policy, torch.device(device_type))
+             model: ModelFamily | None = None, source=None) -> PlacedWeights:
+        plan = WeightPlan.make(model or build_model(cfg), dtype, policy, torch.device(device_type),
+                               source)
         needs = plan.needs()
         plan.needs = lambda: needs  # fixed once made; block_needs asks for it many times
         experts = cfg.moe.num_experts if cfg.moe else 1

@@ -78,7 +78,7 @@ class _Found:
 
 def _search(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calibration,
             device_type: str, budgets: Budgets, max_batch_size: int, allow_compression: bool,
-            bits: tuple[int, ...], model: ModelFamily | None) -> _Found:
+            bits: tuple[int, ...], model: ModelFamily | None, source=None) -> _Found:
     model = model or build_model(cfg)
     p, g, batch = workload.prompt_len, workload.gen_len, workload.batch
     packs = [(False, False, 4)] + [(w, c, b) for b in bits if allow_compression
@@ -109,7 +109,8 @@ def _search(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calib
             base = Policy(weights=weights, compress_weights=cw, compress_cache=cc, compress_bits=b,
                           experts=experts)
             if (cw, b * cw) not in placements:
-                placements[cw, b * cw] = PlacedWeights.make(cfg, dtype, base, device_type, model)
+                placements[cw, b * cw] = PlacedWeights.make(cfg, dtype, base, device_type, model,
+                                                                    source)
             placed = placements[cw, b * cw]
             if (key := f"{placed.plan.tiers} {cw} {cc} {b}") in seen:
                 continue
@@ -130,21 +131,23 @@ def _search(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calib
 def plan(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calibration,
          device_type: str, budgets: Budgets, max_batch_size: int = 64,
          allow_compression: bool = True, bits: tuple[int, ...] = (4,),
-         model_family: ModelFamily | None = None) -> list[Estimate]:
+         model_family: ModelFamily | None = None, source=None) -> list[Estimate]:
     """Every searched policy that fits ``budgets``, fastest first (see ``weight_splits``,
     ``cache_options``, ``batch_shapes``: for each placement, the largest block that fits for
-    each micro-batch size; compression of weights and/or cache at each of ``bits``)."""
+    each micro-batch size; compression of weights and/or cache at each of ``bits``).
+    ``source`` (the checkpoint's tensors) lets matrices kept packed count as packed."""
     return _search(cfg, dtype, workload, cal, device_type, budgets, max_batch_size,
-                   allow_compression, bits, model_family).fits
+                   allow_compression, bits, model_family, source).fits
 
 
 def choose_policy(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calibration,
                   device_type: str, budgets: Budgets, max_batch_size: int = 64,
                   allow_compression: bool = True, bits: tuple[int, ...] = (4,),
-                  model_family: ModelFamily | None = None) -> tuple[Policy, Estimate]:
+                  model_family: ModelFamily | None = None, source=None
+                  ) -> tuple[Policy, Estimate]:
     """The fastest policy that fits, or a TiergenError saying what is missing."""
     found = _search(cfg, dtype, workload, cal, device_type, budgets, max_batch_size,
-                    allow_compression, bits, model_family)
+                    allow_compression, bits, model_family, source)
     if not found.fits:
         raise _nothing_fits(found, workload, budgets, device_type, allow_compression)
     return found.fits[0].policy, found.fits[0]
@@ -249,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise TiergenError(f"--{name.replace('_', '-')} must be a positive integer, "
                                f"got {getattr(args, name)}")
-    files = open_model(args.model)
+    files = open_model(args.model, packed=not getattr(args, "dequantize", False))
     cfg, device = files.config, _resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device, files.default_dtype)
     workload = Workload(args.prompt_len, args.gen_len, args.batch)
@@ -266,7 +269,8 @@ def main(args: argparse.Namespace) -> int:
               "next time, or run tiergen calibrate)", file=sys.stderr)
         cal = calibrate.get(device, progress=True)
     compress = not args.no_compression
-    found = _search(cfg, dtype, workload, cal, device.type, budgets, 64, compress, (4,), None)
+    found = _search(cfg, dtype, workload, cal, device.type, budgets, 64, compress, (4,), None,
+                    files.source)
     if not found.fits:
         raise _nothing_fits(found, workload, budgets, device.type, compress)
     print(format_plan(found.fits[0], cfg, dtype))

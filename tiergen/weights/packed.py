@@ -112,7 +112,7 @@ def cat_rows(matrices: Sequence[torch.Tensor | Packed]) -> torch.Tensor | Packed
     """Stack matrices along their rows (fusing q/k/v or gate/up), packed or not. A mix of
     packed and float matrices is joined as floats."""
     if all(isinstance(m, torch.Tensor) for m in matrices):
-        return torch.cat(list(matrices))
+        return _cat(list(matrices))
     if not all(isinstance(m, Packed) for m in matrices):
         dtype = next(m.dtype for m in matrices if isinstance(m, torch.Tensor))
         return torch.cat([m.dequantize(dtype) if isinstance(m, Packed) else m for m in matrices])
@@ -125,9 +125,19 @@ def cat_rows(matrices: Sequence[torch.Tensor | Packed]) -> torch.Tensor | Packed
                 parts[-1] = (ggml_type, parts[-1][1] + rows)
             else:
                 parts.append((ggml_type, rows))
-    data = torch.cat([m.data for m in matrices]) if len(matrices) > 1 else matrices[0].data
+    data = _cat([m.data for m in matrices]) if len(matrices) > 1 else matrices[0].data
     rows = sum(m.shape[0] for m in matrices)
     return Packed(data, (rows, matrices[0].shape[1]), tuple(parts))
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without running torch's meta kernels on meta tensors (planning layouts):
+    their first use loads some 70 MB of Python."""
+    first = tensors[0]
+    if first.device.type != "meta":
+        return torch.cat(tensors)
+    return torch.empty(sum(t.shape[0] for t in tensors), *first.shape[1:], dtype=first.dtype,
+                       device="meta")
 
 
 def packed_like(shape: Sequence[int], ggml_type: int, device: torch.device | str = "meta"

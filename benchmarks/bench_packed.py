@@ -1,0 +1,127 @@
+"""Packed weights against llama.cpp on the same GGUF files, same machine, same run.
+
+128-token prompts, 64 greedy new tokens (EOS ignored), batch 1 and 32, 2 threads. tiergen runs
+through ``tiergen bench --json`` with its packed matrices (the default) and with them decoded
+to float32 at load (``--dequantize``); llama.cpp through llama-cpp-python's low-level API
+(one sequence id per row, prompts fed 512 tokens per ``llama_decode``). Every (engine, model,
+batch) runs in a fresh process, so peak RSS is its own.
+
+    ../shared/peers/build_llamacpp.sh          # once: llama.cpp's binding in .peers/llamacpp-venv
+    python benchmarks/bench_packed.py [--models smollm2 gemma3-270m] [--batches 1 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+LLAMA_PYTHON = ROOT / ".peers" / "llamacpp-venv" / "bin" / "python"
+PROMPT_LEN, NEW_TOKENS = 128, 64
+
+LLAMA_CPP = r'''
+import ctypes, json, resource, sys, time
+import numpy as np
+import llama_cpp as L
+
+path, batch, P, G = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+L.llama_backend_init()
+t0 = time.perf_counter()
+model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+cp = L.llama_context_default_params()
+cp.n_ctx, cp.n_batch, cp.n_ubatch = batch * (P + G) + 64, 512, 512
+cp.n_seq_max, cp.n_threads, cp.n_threads_batch = batch, 2, 2
+ctx = L.llama_init_from_model(model, cp)
+vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+load = time.perf_counter() - t0
+b = L.llama_batch_init(512, 0, batch)
+
+def decode(items):  # items: (token, pos, seq, wants_logits); returns {seq: next token}
+    out = {}
+    for start in range(0, len(items), 512):
+        chunk = items[start:start + 512]
+        b.n_tokens = len(chunk)
+        for i, (tok, pos, seq, want) in enumerate(chunk):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0], b.logits[i] = seq, want
+        if L.llama_decode(ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        for i, (tok, pos, seq, want) in enumerate(chunk):
+            if want:
+                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(vocab,))
+                out[seq] = int(logits.argmax())
+    return out
+
+prompts = [[(17 + 31 * s + 7 * t) % (vocab - 1) + 1 for t in range(P)] for s in range(batch)]
+t0 = time.perf_counter()
+nxt = decode([(tok, t, s, t == P - 1) for s, p in enumerate(prompts) for t, tok in enumerate(p)])
+t1 = time.perf_counter()
+for step in range(G - 1):
+    nxt = decode([(nxt[s], P + step, s, True) for s in range(batch)])
+t2 = time.perf_counter()
+print(json.dumps({"total_tok_s": batch * G / (t2 - t0), "decode_tok_s": batch * (G - 1) / (t2 - t1),
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "load_seconds": load}))
+'''
+
+
+def gguf_path(short: str) -> str:
+    from tiergen.weights import _packaged_file
+
+    return str(_packaged_file(short))
+
+
+def run_tiergen(model: str, batch: int, extra: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-m", "tiergen.cli", "bench", "--model", model,
+                          "--batch", str(batch), "--prompt-len", str(PROMPT_LEN), "--gen-len",
+                          str(NEW_TOKENS), "--dtype", "float32", "--json", *extra],
+                         check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    info = json.loads(out)
+    return {**info["runs"][0], "cpu": info["cpu"], "simd": info["simd"]}
+
+
+def run_llama_cpp(model: str, batch: int) -> dict:
+    out = subprocess.run([str(LLAMA_PYTHON), "-c", LLAMA_CPP, gguf_path(model), str(batch),
+                          str(PROMPT_LEN), str(NEW_TOKENS)], check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    args = ap.parse_args()
+    if not LLAMA_PYTHON.exists():
+        sys.exit(f"{LLAMA_PYTHON} not found: build llama.cpp's binding with "
+                 "../shared/peers/build_llamacpp.sh first")
+    rows, cpu = [], None
+    for model in args.models:
+        for batch in args.batches:
+            packed = run_tiergen(model, batch, [])
+            cpu = f"{packed['cpu']} [{' '.join(packed['simd'])}]"
+            dense = run_tiergen(model, batch, ["--dequantize"])
+            peer = run_llama_cpp(model, batch)
+            rows.append((model, batch, packed, dense, peer))
+            print(f"{model} batch {batch}: packed {packed['decode_tok_s']:.1f} decode / "
+                  f"{packed['total_tok_s']:.1f} total tok/s, {packed['peak_rss_mb']:.0f} MB; "
+                  f"float32 {dense['decode_tok_s']:.1f} / {dense['total_tok_s']:.1f}, "
+                  f"{dense['peak_rss_mb']:.0f} MB; llama.cpp {peer['decode_tok_s']:.1f} / "
+                  f"{peer['total_tok_s']:.1f}, {peer['peak_rss_mb']:.0f} MB", flush=True)
+    print(f"\nCPU: {cpu}\n")
+    print("| model | batch | engine | decode tok/s | total tok/s | peak RSS | vs llama.cpp (decode / total) |")
+    print("|---|---|---|---|---|---|---|")
+    for model, batch, packed, dense, peer in rows:
+        for name, r in (("tiergen packed", packed), ("tiergen float32", dense), ("llama.cpp", peer)):
+            ratio = (f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x / "
+                     f"{r['total_tok_s'] / peer['total_tok_s']:.2f}x") if r is not peer else "-"
+            print(f"| {model} | {batch} | {name} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} "
+                  f"| {r['peak_rss_mb']:.0f} MB | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

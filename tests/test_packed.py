@@ -1,0 +1,138 @@
+"""Packed weights: the kernels equal decode-then-multiply, and a model whose matrices stay
+packed gives what the same model decoded at load gives, through every tier."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tiergen import LLM, Policy, SamplingParams
+from tiergen import kernels
+from tiergen.weights.packed import PACKED_TYPES, Packed, cat_rows
+from tiergen.weights.quant import GGMLType, dequantize, ggml_type_sizes
+from test_gguf_model import GGUF_ARCH, write_model_gguf
+from test_offload import prefill_and_decode_logits
+from tiny_models import build
+
+# byte offsets of each type's float16 scale fields (random bytes there would give NaN/inf)
+F16_FIELDS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,),
+              GGMLType.Q5_1: (0, 2), GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2),
+              GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+
+
+def random_packed(ggml_type: int, rows: int, cols: int, seed: int = 0) -> Packed:
+    rng = np.random.default_rng(seed)
+    block, size = ggml_type_sizes(ggml_type)
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for offset in F16_FIELDS[ggml_type]:
+        scale = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
+
+
+def reference(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    dense = torch.cat([dequantize(raw, t, (n, w.shape[1])) for t, _, n, raw in w.segments()])
+    return torch.nn.functional.linear(x, dense, bias)
+
+
+def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert ((got - want).abs().max() / want.abs().max()).item() < tol
+
+
+def test_every_required_type_is_packed():
+    names = {GGMLType(t).name for t in PACKED_TYPES}
+    assert names == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel_path(request, monkeypatch):
+    """The compiled kernels, and the plain-torch path used where they cannot be built."""
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "_lib", False)
+    else:
+        assert kernels.library() is not None, "the C kernels did not build on this machine"
+    return request.param
+
+
+@pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 17, 40])  # below, at and above the row threshold
+def test_packed_matmul_equals_dequantise_then_matmul(ggml_type, rows, kernel_path):
+    block = ggml_type_sizes(ggml_type)[0]
+    # 67 output rows and 11 blocks per row (or 3 K-blocks): no tile divides them evenly
+    w = random_packed(ggml_type, 67, block * (11 if block == 32 else 3), seed=ggml_type)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    assert_close_relative(kernels.packed_linear(x, w), reference(x, w))
+    bias = torch.randn(67)
+    x3 = x.view(1, rows, -1)
+    assert_close_relative(kernels.packed_linear(x3, w, bias), reference(x3, w, bias))
+
+
+def test_mixed_types_fuse_into_parts(kernel_path):
+    q = random_packed(GGMLType.Q4_K, 64, 512, 1)
+    kv = random_packed(GGMLType.Q6_K, 32, 512, 2)
+    v = random_packed(GGMLType.Q6_K, 32, 512, 3)
+    fused = cat_rows([q, kv, v])
+    assert fused.parts == ((GGMLType.Q4_K, 64), (GGMLType.Q6_K, 64))
+    x = torch.randn(2, 512)
+    want = torch.cat([reference(x, m) for m in (q, kv, v)], dim=-1)
+    assert_close_relative(kernels.packed_linear(x, fused), want)
+    dense = kernels.dequantize_into(fused, torch.empty(128, 512))
+    torch.testing.assert_close(x @ dense.T, want, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_rows_and_permutation():
+    w = cat_rows([random_packed(GGMLType.Q8_0, 10, 64, 4), random_packed(GGMLType.Q4_1, 6, 64, 5)])
+    dense = w.dequantize()
+    ids = torch.tensor([[15, 0, 9], [10, 10, 3]])
+    torch.testing.assert_close(w.rows(ids, torch.float32), dense[ids], rtol=0, atol=0)
+    single = random_packed(GGMLType.Q5_0, 8, 64, 6)
+    perm = torch.tensor([3, 1, 0, 2, 7, 6, 5, 4])
+    assert torch.equal(single.permute_rows(perm).dequantize(), single.dequantize()[perm])
+
+
+def test_corrupt_sizes_are_refused():
+    w = random_packed(GGMLType.Q4_0, 4, 64)
+    with pytest.raises(Exception, match="needs 144 bytes, got 143"):
+        Packed(w.data[:-1], w.shape, w.parts)
+
+
+PROMPTS = [[5], list(range(3, 30)), [7, 8, 9], [100, 3, 17, 4]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+POLICIES = {"device": Policy(), "host": Policy(weights=(0, 100)),
+            "disk": Policy(weights=(0, 0), gpu_batch_size=2, num_gpu_batches=2),
+            "three-tiers": Policy(weights=(30, 30))}
+
+
+@pytest.fixture(scope="module", params=["Q8_0", "Q4_0", "Q4_1"])
+def packed_gguf(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"packed-{request.param}")
+    hf = build("llama-gqa-tied", directory / "hf")
+    path = directory / "model.gguf"
+    write_model_gguf(hf, GGUF_ARCH["llama-gqa-tied"], path, gguf.GGMLQuantizationType[request.param])
+    decoded = LLM(path, dtype="float32", device="cpu", packed=False)
+    return path, [r.token_ids for r in decoded.generate(PROMPTS, GREEDY)], decoded
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_packed_model_equals_decoded_model(packed_gguf, policy, tmp_path):
+    path, tokens, decoded = packed_gguf
+    p = POLICIES[policy]
+    p.offload_dir = str(tmp_path)
+    llm = LLM(path, dtype="float32", device="cpu", policy=p)
+    layer = llm.executor.weights.take(0)
+    assert isinstance(layer["qkv"], Packed) and isinstance(llm.executor.globals["embed"], Packed)
+    llm.executor.weights.release(0)
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+    # logits of mixed-length prefill and decode within float32 rounding of the decoded model
+    for got, want in zip(prefill_and_decode_logits(llm), prefill_and_decode_logits(decoded)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_plan_counts_packed_bytes(packed_gguf, tmp_path):
+    path, _, decoded = packed_gguf
+    packed = LLM(path, dtype="float32", device="cpu").executor.weight_plan.needs()["device"]
+    dense = decoded.executor.weight_plan.needs()["device"]
+    assert packed < dense / 2
