@@ -3,7 +3,8 @@
 128-token prompts, 64 greedy new tokens (EOS ignored), batch 1 and 32, 2 threads. tiergen runs
 through ``tiergen bench --json`` with its packed matrices (the default) and with them decoded
 to float32 at load (``--dequantize``); llama.cpp through llama-cpp-python's low-level API
-(one sequence id per row, prompts fed 512 tokens per ``llama_decode``). Every (engine, model,
+(one sequence id per row, a KV cache split per sequence, prompts fed 512 tokens per
+``llama_decode``). Every (engine, model,
 batch) runs in a fresh process, so peak RSS is its own.
 
     ../shared/peers/build_llamacpp.sh          # once: llama.cpp's binding in .peers/llamacpp-venv
@@ -35,6 +36,7 @@ model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params
 cp = L.llama_context_default_params()
 cp.n_ctx, cp.n_batch, cp.n_ubatch = batch * (P + G) + 64, 512, 512
 cp.n_seq_max, cp.n_threads, cp.n_threads_batch = batch, 2, 2
+cp.kv_unified = False  # each sequence attends over its own cells, not all of the batch's
 ctx = L.llama_init_from_model(model, cp)
 vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
 load = time.perf_counter() - t0

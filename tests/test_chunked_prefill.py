@@ -68,7 +68,7 @@ def test_sliding_window_cache_stops_growing(tmp_path):
 
 
 PEAK_SCRIPT = """
-import json, sys, tiergen
+import json, sys, torch, tiergen
 from tiergen.offload.memory import resident_set, reset_peak_resident_set
 from tiergen import LLM, SamplingParams
 model, chunk = sys.argv[1], (None if sys.argv[2] == "none" else int(sys.argv[2]))
@@ -76,8 +76,12 @@ llm = LLM(model, dtype="float32", prefill_chunk_size=chunk)
 llm.generate([[5] * 8, [6] * 5], SamplingParams(max_tokens=1))
 before = resident_set()[0]
 reset_peak_resident_set()
+base = torch.cuda.memory_allocated() if llm.device.type == "cuda" else 0
 llm.generate([[5] * 4096, [6] * 4000], SamplingParams(max_tokens=1))
-print(json.dumps({"grown": resident_set()[1] - before}))
+# where the scores live: GPU memory on a GPU, the process's RAM on a CPU
+grown = (llm.last_stats.peak_device - base if llm.device.type == "cuda"
+         else resident_set()[1] - before)
+print(json.dumps({"grown": grown}))
 """
 
 

@@ -68,7 +68,7 @@ def test_logits_every_step(case):
     for s, token in enumerate(fed[:-1]):
         got.append(ex.forward(torch.full((len(PROMPTS), 1), token),
                               StepMeta.build(valid, width + s, 1), cache))
-    got = torch.stack(got, dim=1)  # (B, steps, V)
+    got = torch.stack(got, dim=1).cpu()  # (B, steps, V)
     for row, p in enumerate(PROMPTS):
         with torch.no_grad():
             ref = hf(torch.tensor([p + fed[:-1]])).logits[0, len(p) - 1:]

@@ -178,6 +178,8 @@ from tiergen.offload.memory import resident_set, reset_peak_resident_set
 model, offload, budget = sys.argv[1], sys.argv[2], sys.argv[3]
 policy = tiergen.Policy(weights=(0, 0), offload_dir=offload)
 torch.ones(8) @ torch.ones(8)  # torch's own start-up is not tiergen's
+if torch.cuda.is_available():  # nor is CUDA's (context, cuBLAS, pinned-memory pool)
+    x = torch.ones(64, 64, device="cuda"); (x @ x).sum().item(); torch.empty(1, pin_memory=True)
 before = resident_set()[0]
 reset_peak_resident_set()
 llm = tiergen.LLM(model, dtype="float32", policy=policy, host_memory=budget)

@@ -70,6 +70,16 @@ def test_packed_matmul_equals_dequantise_then_matmul(ggml_type, rows, kernel_pat
     assert_close_relative(kernels.packed_linear(x3, w, bias), reference(x3, w, bias))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
+def test_packed_matmul_on_cuda(ggml_type):
+    block = ggml_type_sizes(ggml_type)[0]
+    w = random_packed(ggml_type, 67, block * (11 if block == 32 else 3), seed=ggml_type)
+    x = torch.randn(5, w.shape[1])
+    got = kernels.packed_linear(x.cuda(), w.to("cuda")).cpu()
+    assert_close_relative(got, reference(x, w))
+
+
 def test_mixed_types_fuse_into_parts(kernel_path):
     q = random_packed(GGMLType.Q4_K, 64, 512, 1)
     kv = random_packed(GGMLType.Q6_K, 32, 512, 2)
@@ -116,19 +126,23 @@ def packed_gguf(request, tmp_path_factory):
     return path, [r.token_ids for r in decoded.generate(PROMPTS, GREEDY)], decoded
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_packed_model_equals_decoded_model(packed_gguf, policy, tmp_path):
+def test_packed_model_equals_decoded_model(packed_gguf, policy, device, tmp_path):
     path, tokens, decoded = packed_gguf
     p = POLICIES[policy]
     p.offload_dir = str(tmp_path)
-    llm = LLM(path, dtype="float32", device="cpu", policy=p)
+    llm = LLM(path, dtype="float32", device=device, policy=p)
     layer = llm.executor.weights.take(0)
     assert isinstance(layer["qkv"], Packed) and isinstance(llm.executor.globals["embed"], Packed)
     llm.executor.weights.release(0)
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
     # logits of mixed-length prefill and decode within float32 rounding of the decoded model
     for got, want in zip(prefill_and_decode_logits(llm), prefill_and_decode_logits(decoded)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_packed_plan_counts_packed_bytes(packed_gguf, tmp_path):
@@ -136,3 +150,15 @@ def test_packed_plan_counts_packed_bytes(packed_gguf, tmp_path):
     packed = LLM(path, dtype="float32", device="cpu").executor.weight_plan.needs()["device"]
     dense = decoded.executor.weight_plan.needs()["device"]
     assert packed < dense / 2
+
+
+def test_types_without_kernels_are_decoded_with_a_warning(packed_gguf, monkeypatch, caplog):
+    from tiergen.weights import gguf_map
+
+    path, tokens, _ = packed_gguf
+    monkeypatch.setattr(gguf_map, "PACKED_TYPES", frozenset())
+    with caplog.at_level("WARNING", logger="tiergen"):
+        llm = LLM(path, dtype="float32", device="cpu")
+    assert "have no packed kernel; they are decoded to float" in caplog.text
+    assert not isinstance(llm.executor.globals["embed"], Packed)
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens

@@ -65,8 +65,8 @@ def test_logits_match_transformers(case):
     for row, p in enumerate(PROMPTS):
         with torch.no_grad():
             ref = hf(torch.tensor([p + [42]])).logits[0]
-        torch.testing.assert_close(prefill[row], ref[-2], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(decode[row], ref[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(prefill[row].cpu(), ref[-2], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(decode[row].cpu(), ref[-1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -165,6 +165,9 @@ class Executor:
         """Run every micro-batch of a block through all layers, layer by layer."""
         model, t = self.model, self.stats
         started = time.perf_counter()
+        # callers may build ids and metadata on the CPU: bring them to the device (no-op there)
+        block = [MicroBatch(mb.ids.to(self.device), mb.meta.to(self.device), mb.cache)
+                 for mb in block]
         acts = Activations(tiers_for(len(block), self.policy.activation_split),
                            self.device, self.spill_dir)
         shared = [model.prepare(mb.meta, self.dtype) for mb in block]

@@ -47,20 +47,33 @@ static inline float half(const uint8_t *p) {
 
 #define R restrict
 
+/* 16 bytes at a time with the compiler's vector extensions (SSE2, NEON, ...): the byte loops
+ * below are too short for the auto-vectoriser to take on its own. */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+static inline u8x16 load16(const uint8_t *p) {
+    u8x16 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+
+static inline void store16(int8_t *p, u8x16 v) { memcpy(p, &v, 16); }
+
+/* lo[j] = low nibble of src[j], hi[j] = high nibble, for j < 16. */
+static inline void nibbles16(const uint8_t *R src, int8_t *R lo, int8_t *R hi) {
+    const u8x16 v = load16(src);
+    store16(lo, v & 15);
+    store16(hi, v >> 4);
+}
+
 static inline void un_q4_0(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
     const float d = half(b);
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)(b[2 + j] & 15);
-        q[j + 16] = (int8_t)(b[2 + j] >> 4);
-    }
+    nibbles16(b + 2, q, q + 16);
     a[0] = d, c[0] = -8.0f * d;
 }
 
 static inline void un_q4_1(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)(b[4 + j] & 15);
-        q[j + 16] = (int8_t)(b[4 + j] >> 4);
-    }
+    nibbles16(b + 4, q, q + 16);
     a[0] = half(b), c[0] = half(b + 2);
 }
 
@@ -107,10 +120,7 @@ static inline void un_q4_k(const uint8_t *R b, int8_t *R q, float *R a, float *R
     k_scales(b, a, c);
     const uint8_t *qs = b + 16;
     for (int s = 0; s < 4; s++)
-        for (int i = 0; i < 32; i++) {
-            q[64 * s + i] = (int8_t)(qs[32 * s + i] & 15);
-            q[64 * s + 32 + i] = (int8_t)(qs[32 * s + i] >> 4);
-        }
+        for (int i = 0; i < 32; i += 16) nibbles16(qs + 32 * s + i, q + 64 * s + i, q + 64 * s + 32 + i);
 }
 
 static inline void un_q5_k(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
@@ -128,16 +138,16 @@ static inline void un_q6_k(const uint8_t *R b, int8_t *R q, float *R a, float *R
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = half(b + 208);
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *l = ql + 64 * h, *hh = qh + 32 * h;
-        int8_t *o = q + 128 * h;
-        for (int i = 0; i < 32; i++) {
-            o[i] = (int8_t)((l[i] & 15) | ((hh[i] & 3) << 4));
-            o[32 + i] = (int8_t)((l[32 + i] & 15) | (((hh[i] >> 2) & 3) << 4));
-            o[64 + i] = (int8_t)((l[i] >> 4) | (((hh[i] >> 4) & 3) << 4));
-            o[96 + i] = (int8_t)((l[32 + i] >> 4) | (((hh[i] >> 6) & 3) << 4));
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 32; i += 16) {
+            const u8x16 l0 = load16(ql + 64 * h + i), l1 = load16(ql + 64 * h + 32 + i);
+            const u8x16 hh = load16(qh + 32 * h + i);
+            int8_t *o = q + 128 * h + i;
+            store16(o, (l0 & 15) | ((hh & 3) << 4));
+            store16(o + 32, (l1 & 15) | (((hh >> 2) & 3) << 4));
+            store16(o + 64, (l0 >> 4) | (((hh >> 4) & 3) << 4));
+            store16(o + 96, (l1 >> 4) | (((hh >> 6) & 3) << 4));
         }
-    }
     for (int s = 0; s < 16; s++) {
         a[s] = d * (float)sc[s];
         c[s] = -32.0f * a[s];

@@ -4,6 +4,7 @@ weights (Gemma) undone."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tiergen.config import ModelConfig, RopeConfig
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf import GGUFFile
 from tiergen.weights.packed import PACKED_TYPES, Packed, packed_like
+from tiergen.weights.quant import FLOAT_TYPES
 
 # general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
@@ -172,6 +174,13 @@ class GGUFSource:
         self._arch = self.file.metadata["general.architecture"]
         self._names = {hf: g for g in self.file.tensors
                        if (hf := hf_name(g, self._arch)) is not None}
+        unpacked = sorted({info.type_name for info in self.file.tensors.values()
+                           if packed and len(info.shape) == 2
+                           and info.ggml_type not in PACKED_TYPES | FLOAT_TYPES})
+        if unpacked:
+            logging.getLogger("tiergen").warning(
+                "tiergen: %s: matrices in %s have no packed kernel; they are decoded to float "
+                "at load (more memory)", path.name, ", ".join(unpacked))
 
     def has(self, name: str) -> bool:
         return name in self._names

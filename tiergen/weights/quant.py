@@ -289,7 +289,7 @@ _DEQUANT: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
         GGMLType.Q8_K: _q8_k,
     }.items()
 }
-_FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
+FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 
 SUPPORTED_TYPES: tuple[int, ...] = tuple(_DEQUANT)
 
@@ -323,7 +323,7 @@ def dequantize(
             f"got {raw.numel()}; the file is corrupt"
         )
     blocks = raw.view(-1, type_size)
-    if ggml_type in _FLOAT_TYPES:
+    if ggml_type in FLOAT_TYPES:
         return decode(blocks).view(shape).to(dtype)
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=raw.device)
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
