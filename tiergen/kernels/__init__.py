@@ -3,8 +3,7 @@
 On a CPU, few rows (decode) go through ``packed.c``: each weight block is decoded in
 registers and multiplied at once, so the weights are read packed. Many rows (prefill) are
 bound by arithmetic, not by reading weights: the matrix is decoded into a reused float
-buffer and multiplied by the BLAS. ``set_row_threshold`` moves the boundary (``tiergen
-calibrate`` measures it). The C library is compiled on first use with the machine's C
+buffer and multiplied by the BLAS (above ``ROW_THRESHOLD`` rows). The C library is compiled on first use with the machine's C
 compiler for its own SIMD (-march=native) and cached; without a compiler, or on a GPU,
 every product takes the decode-then-multiply path in plain torch.
 """
@@ -26,23 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from tiergen.weights.packed import Packed
+from tiergen.weights.quant import ggml_type_sizes
 
 log = logging.getLogger("tiergen")
 
 SOURCE = Path(__file__).with_name("packed.c")
-_row_threshold = 16  # products with more rows than this decode the matrix, then use the BLAS
+ROW_THRESHOLD = 16  # products with more rows than this decode the matrix, then use the BLAS
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (numel, dtype, device)
-
-
-def set_row_threshold(rows: int) -> None:
-    global _row_threshold
-    _row_threshold = rows
-
-
-def row_threshold() -> int:
-    return _row_threshold
 
 
 def _compile(target: Path) -> None:
@@ -127,23 +118,17 @@ def dequantize_into(w: Packed, out: torch.Tensor) -> torch.Tensor:
         return w.dequantize(out.dtype, out)
     for ggml_type, row, rows, raw in w.segments():
         part = out[row:row + rows]
-        if lib.tg_dequant(ggml_type, raw.data_ptr(), raw.numel() // _block_bytes(ggml_type),
+        if lib.tg_dequant(ggml_type, raw.data_ptr(), raw.numel() // ggml_type_sizes(ggml_type)[1],
                           part.data_ptr()):
             w.dequantize(out.dtype, out)  # not a type the library knows
             break
     return out
 
 
-def _block_bytes(ggml_type: int) -> int:
-    from tiergen.weights.quant import ggml_type_sizes
-
-    return ggml_type_sizes(ggml_type)[1]
-
-
 def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w.dequantize(), bias)`` without inflating ``w`` when few rows multiply it."""
     rows = x.shape[:-1].numel()
-    lib = library() if x.device.type == "cpu" and rows <= _row_threshold else None
+    lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
         dense = dequantize_into(w, _scratch_buffer(w.shape, x.dtype, x.device))
         return F.linear(x, dense, bias)

@@ -78,10 +78,14 @@ static inline void un_q4_1(const uint8_t *R b, int8_t *R q, float *R a, float *R
 }
 
 static inline void un_q5(const uint8_t *R qs, uint32_t qh, int8_t *R q) {
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
-        q[j + 16] = (int8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
-    }
+    /* value j's fifth bit is bit j of qh: spread qh's bytes over lanes, test one bit each */
+    static const u8x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8_t b0 = qh & 255, b1 = (qh >> 8) & 255, b2 = (qh >> 16) & 255, b3 = qh >> 24;
+    const u8x16 lo = {b0, b0, b0, b0, b0, b0, b0, b0, b1, b1, b1, b1, b1, b1, b1, b1};
+    const u8x16 hi = {b2, b2, b2, b2, b2, b2, b2, b2, b3, b3, b3, b3, b3, b3, b3, b3};
+    const u8x16 v = load16(qs);
+    store16(q, (v & 15) | ((u8x16)((lo & bit) != 0) & 16));
+    store16(q + 16, (v >> 4) | ((u8x16)((hi & bit) != 0) & 16));
 }
 
 static inline void un_q5_0(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {

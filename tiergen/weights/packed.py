@@ -14,7 +14,6 @@ values, so the first part is 576 * 576 / 256 * 144 = 186,624 bytes, the second 3
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -147,9 +146,3 @@ def packed_like(shape: Sequence[int], ggml_type: int, device: torch.device | str
     nbytes = tensor_nbytes(ggml_type, rows * cols)
     return Packed(torch.empty(nbytes, dtype=torch.uint8, device=device), (rows, cols),
                   ((ggml_type, rows),))
-
-
-def element_bits(parts: Parts, cols: int) -> float:
-    """Average bits per value of a packed layout."""
-    rows = sum(r for _, r in parts)
-    return 8 * packed_nbytes((rows, cols), parts) / max(1, rows * cols) if rows else math.nan
