@@ -2,10 +2,10 @@
 
 On a CPU, few rows (decode) go through ``packed.c``: each weight block is decoded in
 registers and multiplied at once, so the weights are read packed. Many rows (prefill) are
-bound by arithmetic, not by reading weights: the matrix is decoded into a reused float
-buffer and multiplied by the BLAS (above ``ROW_THRESHOLD`` rows). The C library is compiled on first use with the machine's C
-compiler for its own SIMD (-march=native) and cached; without a compiler, or on a GPU,
-every product takes the decode-then-multiply path in plain torch.
+bound by arithmetic, not by reading weights: above ``ROW_THRESHOLD`` rows the matrix is
+decoded into a reused float buffer and multiplied by the BLAS. The C library is compiled on
+first use with the machine's C compiler for its own SIMD (-march=native) and cached; without
+a compiler, or on a GPU, every product takes the decode-then-multiply path in plain torch.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("packed.c")
 ROW_THRESHOLD = 16  # products with more rows than this decode the matrix, then use the BLAS
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
-_scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (numel, dtype, device)
+_scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device)
 
 
 def _compile(target: Path) -> None:
