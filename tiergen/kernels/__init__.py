@@ -33,7 +33,7 @@ SOURCE = Path(__file__).with_name("packed.c")
 ROW_THRESHOLD = 16  # products with more rows than this decode the matrix, then use the BLAS
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
-_scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device)
+_scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
 
 
 def _compile(target: Path) -> None:
@@ -104,7 +104,8 @@ def _load() -> ctypes.CDLL | bool:
 def _scratch_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
                     ) -> torch.Tensor:
     numel = shape[0] * shape[1]
-    key = (dtype, device)
+    # a buffer made under inference_mode cannot be written outside it, nor the reverse
+    key = (dtype, device, torch.is_inference_mode_enabled())
     buf = _scratch.get(key)
     if buf is None or buf.numel() < numel:
         buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
