@@ -1,15 +1,14 @@
 """Long-prompt prefill: tiergen (chunked) against transformers, same machine, same run.
 
-SmolLM2-135M-Instruct (the packaged GGUF, bfloat16), one prompt of 1k, 4k, 8k (8,000) and 16k tokens,
-one new token. Reports prefill tokens/s and the growth of peak resident memory over the loaded
-model, each (engine, length) in a fresh process. SmolLM2's context is 8,192 tokens: tiergen
-refuses 16k (the model was not trained for it); transformers runs it anyway, and the row shows
-what that costs.
+One prompt of each length, one new token, in this CPU's faster dtype for both engines (bfloat16
+where it is native, else float32). SmolLM2-135M-Instruct (context 8,192) at 1k, 4k and 8k
+(8,000) tokens; Gemma 3 270M (context 32,768) at 4k, 8k, 16k and 32k (32,000). Reports prefill
+tokens/s and the growth of peak resident memory over the loaded model, each (engine, model,
+length) in a fresh process.
 
-    python benchmarks/bench_prefill.py [--lengths 1024 4096 8192 16384] [--chunk 512]
+    python benchmarks/bench_prefill.py [--models smollm2 gemma3-270m] [--chunk 512]
 """
 
-from __future__ import annotations
 
 import argparse
 import json
@@ -22,7 +21,10 @@ import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first b
 from tiergen.offload.memory import resident_set, reset_peak_resident_set
 
 
-def child(engine: str, length: int, chunk: int, gguf: str) -> dict:
+LENGTHS = {"smollm2": [1024, 4096, 8000], "gemma3-270m": [4096, 8192, 16384, 32000]}
+
+
+def child(engine: str, length: int, chunk: int, gguf: str, dtype: str) -> dict:
     import torch
 
     from tiergen import TiergenError
@@ -31,7 +33,7 @@ def child(engine: str, length: int, chunk: int, gguf: str) -> dict:
     if engine == "tiergen":
         from tiergen import LLM, SamplingParams
 
-        llm = LLM(gguf, dtype="bfloat16", prefill_chunk_size=chunk)
+        llm = LLM(gguf, dtype=dtype, prefill_chunk_size=chunk)
         llm.generate([[5] * 16], SamplingParams(max_tokens=1))  # warm-up
 
         def run() -> None:
@@ -41,7 +43,7 @@ def child(engine: str, length: int, chunk: int, gguf: str) -> dict:
 
         path = Path(gguf)
         model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                                  dtype=torch.bfloat16).eval()
+                                                                  dtype=getattr(torch, dtype)).eval()
         with torch.inference_mode():
             model.generate(input_ids=ids[:, :16], max_new_tokens=1, do_sample=False, pad_token_id=0)
 
@@ -63,37 +65,46 @@ def child(engine: str, length: int, chunk: int, gguf: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000, 16384])
+    p.add_argument("--models", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
+    p.add_argument("--lengths", type=int, nargs="+", help="instead of each model's own list")
     p.add_argument("--chunk", type=int, default=512)
-    p.add_argument("--child", nargs=4)
+    p.add_argument("--child", nargs=5)
     args = p.parse_args()
     if args.child:
-        engine, length, chunk, gguf = args.child
-        print(json.dumps(child(engine, int(length), int(chunk), gguf)))
+        engine, length, chunk, gguf, dtype = args.child
+        print(json.dumps(child(engine, int(length), int(chunk), gguf, dtype)))
         return
+    from tiergen._platform import cpu_has_fast_bfloat16
+    from tiergen.bench import cpu_description
     from tiergen.weights import _packaged_file
 
-    gguf = str(_packaged_file("smollm2"))
-    rows = {}
-    for length in args.lengths:
-        for engine in ("tiergen", "transformers"):
-            out = subprocess.run([sys.executable, __file__, "--child", engine, str(length),
-                                  str(args.chunk), gguf], capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(f"{engine} {length} failed:\n{out.stderr[-3000:]}")
-            rows[engine, length] = r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(engine, length, r, flush=True)
-    print("\n| prompt tokens | tiergen tok/s | transformers tok/s | ratio | tiergen peak growth MB "
-          "| transformers peak growth MB | memory ratio |\n|---|---|---|---|---|---|---|")
-    for length in args.lengths:
-        t, h = rows["tiergen", length], rows["transformers", length]
-        if "refused" in t:
-            print(f"| {length} | refused (context 8192) | {h['tok_s']:.0f} | - | - | "
-                  f"{h['peak_growth_mb']:.0f} | - |")
-            continue
-        print(f"| {length} | {t['tok_s']:.0f} | {h['tok_s']:.0f} | {t['tok_s'] / h['tok_s']:.2f}x | "
-              f"{t['peak_growth_mb']:.0f} | {h['peak_growth_mb']:.0f} | "
-              f"{h['peak_growth_mb'] / max(t['peak_growth_mb'], 1e-9):.1f}x lower |")
+    dtype = "bfloat16" if cpu_has_fast_bfloat16() else "float32"
+    cpu = cpu_description()
+    print(f"CPU: {cpu['cpu']} ({' '.join(cpu['simd'])}); dtype {dtype}", flush=True)
+    table = ["| model | prompt tokens | tiergen tok/s | transformers tok/s | ratio | tiergen peak "
+             "growth MB | transformers peak growth MB | memory ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model in args.models:
+        gguf = str(_packaged_file(model))
+        for length in args.lengths or LENGTHS[model]:
+            rows = {}
+            for engine in ("tiergen", "transformers"):
+                out = subprocess.run([sys.executable, __file__, "--child", engine, str(length),
+                                      str(args.chunk), gguf, dtype], capture_output=True, text=True)
+                if out.returncode:
+                    sys.exit(f"{engine} {model} {length} failed:\n{out.stderr[-3000:]}")
+                rows[engine] = r = json.loads(out.stdout.strip().splitlines()[-1])
+                print(engine, model, length, r, flush=True)
+            t, h = rows["tiergen"], rows["transformers"]
+            if "refused" in t:
+                table.append(f"| {model} | {length} | refused | {h['tok_s']:.0f} | - | - | "
+                             f"{h['peak_growth_mb']:.0f} | - |")
+                continue
+            table.append(f"| {model} | {length} | {t['tok_s']:.0f} | {h['tok_s']:.0f} | "
+                         f"{t['tok_s'] / h['tok_s']:.2f}x | {t['peak_growth_mb']:.0f} | "
+                         f"{h['peak_growth_mb']:.0f} | "
+                         f"{h['peak_growth_mb'] / max(t['peak_growth_mb'], 1e-9):.1f}x lower |")
+    print("\n" + "\n".join(table))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from tiergen import LLM, Policy, SamplingParams
 from tiergen.engine.generate import MicroBatchState, make_sequences
 from tiny_models import CASES, build
 
-PROMPTS = [[5], list(range(3, 40)), [7, 8, 9, 10, 11], list(range(50, 70))]
+PROMPTS = [[5], list(range(3, 40)), [7, 8, 9, 10, 11], list(range(20, 120))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
@@ -34,7 +34,7 @@ def first_logits(llm: LLM) -> torch.Tensor:
         list(state.advance(logits))
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 16, 1000])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
 def test_chunked_equals_whole(model_dir, chunk, tmp_path):
     whole = LLM(model_dir, dtype="float32", prefill_chunk_size=None)
     chunked = LLM(model_dir, dtype="float32", prefill_chunk_size=chunk)
@@ -47,6 +47,7 @@ def test_chunked_equals_whole(model_dir, chunk, tmp_path):
     # and through a policy that streams weights and cache from disk
     offloaded = LLM(model_dir, dtype="float32", prefill_chunk_size=chunk,
                     policy=Policy(weights=(0, 0), cache=(0, 0), offload_dir=tmp_path))
+    torch.testing.assert_close(first_logits(offloaded)[0], expected, atol=1e-4, rtol=1e-4)
     assert [r.token_ids for r in offloaded.generate(PROMPTS, GREEDY)] == want
 
 
@@ -107,3 +108,22 @@ def test_chunked_prefill_peak_memory_is_far_lower(tmp_path):
         grown[chunk] = json.loads(out.stdout.strip().splitlines()[-1])["grown"]
     print({k: f"{v / 2**20:.0f} MiB" for k, v in grown.items()})
     assert grown["512"] * 3 < grown["none"]
+
+
+@pytest.mark.parametrize("start,num_tokens", [(7, 7), (14, 7), (28, 7), (35, 5)])
+def test_chunk_attention_equals_the_masked_path(start, num_tokens):
+    """A chunk's two-pass attention (earlier slots, then itself, merged by log-sum-exp) against
+    SDPA's masked path, with a row whose every earlier slot is padding, a row padded in part,
+    and a full one; GQA with two query heads per K/V head."""
+    from tiergen.engine.step import StepMeta
+    from tiergen.models.layers import attention
+
+    torch.manual_seed(start)
+    valid = torch.zeros(3, 40, dtype=torch.bool)
+    valid[0, 30:], valid[1, 5:], valid[2] = True, True, True
+    meta = StepMeta.build(valid, start, num_tokens)
+    q = torch.randn(3, 4, num_tokens, 8)
+    k, v = torch.randn(2, 3, 2, start + num_tokens, 8)
+    want = attention(q, k, v, meta.mask)
+    got = attention(q, k, v, meta.mask, key_valid=valid[:, :meta.end])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

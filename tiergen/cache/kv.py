@@ -32,7 +32,7 @@ class KVView:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         k_all, v_all = self.update(k, v, meta)
-        return attention(q, k_all, v_all, meta.mask, self.sparsity)
+        return attention(q, k_all, v_all, meta.mask, self.sparsity, meta.valid[:, :meta.end])
 
     def update(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, KVH, T, D) and return what the step attends to: its own
@@ -118,4 +118,5 @@ class LatentKVView(KVView):
         rows, _ = self.update(k, None, meta)
         # values are the first `rank` numbers of each row: attend with the whole row as value
         # (contiguous, no copy) and drop the RoPE part of the output
-        return attention(q, rows, rows, meta.mask, self.sparsity)[..., :self.rank]
+        return attention(q, rows, rows, meta.mask, self.sparsity,
+                         meta.valid[:, :meta.end])[..., :self.rank]

@@ -143,7 +143,7 @@ class DeepseekV2:
         v = torch.einsum("bsr,hvr->bhsv", c_kv, w["w_uv"])
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1) * (self.scale * self.qk_dim**0.5)
-        return attention(q, k, v, meta.mask)
+        return attention(q, k, v, meta.mask, key_valid=meta.valid[:, :meta.end])
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])

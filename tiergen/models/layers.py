@@ -156,7 +156,7 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              sparsity: float = 1.0) -> torch.Tensor:
+              sparsity: float = 1.0, key_valid: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention of q (B, H, T, D) over k (B, KVH, S, D), v (B, KVH, S, Dv),
     scaled by D**-0.5 (a layer wanting another scale pre-scales q).
 
@@ -164,6 +164,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     Grouped-query attention shares each K/V head among H/KVH query heads without
     repeating K/V in memory. ``sparsity`` < 1 (decode only) keeps that fraction of each
     query's largest attention weights, renormalised, and reads only their V rows.
+    ``key_valid`` (B, S), given when the keys are timeline slots [0, S) ending with the
+    query's own T tokens (a prompt chunk after the first), says which slots hold tokens; it
+    lets a chunk skip the masked path (see ``_chunk_attention``).
     """
     B, H, T, D = q.shape
     kvh = k.shape[1]
@@ -178,9 +181,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             return _sparse_output(probs, v, sparsity).view(B, H, 1, v.shape[-1])
         return torch.matmul(probs.to(q.dtype), v).view(B, H, 1, v.shape[-1])
     gqa = H != kvh
+    if key_valid is not None and k.shape[2] > T and q.device.type == "cpu":
+        return _chunk_attention(q, k, v, mask, key_valid)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     key_valid: torch.Tensor) -> torch.Tensor:
+    """A prompt chunk's attention over the cache before it plus itself, without SDPA's masked
+    path (on a CPU it computes every query against every key, and slowly).
+
+    Two flash passes: the chunk against the earlier slots, unmasked (a key-only mask where
+    rows are left-padded), with the query heads of a group folded into one head's rows; and
+    the chunk against itself, causal. Their outputs are merged by their log-sum-exps:
+    softmax over the union of keys = w1 * out1 + w2 * out2 with wi = exp(lse_i - lse).
+    """
+    B, H, T, D = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    group, start = H // kvh, S - T
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    earlier = key_valid[:, :start]
+    pad = None
+    if not bool(earlier.all()):  # left padding: an additive key mask, broadcast over queries
+        pad = torch.zeros(B, 1, 1, start, dtype=q.dtype, device=q.device)
+        pad.masked_fill_(~earlier[:, None, None], float("-inf"))
+    out1, lse1 = flash(q.reshape(B, kvh, group * T, D), k[:, :, :start], v[:, :, :start],
+                       attn_mask=pad)
+    out1, lse1 = out1.reshape(B, H, T, -1), lse1.reshape(B, H, T)
+    own_k, own_v = k[:, :, start:], v[:, :, start:]
+    if group > 1:
+        own_k, own_v = own_k.repeat_interleave(group, 1), own_v.repeat_interleave(group, 1)
+    if bool(key_valid[:, start:].all()):
+        out2, lse2 = flash(q, own_k, own_v, is_causal=True)
+    else:  # padding inside the chunk: the step's own causal-and-valid mask
+        own = torch.zeros(B, 1, T, T, dtype=q.dtype, device=q.device)
+        own.masked_fill_(~mask[..., start:], float("-inf"))
+        out2, lse2 = flash(q, own_k, own_v, attn_mask=own)
+    lse1, lse2 = lse1.float(), lse2.reshape(B, H, T).float()
+    if pad is not None:  # a row with no earlier key gets out1 = 0 and lse1 = 0: make it -inf
+        lse1 = lse1.masked_fill(~earlier.any(-1)[:, None, None], float("-inf"))
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - lse)[..., None], torch.exp(lse2 - lse)[..., None]
+    return (out1.float() * w1 + out2.float() * w2).to(q.dtype)
 
 
 def _sparse_output(probs: torch.Tensor, v: torch.Tensor, sparsity: float) -> torch.Tensor:
