@@ -83,3 +83,27 @@ def test_compiled_batch1_matmuls_match_eager(tmp_path):
         assert compiled.generate([[5, 6, 7]], p)[0].token_ids == expected
     finally:
         layers.use_compiled_gemv(False)
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("Qwen2Config", dict(max_window_layers=2)),
+    ("Qwen3Config", dict(max_window_layers=1)),
+    ("Qwen2MoeConfig", dict(max_window_layers=3)),
+    ("Qwen3MoeConfig", dict()),
+    ("Qwen2Config", dict(max_window_layers=2, use_sliding_window=False)),
+])
+def test_qwen_sliding_layers_are_those_transformers_slides(name, extra):
+    """use_sliding_window with max_window_layers: each layer's window as transformers sets it."""
+    import transformers
+
+    from tiergen.config import from_hf_config
+
+    hf = getattr(transformers, name)(num_hidden_layers=5, **{
+        "use_sliding_window": True, "sliding_window": 16, **extra})
+    cfg = from_hf_config({**hf.to_dict(), "layer_types": None,
+                          "architectures": [name.replace("Config", "ForCausalLM")]})
+    want = [hf.sliding_window if getattr(hf, "layer_types", None) is None
+            or hf.layer_types[i] == "sliding_attention" else None for i in range(5)]
+    want = [w or None for w in want]  # Qwen2-MoE writes 0 for "no window"
+    assert [cfg.window(i) for i in range(5)] == want
+    assert any(want) == hf.use_sliding_window

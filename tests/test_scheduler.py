@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tiergen import LLM, Policy, SamplingParams, TiergenError
-from tiergen.engine.scheduler import CANCELLED, QueueFull, Scheduler
+from tiergen.engine.scheduler import CANCELLED, TIMED_OUT, QueueFull, Scheduler
 from tiny_models import build
 
 
@@ -123,5 +123,63 @@ def test_a_burst_becomes_one_micro_batch(llm):
         for r in reqs:
             list(r.events(timeout=60))
         assert sched.snapshot().batch_sizes[4] >= 3  # all four decoded together
+    finally:
+        sched.stop()
+
+
+def test_a_long_prompt_joins_decoding_streams_chunk_by_chunk(tmp_path):
+    """A long prompt arriving while streams decode is fed one chunk per step beside their
+    decode steps: the streams keep producing tokens during its prefill, and every output
+    equals LLM.generate's."""
+    build("llama-gqa-tied", tmp_path)
+    llm = LLM(tmp_path, dtype="float32", prefill_chunk_size=16)
+    short = [[3, 4, 5], [6, 7]]
+    long_prompt = [(7 * i) % 120 + 1 for i in range(100)]
+    want = [llm.generate([p], greedy(40))[0].token_ids for p in short]
+    want_long = llm.generate([long_prompt], greedy(5))[0].token_ids
+    sched = Scheduler(llm).start()
+    try:
+        streams = [sched.submit(p, greedy(40)) for p in short]
+        first = next(streams[0].events(timeout=60))
+        late = sched.submit(long_prompt, greedy(5))
+        times: list[float] = []
+        for ev in streams[0].events(timeout=60):
+            times.append(time.perf_counter())
+        assert [e.token_id for e in late.events(timeout=60)] == want_long
+        assert [first.token_id] + streams[0].seq.token_ids[1:] == want[0]
+        assert streams[1].seq.token_ids == want[1]
+        during = [t for t in times if late.created < t < late.first_token_at]
+        assert len(during) >= 100 // 16 - 1  # a stream token for (about) every prompt chunk
+    finally:
+        sched.stop()
+
+
+def test_admission_keeps_to_the_memory_budget(tmp_path):
+    """With room for one request's cache beside the weights but not two, the second waits for
+    the first to finish (or gives up after queue_timeout); one that could never fit is refused
+    when it is submitted, saying why."""
+    from tiergen.engine.executor import block_needs
+
+    build("llama-gqa-tied", tmp_path)
+    ex = LLM(tmp_path, dtype="float32").executor
+    prompt, n = [5, 6, 7, 8], 30
+    one, two = (block_needs(ex.weight_plan, ex.cfg, ex.dtype, ex.policy, [(1, 34)] * k, 4)["device"]
+                for k in (1, 2))
+    llm = LLM(tmp_path, dtype="float32", device_memory=(one + two) // 2)
+    want = llm.generate([prompt], greedy(n))[0].token_ids
+    sched = Scheduler(llm).start()
+    try:
+        with pytest.raises(TiergenError, match="device budget"):
+            sched.submit(prompt, greedy(200))
+        first, second = sched.submit(prompt, greedy(n)), sched.submit(prompt, greedy(n))
+        assert [e.token_id for e in first.events(timeout=60)] == want
+        assert [e.token_id for e in second.events(timeout=60)] == want
+        assert max(sched.snapshot().batch_sizes) == 1  # never both at once
+        sched.queue_timeout = 0.05
+        running = sched.submit(prompt, greedy(n))
+        waiting = sched.submit(prompt, greedy(n))
+        assert list(waiting.events(timeout=60))[-1].finish_reason == TIMED_OUT
+        assert [e.token_id for e in running.events(timeout=60)] == want
+        assert sched.snapshot().requests_timed_out == 1
     finally:
         sched.stop()

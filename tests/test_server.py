@@ -260,7 +260,15 @@ OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     (COMPLETIONS, {**OK, "prompt": 5}, 400, "prompt", "'prompt' must be a string"),
     (COMPLETIONS, {**OK, "prompt": []}, 400, "prompt", "'prompt' is empty"),
     (COMPLETIONS, {**OK, "prompt": [10 ** 9]}, 400, "prompt", "outside the vocabulary"),
-    (COMPLETIONS, {**OK, "temperature": -1}, 400, "temperature", "temperature must be"),
+    (COMPLETIONS, {**OK, "temperature": -1}, 400, "temperature", "'temperature' must be between 0 and 2"),
+    (COMPLETIONS, {**OK, "temperature": 3}, 400, "temperature", "'temperature' must be between 0 and 2"),
+    (COMPLETIONS, {**OK, "top_p": 1.5}, 400, "top_p", "'top_p' must be between 0 and 1"),
+    (COMPLETIONS, {**OK, "presence_penalty": 2.5}, 400, "presence_penalty",
+     "'presence_penalty' must be between -2 and 2"),
+    (COMPLETIONS, {**OK, "frequency_penalty": -3}, 400, "frequency_penalty",
+     "'frequency_penalty' must be between -2 and 2"),
+    (COMPLETIONS, {**OK, "logit_bias": {"5": 150}}, 400, "logit_bias", "between -100 and 100"),
+    (COMPLETIONS, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4 sequences"),
     (COMPLETIONS, {**OK, "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
     (COMPLETIONS, {**OK, "stop": [""]}, 400, "stop", "stop strings must be non-empty"),
     (COMPLETIONS, {**OK, "stop": 3}, 400, "stop", "'stop' must be a string"),
@@ -273,6 +281,11 @@ OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
      "each message must be"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "messages[0]", "only text is supported"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 400,
+     "messages[0].role", "must be one of system, user, assistant"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"},
+                                         {"role": "", "content": "Hi"}]}, 400,
+     "messages[1].role", "must be one of"),
 ])
 def test_bad_input_gets_an_openai_error(base_url, path, body, status, param, match):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
@@ -304,6 +317,64 @@ def test_queue_full_is_429_and_the_server_keeps_serving(app, base_url, client):
         scheduler.max_queue = 256
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "queue_full"
+    assert client.completions.create(model=MODEL, prompt=PARIS, max_tokens=2).choices[0].text
+
+
+def test_a_developer_message_is_a_system_message(client, llm):
+    messages = [{"role": "developer", "content": "Answer in one word."},
+                {"role": "user", "content": CHATS[1]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    system = [{**messages[0], "role": "system"}, messages[1]]
+    want = llm.generate([llm.chat_prompt(system)], SamplingParams(max_tokens=4, temperature=0))
+    assert r.choices[0].message.content == want[0].text
+
+
+def test_a_role_the_template_names_is_accepted():
+    from tiergen.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model=MODEL, messages=[{"role": "tool", "content": "42"}])
+    assert body.conversation("{% if m.role == 'tool' %}...{% endif %}") == \
+        [{"role": "tool", "content": "42"}]
+    with pytest.raises(Exception, match="must be one of"):
+        body.conversation("{{ messages }}")
+
+
+def test_api_key(llm):
+    """With a key, every /v1/ route needs it as a bearer token (401 in OpenAI's shape otherwise);
+    /health and /metrics stay open. The scheduler is not started: no route here reaches it."""
+    from starlette.testclient import TestClient
+
+    http = TestClient(create_app(llm, [MODEL], api_key="s3cret"))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+        r = http.get("/v1/models", headers=headers)
+        assert r.status_code == 401, headers
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+        assert http.post(COMPLETIONS, json=OK, headers=headers).status_code == 401
+    assert "Authorization: Bearer" in http.get("/v1/models").json()["error"]["message"]
+    assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert http.get("/health").status_code == 200
+    assert http.get("/metrics").status_code == 200
+
+
+def test_queue_timeout_is_503(app, base_url, client):
+    """A request that cannot be admitted within the queue timeout gets a 503, streamed or not;
+    the request that held the place finishes normally."""
+    scheduler = app.state.server.scheduler
+    running = scheduler.max_running
+    scheduler.max_running, scheduler.queue_timeout = 1, 0.2
+    try:
+        with httpx.stream("POST", base_url + COMPLETIONS, timeout=60, json={
+                **OK, "prompt": STORY, "max_tokens": 60, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)  # the long request runs
+            for stream in (False, True):
+                late = httpx.post(base_url + COMPLETIONS, json={**OK, "stream": stream}, timeout=60)
+                assert late.status_code == 503, late.text
+                assert late.json()["error"]["code"] == "queue_timeout"
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+    finally:
+        scheduler.max_running, scheduler.queue_timeout = running, None
     assert client.completions.create(model=MODEL, prompt=PARIS, max_tokens=2).choices[0].text
 
 

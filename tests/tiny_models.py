@@ -43,6 +43,10 @@ CASES: dict[str, tuple[str, dict]] = {
                                                  rope_theta=1000000.0),
                              sliding_attention=dict(rope_type="default", rope_theta=10000.0)))),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    # use_sliding_window: layer 0 attends to everything, layers 1 and 2 to a window of 8
+    "qwen2-window": ("Qwen2Config", dict(num_hidden_layers=3, num_attention_heads=4,
+                                         num_key_value_heads=2, use_sliding_window=True,
+                                         sliding_window=8, max_window_layers=1)),
     # Mixture of experts: 4 experts, 2 per token (Mixtral: softmax over the chosen two).
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                       num_local_experts=4, num_experts_per_tok=2)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tiergen import _platform  # noqa: F401  (before torch)
@@ -263,12 +264,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.default_max_tokens < 1:
         raise TiergenError(f"--default-max-tokens must be a positive integer, got "
                            f"{args.default_max_tokens}")
+    if args.queue_timeout is not None and not args.queue_timeout > 0:
+        raise TiergenError(f"--queue-timeout must be a positive number of seconds, got "
+                           f"{args.queue_timeout}")
+    api_key = args.api_key or os.environ.get("TIERGEN_API_KEY") or None
     llm = _load(args)
     if args.chat_template is not None:  # fail now, not on the first chat request
         llm.chat_prompt([{"role": "user", "content": "Hello"}], args.chat_template)
     serve(llm, args.host, args.port, model_names=[args.model], max_queue=args.max_queue,
           default_max_tokens=args.default_max_tokens, chat_template=args.chat_template,
-          verbose=args.verbose)
+          verbose=args.verbose, api_key=api_key, queue_timeout=args.queue_timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of requests that give none (default: 256)")
     g.add_argument("--chat-template", help="a Jinja chat template to use instead of the model's")
+    g.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1/ request (default: "
+                        "$TIERGEN_API_KEY; none: open)")
+    g.add_argument("--queue-timeout", type=float, metavar="SECONDS",
+                   help="answer a request still waiting for a place after SECONDS with 503 "
+                        "(default: wait)")
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 

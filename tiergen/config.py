@@ -323,6 +323,22 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(moe=moe, mla=mla, head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
 
 
+def _qwen_layer_types(arch: str, cfg: dict[str, Any]) -> list[str] | None:
+    """Which layers of a Qwen model with use_sliding_window slide, as transformers decides:
+    an explicit layer_types; else Qwen2/Qwen3 slide from layer max_window_layers on, Qwen2-MoE
+    every other layer below it, and Qwen3-MoE every layer."""
+    if cfg.get("layer_types") is not None:
+        return list(cfg["layer_types"])
+    layers, limit = cfg["num_hidden_layers"], int(cfg.get("max_window_layers", 28))
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        sliding = [i >= limit for i in range(layers)]
+    elif arch == "Qwen2MoeForCausalLM":
+        sliding = [bool((i + 1) % 2) and i < limit for i in range(layers)]
+    else:
+        return None
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
 def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from the dict of a Hugging Face ``config.json``."""
     archs = cfg.get("architectures") or []
@@ -340,7 +356,9 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         window = cfg.get("sliding_window")
         if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
             window = None
-        fields: dict[str, Any] = dict(
+        fields: dict[str, Any] = dict(layer_types=_qwen_layer_types(arch, cfg)) \
+            if arch.startswith("Qwen") and window else {}
+        fields |= dict(
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=_rope_from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -87,7 +87,7 @@ class MicroBatchState:
         device = executor.device
         longest = max(len(s.prompt_ids) for s in seqs)
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-        slots = capacity(seqs)
+        self.slots = slots = capacity(seqs)
         valid = torch.zeros(len(seqs), slots, dtype=torch.bool)
         for row, s in enumerate(seqs):
             ids[row, longest - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)

@@ -16,12 +16,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from tiergen.engine.generate import MicroBatchState, Sequence
+from tiergen.engine.generate import MicroBatchState, Sequence, capacity
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError
 
 CANCELLED = "cancelled"
+TIMED_OUT = "timeout"  # waited in the queue longer than the scheduler's queue_timeout
 
 
 class QueueFull(TiergenError):
@@ -80,6 +81,7 @@ class SchedulerMetrics:
     requests_finished: int = 0
     requests_cancelled: int = 0
     requests_rejected: int = 0
+    requests_timed_out: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
@@ -89,11 +91,18 @@ class SchedulerMetrics:
 
 
 class Scheduler:
-    """Runs an :class:`LLM` on a background thread for requests submitted from any thread."""
+    """Runs an :class:`LLM` on a background thread for requests submitted from any thread.
 
-    def __init__(self, llm: LLM, max_queue: int = 256, max_running: int | None = None) -> None:
+    Admission respects the LLM's memory budgets: a request whose cache and activations could
+    never fit is refused at submission, and one that does not fit beside the running
+    sequences waits for them to finish; ``queue_timeout`` (seconds) bounds that wait.
+    """
+
+    def __init__(self, llm: LLM, max_queue: int = 256, max_running: int | None = None,
+                 queue_timeout: float | None = None) -> None:
         self.llm = llm
         self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
         self.max_running = max_running or llm.micro_batch * llm.policy.num_gpu_batches
         self.metrics = SchedulerMetrics()
         self._waiting: deque[Request] = deque()
@@ -129,6 +138,10 @@ class Scheduler:
         """Queue a prompt; raises TiergenError on bad input and QueueFull when full."""
         params = params or SamplingParams()
         _, (seq,) = self.llm.prepare([prompt], [params])
+        # alone in the block, could it ever run? (raises, saying what does not fit)
+        self.llm.executor.check_block([(1, capacity([seq]))], self._step_tokens([seq]),
+                                      f"a request of {len(seq.prompt_ids)} prompt tokens and "
+                                      f"max_tokens={params.max_tokens}")
         with self._lock:
             if self._stopping:
                 raise TiergenError("the scheduler is shutting down")
@@ -157,11 +170,40 @@ class Scheduler:
             if len(self._waiting) == seen or time.monotonic() > deadline:
                 return
 
+    def _step_tokens(self, seqs: list[Sequence]) -> int:
+        """Most tokens per row a step of these sequences feeds (their prefill chunk)."""
+        longest = max(len(s.prompt_ids) for s in seqs)
+        return min(longest, self.llm.prefill_chunk_size or longest)
+
+    def _fits(self, group: list[Sequence]) -> bool:
+        """Whether the running micro-batches and a new one of ``group`` fit the budgets."""
+        shapes = [(len(s.live), s.slots) for s in self._states] + [(len(group), capacity(group))]
+        tokens = self._step_tokens([q for s in self._states for q in s.live] + group)
+        return self.llm.executor.fits(shapes, tokens)
+
+    def _expire(self) -> None:
+        """Answer the requests that have waited longer than queue_timeout."""
+        if self.queue_timeout is None:
+            return
+        now = time.perf_counter()
+        for req in [r for r in self._waiting if now - r.created > self.queue_timeout]:
+            self._waiting.remove(req)
+            req.seq.finish_reason = TIMED_OUT
+            self.metrics.requests_timed_out += 1
+            req._emit(StreamEvent(req.id, -1, "", TIMED_OUT))
+            del self._requests[id(req.seq)]
+
     def _admit(self) -> None:
-        """Move waiting requests into new micro-batches while there is room in the block."""
+        """Move waiting requests into new micro-batches while there is room in the block and
+        in the memory budgets."""
+        self._expire()
         running = sum(len(s.live) for s in self._states)
         while self._waiting and running < self.max_running:
             take = min(self.llm.micro_batch, self.max_running - running, len(self._waiting))
+            while take and not self._fits([self._waiting[i].seq for i in range(take)]):
+                take -= 1
+            if not take:  # wait for running sequences to finish and free memory
+                break
             group = [self._waiting.popleft() for _ in range(take)]
             group = [r for r in group if not self._finish_if_cancelled(r)]
             if group:

@@ -28,6 +28,10 @@ class Budgets:
     device: int | None = None
     host: int | None = None
 
+    def fits(self, needs: Bytes) -> bool:
+        return all(getattr(self, t) is None or needs.get(t, 0) <= getattr(self, t)
+                   for t in ("device", "host"))
+
     def check(self, needs: Bytes, what: str, hint: dict[str, str]) -> None:
         """Refuse, before any work starts, a plan whose tier needs exceed their budgets."""
         for tier in ("device", "host"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -10,8 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tiergen.engine.llm import LLM, Prompt
-from tiergen.engine.scheduler import CANCELLED, QueueFull, Scheduler
+from tiergen.engine.llm import LLM, Prompt, StreamEvent
+from tiergen.engine.scheduler import CANCELLED, TIMED_OUT, QueueFull, Scheduler
 from tiergen.errors import TiergenError
 from tiergen.server.bridge import DONE, Generation, sse
 from tiergen.server.errors import APIError, bad_request, install_handlers
@@ -52,15 +53,37 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+class APIKey:
+    """ASGI middleware: every request under /v1/ must carry ``Authorization: Bearer <key>``;
+    otherwise a 401 in OpenAI's error shape. /health and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if not given:
+                error = APIError(401, "no API key given: send it as 'Authorization: Bearer KEY'",
+                                 code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = APIError(401, "incorrect API key", code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class Server:
     """What the routes share: the model, its scheduler, the metrics and the server's health."""
 
     def __init__(self, llm: LLM, model_names: Sequence[str], max_queue: int,
                  max_running: int | None, default_max_tokens: int,
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, queue_timeout: float | None) -> None:
         self.llm = llm
         self.model_names = list(model_names) or [llm.name]
-        self.scheduler = Scheduler(llm, max_queue=max_queue, max_running=max_running)
+        self.scheduler = Scheduler(llm, max_queue=max_queue, max_running=max_running,
+                                   queue_timeout=queue_timeout)
         self.metrics = ServerMetrics(self.scheduler)
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
@@ -123,7 +146,19 @@ class Server:
         prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(generation, envelope, prompt_tokens, include_usage),
+            # the status line waits for the first event: a request that times out in the
+            # queue or is cancelled before it starts still gets its own status code
+            events = generation.events()
+            try:
+                first = await anext(events)
+            except BaseException:
+                generation.cancel()
+                raise
+            if first[1].finish_reason in (CANCELLED, TIMED_OUT, "error"):
+                generation.cancel()
+                raise self._failure(first[1].finish_reason)
+            return StreamingResponse(self._stream(generation, envelope, prompt_tokens,
+                                                  include_usage, first, events),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(await self._collect(request, generation, envelope, prompt_tokens))
 
@@ -131,18 +166,28 @@ class Server:
         if finish_reason == CANCELLED:
             return APIError(503, "the server is shutting down; the request was cancelled",
                             code="shutting_down")
+        if finish_reason == TIMED_OUT:
+            return APIError(503, f"the request waited in the queue longer than "
+                                 f"{self.scheduler.queue_timeout:g} s (--queue-timeout); retry later",
+                            code="queue_timeout")
         self.engine_failed = True
         return APIError(500, "the engine failed while generating; see the server's log",
                         code="engine_failed")
 
     async def _stream(self, generation: Generation, envelope: Envelope, prompt_tokens: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, first: tuple[int, StreamEvent],
+                      rest: AsyncIterator[tuple[int, StreamEvent]]) -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[tuple[int, StreamEvent]]:
+            yield first
+            async for item in rest:
+                yield item
+
         try:
             if envelope.chat:
                 for i in range(len(generation.requests)):
                     yield sse(envelope.chunk(i, "", role="assistant"))
-            async for choice, ev in generation.events():
-                if ev.finish_reason in (CANCELLED, "error"):
+            async for choice, ev in events():
+                if ev.finish_reason in (CANCELLED, TIMED_OUT, "error"):
                     yield sse(self._failure(ev.finish_reason).body())
                     return
                 if ev.text:
@@ -175,7 +220,7 @@ class Server:
             drained.cancel()
             raise APIError(499, "the client closed the connection")
         for r in generation.requests:
-            if r.finish_reason in (CANCELLED, "error"):
+            if r.finish_reason in (CANCELLED, TIMED_OUT, "error"):
                 raise self._failure(r.finish_reason)
         return envelope.response([(r.seq.text, r.finish_reason) for r in generation.requests],
                                  prompt_tokens, generation.completion_tokens)
@@ -183,14 +228,18 @@ class Server:
 
 def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 256,
                max_running: int | None = None, default_max_tokens: int = 256,
-               chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               api_key: str | None = None, queue_timeout: float | None = None) -> FastAPI:
     """An OpenAI-compatible app serving ``llm``.
 
     ``model_names``: the names clients may ask for (the first is listed by /v1/models; the
     model's own name is always accepted). ``default_max_tokens`` applies to requests that
-    give none. The scheduler starts and stops with the app's lifespan.
+    give none. ``api_key``: the key every /v1/ request must bear. ``queue_timeout``: seconds a
+    request may wait to be admitted before it gets a 503. The scheduler starts and stops with
+    the app's lifespan.
     """
-    server = Server(llm, model_names, max_queue, max_running, default_max_tokens, chat_template)
+    server = Server(llm, model_names, max_queue, max_running, default_max_tokens, chat_template,
+                    queue_timeout)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -203,6 +252,8 @@ def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 25
                   openapi_url=None)
     app.state.server = server
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKey, key=api_key)
     install_handlers(app)
 
     @app.get("/health")
@@ -239,7 +290,8 @@ def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 25
         server.check_model(body.model)
         body.check_supported()
         try:
-            prompt = llm.chat_prompt(body.conversation(), server.chat_template)
+            template = server.chat_template or (llm.tokenizer and llm.tokenizer.chat_template)
+            prompt = llm.chat_prompt(body.conversation(template), server.chat_template)
         except TiergenError as e:
             raise bad_request(str(e), "messages") from None
         return await server.generate(request, body, [prompt], Envelope(body.model, chat=True),

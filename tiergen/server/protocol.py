@@ -15,6 +15,11 @@ from tiergen.errors import TiergenError
 from tiergen.server.errors import bad_request
 
 MAX_N = 64  # most choices per request
+MAX_STOP = 4  # most stop sequences per request, as OpenAI allows
+# OpenAI's documented ranges for the numeric fields, inclusive
+RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+          "frequency_penalty": (-2.0, 2.0)}
+ROLES = ("system", "user", "assistant", "developer")  # developer: OpenAI's newer name for system
 
 # What a field must look like, for the fields whose type is a union (pydantic reports one
 # error per alternative, which says less than this).
@@ -64,12 +69,26 @@ class GenerationRequest(_Strict):
                 "logit_bias": bool(self.logit_bias)}
 
     def check_supported(self) -> None:
+        """Refuse values outside OpenAI's documented ranges, then fields tiergen lacks."""
+        for name, (low, high) in RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise bad_request(f"'{name}' must be between {low:g} and {high:g}, got {value}",
+                                  name, "invalid_value")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise bad_request(f"'stop' takes at most {MAX_STOP} sequences, got {len(self.stop)}",
+                              "stop", "invalid_value")
+        for token, bias in (self.logit_bias or {}).items():
+            if not -100 <= bias <= 100:
+                raise bad_request(f"'logit_bias' values must be between -100 and 100, got {bias} "
+                                  f"for token {token}", "logit_bias", "invalid_value")
         for name, used in self.refused().items():
             if used:
                 raise bad_request(f"'{name}' is not supported by this server; leave it out",
                                   name, "unsupported_parameter")
         if self.n is not None and not 1 <= self.n <= MAX_N:
-            raise bad_request(f"'n' must be between 1 and {MAX_N}, got {self.n}", "n")
+            raise bad_request(f"'n' must be between 1 and {MAX_N}, got {self.n}", "n",
+                              "invalid_value")
 
     @property
     def num_choices(self) -> int:
@@ -130,7 +149,7 @@ class ChatMessage(_Strict):
     def as_template_input(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else \
             "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content}
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -151,10 +170,18 @@ class ChatCompletionRequest(GenerationRequest):
             return "max_completion_tokens", self.max_completion_tokens
         return "max_tokens", self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self, template: str | None = None) -> list[dict[str, str]]:
+        """The messages as the chat template takes them. Roles are OpenAI's (developer is read
+        as system) or another role that ``template``, the model's template source, names."""
         if not self.messages:
             raise bad_request("'messages' is empty; give at least one message, e.g. "
                               "[{\"role\": \"user\", \"content\": \"Hello\"}]", "messages")
+        for i, m in enumerate(self.messages):
+            known = m.role in ROLES or (template is not None and m.role.isidentifier() and
+                                        any(f"{q}{m.role}{q}" in template for q in "'\""))
+            if not known:
+                raise bad_request(f"'messages[{i}].role' is '{m.role}'; it must be one of "
+                                  f"{', '.join(ROLES[:3])}", f"messages[{i}].role", "invalid_value")
         return [m.as_template_input() for m in self.messages]
 
 
