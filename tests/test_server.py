@@ -228,9 +228,19 @@ def test_a_client_that_leaves_has_its_request_cancelled(base_url, client, stream
     assert r.choices[0].text
 
 
-def test_metrics_are_prometheus_text(base_url):
+def test_metrics_are_prometheus_text(base_url, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=MODEL, prompt=PARIS, max_tokens=2)
     r = httpx.get(base_url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}  # a scraper's parser
+    assert families["tiergen_requests"].type == "counter"
+    assert families["tiergen_queue_depth"].type == "gauge"
+    for name in ("tiergen_batch_size", "tiergen_request_latency_seconds"):
+        assert families[name].type == "histogram"
+        counts = [s.value for s in families[name].samples if s.name.endswith("_bucket")]
+        assert counts == sorted(counts) and counts[-1] >= 1  # cumulative, +Inf last
     m = metrics(base_url)
     for name in ("tiergen_requests_total", "tiergen_generated_tokens_total", "tiergen_queue_depth",
                  "tiergen_running_sequences", 'tiergen_batch_size_bucket{le="+Inf"}',
@@ -396,7 +406,10 @@ def test_serve_command_stops_cleanly_on_sigterm():
             proc.send_signal(signal.SIGTERM)
             streamed = [line for line in lines if line]
         assert streamed[-1] == "data: [DONE]"  # the request in flight finished first
+        finished = time.monotonic()
         _, err = proc.communicate(timeout=30)
+        # and then the process exits at once, not after the 10 s grace period
+        assert time.monotonic() - finished < 5
     finally:
         proc.kill()
     assert proc.returncode in (0, -signal.SIGTERM), err

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
@@ -16,7 +16,7 @@ from tiergen.engine.scheduler import CANCELLED, TIMED_OUT, QueueFull, Scheduler
 from tiergen.errors import TiergenError
 from tiergen.server.bridge import DONE, Generation, sse
 from tiergen.server.errors import APIError, bad_request, install_handlers
-from tiergen.server.metrics import ServerMetrics
+from tiergen.server.metrics import CONTENT_TYPE, ServerMetrics
 from tiergen.server.protocol import (ChatCompletionRequest, CompletionRequest, Envelope,
                                      GenerationRequest, parse)
 
@@ -265,9 +265,8 @@ def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 25
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(server.metrics.render(),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

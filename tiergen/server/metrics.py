@@ -1,51 +1,70 @@
-"""``GET /metrics`` in the Prometheus text format: the scheduler's counters and gauges, and
-histograms of batch sizes, request latency and time to first token."""
+"""``GET /metrics`` in the Prometheus text format, written by prometheus_client: the
+scheduler's counters and gauges, and histograms of batch sizes, request latency and time to
+first token. Each app has its own registry, so several apps can live in one process."""
 
 from __future__ import annotations
 
-import bisect
-import math
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
+from prometheus_client.registry import Collector
 
 from tiergen.engine.scheduler import Request, Scheduler
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-class Histogram:
-    """Cumulative buckets, a sum and a count, as Prometheus histograms are exposed."""
+class _SchedulerCollector(Collector):
+    """Reads the scheduler's counters at each scrape."""
 
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.bounds = name, help, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
 
-    def observe(self, value: float, count: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += count
-        self.sum += value * count
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        total = 0
-        for bound, count in zip((*self.bounds, math.inf), self.counts):
-            total += count
-            le = "+Inf" if bound == math.inf else f"{bound:g}"
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {total}')
-        lines += [f"{self.name}_sum {self.sum:.6f}", f"{self.name}_count {total}"]
-        return lines
+    def collect(self) -> Iterator[Metric]:
+        m = self._scheduler.snapshot()
+        for name, help, value in [
+            ("requests", "Requests submitted to the engine.", m.requests_total),
+            ("requests_finished", "Requests that finished (stop or length).", m.requests_finished),
+            ("requests_cancelled", "Requests cancelled (client gone or shutdown).",
+             m.requests_cancelled),
+            ("requests_rejected", "Requests refused because the queue was full.",
+             m.requests_rejected),
+            ("requests_timed_out", "Requests that waited in the queue longer than the queue "
+                                   "timeout.", m.requests_timed_out),
+            ("prompt_tokens", "Prompt tokens submitted.", m.prompt_tokens),
+            ("generated_tokens", "Tokens generated.", m.generated_tokens),
+            ("steps", "Engine steps run.", m.steps),
+        ]:
+            yield CounterMetricFamily(f"tiergen_{name}", help, value=value)
+        yield GaugeMetricFamily("tiergen_queue_depth", "Requests waiting to be admitted.",
+                                value=m.queue_depth)
+        yield GaugeMetricFamily("tiergen_running_sequences", "Sequences in the running batch.",
+                                value=m.running)
+        sizes = m.batch_sizes  # sequences per step -> steps
+        buckets = [(f"{b:g}", float(sum(n for size, n in sizes.items() if size <= b)))
+                   for b in BATCH_BUCKETS]
+        yield HistogramMetricFamily(
+            "tiergen_batch_size", "Sequences in each engine step.",
+            buckets=buckets + [("+Inf", float(sum(sizes.values())))],
+            sum_value=float(sum(size * n for size, n in sizes.items())))
 
 
 class ServerMetrics:
     """What /metrics reports; ``observe`` is called for every request that finishes."""
 
     def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
+        self.registry = CollectorRegistry()
+        self.registry.register(_SchedulerCollector(scheduler))
         self.latency = Histogram("tiergen_request_latency_seconds",
                                  "Seconds from submission to the last token, per finished request.",
-                                 SECONDS_BUCKETS)
+                                 buckets=SECONDS_BUCKETS, registry=self.registry)
         self.ttft = Histogram("tiergen_time_to_first_token_seconds",
                               "Seconds from submission to the first token, per finished request.",
-                              SECONDS_BUCKETS)
+                              buckets=SECONDS_BUCKETS, registry=self.registry)
 
     def observe(self, req: Request) -> None:
         if req.finish_reason not in ("stop", "length"):
@@ -53,32 +72,5 @@ class ServerMetrics:
         self.latency.observe(req.finished_at - req.created)
         self.ttft.observe(req.first_token_at - req.created)
 
-    def render(self) -> str:
-        m = self._scheduler.snapshot()
-        batch_size = Histogram("tiergen_batch_size", "Sequences in each engine step.",
-                               BATCH_BUCKETS)
-        for size, steps in m.batch_sizes.items():  # the scheduler counts every step
-            batch_size.observe(size, steps)
-        lines: list[str] = []
-        for name, kind, help, value in [
-            ("requests_total", "counter", "Requests submitted to the engine.", m.requests_total),
-            ("requests_finished_total", "counter", "Requests that finished (stop or length).",
-             m.requests_finished),
-            ("requests_cancelled_total", "counter", "Requests cancelled (client gone or shutdown).",
-             m.requests_cancelled),
-            ("requests_rejected_total", "counter", "Requests refused because the queue was full.",
-             m.requests_rejected),
-            ("requests_timed_out_total", "counter",
-             "Requests that waited in the queue longer than the queue timeout.",
-             m.requests_timed_out),
-            ("prompt_tokens_total", "counter", "Prompt tokens submitted.", m.prompt_tokens),
-            ("generated_tokens_total", "counter", "Tokens generated.", m.generated_tokens),
-            ("steps_total", "counter", "Engine steps run.", m.steps),
-            ("queue_depth", "gauge", "Requests waiting to be admitted.", m.queue_depth),
-            ("running_sequences", "gauge", "Sequences in the running batch.", m.running),
-        ]:
-            lines += [f"# HELP tiergen_{name} {help}", f"# TYPE tiergen_{name} {kind}",
-                      f"tiergen_{name} {value}"]
-        for histogram in (batch_size, self.latency, self.ttft):
-            lines += histogram.render()
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
