@@ -28,6 +28,7 @@ GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS]
 CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS]
 MODEL_OPTIONS = COMMON_OPTIONS[:COMMON_OPTIONS.index("--max-tokens")]
 SERVE_OPTIONS = ["--host", "--port", "--max-queue", "--default-max-tokens", "--chat-template",
+                 "--api-key", "--queue-timeout",
                  *MODEL_OPTIONS]
 
 

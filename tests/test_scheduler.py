@@ -183,3 +183,35 @@ def test_admission_keeps_to_the_memory_budget(tmp_path):
         assert sched.snapshot().requests_timed_out == 1
     finally:
         sched.stop()
+
+
+@pytest.mark.parametrize("case, policy", [
+    ("llama-gqa-tied", {}),
+    ("mistral-window", {"cache": (0, 0)}),  # rings of 8 slots, in spill files on disk
+    ("deepseek-v2-lite", {}),  # latent rows
+])
+def test_micro_batches_that_joined_apart_are_merged(tmp_path, case, policy):
+    """Requests arriving one by one become micro-batches at different points of the timeline;
+    once their prompts are in they merge into one (the later ones shifted), and every output
+    (greedy, seeded, with a repetition penalty) stays what LLM.generate gives."""
+    build(case, tmp_path)
+    llm = LLM(tmp_path, dtype="float32",
+              policy=Policy(gpu_batch_size=4, offload_dir=tmp_path / "offload", **policy))
+    prompts = [[3 + i] * (2 + 5 * i) for i in range(4)]
+    params = [greedy(24), SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3,
+                             ignore_eos=True), greedy(30)]
+    want = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    sched = Scheduler(llm).start()
+    try:
+        requests = []
+        for p, q in zip(prompts, params):  # each one is decoding before the next arrives
+            requests.append(sched.submit(p, q))
+            next(requests[-1].events(timeout=60))
+        for r in requests:
+            list(r.events(timeout=60))
+        assert [r.seq.token_ids for r in requests] == want
+        m = sched.snapshot()
+        assert m.merges == 3 and m.batch_sizes[4] > 0
+    finally:
+        sched.stop()

@@ -92,6 +92,7 @@ class MicroBatchState:
         for row, s in enumerate(seqs):
             ids[row, longest - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
             valid[row, longest - len(s.prompt_ids):longest] = True
+        self.executor = executor
         self.prompt, self.valid = ids.to(device), valid.to(device)
         self.chunk = prefill_chunk or longest
         self.cache = executor.new_cache(len(seqs), slots)
@@ -101,6 +102,45 @@ class MicroBatchState:
         self.start, self.num_tokens = 0, min(self.chunk, longest)
         self.ids = self.prompt[:, :self.num_tokens]
         self.done = False
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the prompts are in (each step now feeds one new token per row)."""
+        return not self.done and self.start >= self.prompt.shape[1]
+
+    def merged_shape(self, other: MicroBatchState) -> tuple[int, int]:
+        """(rows, capacity) of this micro-batch once ``other`` has merged into it."""
+        later = abs(self.start - other.start)
+        behind = other if other.start <= self.start else self
+        ahead = self if behind is other else other
+        return len(self.live) + len(other.live), max(ahead.slots, behind.slots + later)
+
+    def merge(self, other: MicroBatchState) -> None:
+        """Take the sequences of ``other`` (both decoding) into this micro-batch.
+
+        Rows are left-padded to one timeline, so the micro-batch that is behind (fewer
+        slots used) is shifted later by the difference: its positions, counted from each
+        row's first real token, do not change, and its new leading slots are padding.
+        """
+        rows, slots = self.merged_shape(other)
+        end = max(self.start, other.start)
+        shifts = [end - self.start, end - other.start]
+        cache = self.executor.new_cache(rows, slots)
+        try:
+            cache.absorb([(self.cache, shifts[0]), (other.cache, shifts[1])])
+        except BaseException:
+            cache.close()
+            raise
+        valid = torch.zeros(rows, slots, dtype=torch.bool, device=self.valid.device)
+        valid[:len(self.live), shifts[0]:shifts[0] + self.slots] = self.valid
+        valid[len(self.live):, shifts[1]:shifts[1] + other.slots] = other.valid
+        self.cache.close()
+        other.cache.close()
+        other.done = True
+        self.cache, self.valid, self.slots, self.start = cache, valid, slots, end
+        self.ids = torch.cat([self.ids, other.ids])
+        self.live = self.live + other.live
+        self.sampler.extend(other.sampler)
 
     def work(self) -> MicroBatch:
         return MicroBatch(self.ids, StepMeta.build(self.valid, self.start, self.num_tokens), self.cache)

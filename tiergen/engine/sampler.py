@@ -67,6 +67,7 @@ class Sampler:
     def __init__(self, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int,
                  device: torch.device) -> None:
         self.params = params
+        self.vocab_size, self.device = vocab_size, device
         self.generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed)
                            for p in params]
         self.penalty = None
@@ -81,6 +82,21 @@ class Sampler:
         self.generators = [self.generators[r] for r in rows]
         if self.penalty is not None:
             self.penalty, self.seen = self.penalty[rows], self.seen[rows]
+
+    def _penalty_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.penalty is not None:
+            return self.penalty, self.seen
+        rows = len(self.params)
+        return (torch.ones(rows, 1, device=self.device),
+                torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device))
+
+    def extend(self, other: Sampler) -> None:
+        """Append the rows of another batch's sampler (micro-batches merging)."""
+        if self.penalty is not None or other.penalty is not None:
+            (mine, my_seen), (theirs, their_seen) = self._penalty_rows(), other._penalty_rows()
+            self.penalty, self.seen = torch.cat([mine, theirs]), torch.cat([my_seen, their_seen])
+        self.params = self.params + other.params
+        self.generators = self.generators + other.generators
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """Pick one token per row from float32 logits (B, V)."""

@@ -2,8 +2,9 @@
 the next step boundary, and a finished sequence frees its place for a waiting one.
 
 Each admission of waiting requests becomes a new micro-batch of the block (its prefill runs
-in the same forward pass as the others' decode); a micro-batch leaves when all its sequences
-have stopped or been cancelled.
+in the same forward pass as the others' decode, chunk by chunk); once its prompts are in, it
+merges with another decoding micro-batch when both fit in one; a micro-batch leaves when all
+its sequences have stopped or been cancelled.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class SchedulerMetrics:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     steps: int = 0
+    merges: int = 0  # micro-batches merged into another
     batch_sizes: Counter[int] = field(default_factory=Counter)  # sequences per step -> steps
     queue_depth: int = 0
     running: int = 0
@@ -175,11 +177,28 @@ class Scheduler:
         longest = max(len(s.prompt_ids) for s in seqs)
         return min(longest, self.llm.prefill_chunk_size or longest)
 
-    def _fits(self, group: list[Sequence]) -> bool:
-        """Whether the running micro-batches and a new one of ``group`` fit the budgets."""
-        shapes = [(len(s.live), s.slots) for s in self._states] + [(len(group), capacity(group))]
+    def _fits(self, group: list[Sequence], merging: tuple[MicroBatchState, ...] = ()) -> bool:
+        """Whether the running micro-batches, with a new one of ``group`` or with the two of
+        ``merging`` merged into one, fit the budgets."""
+        shapes = [(len(s.live), s.slots) for s in self._states if s not in merging]
+        shapes.append(merging[0].merged_shape(merging[1]) if merging else
+                      (len(group), capacity(group)))
         tokens = self._step_tokens([q for s in self._states for q in s.live] + group)
         return self.llm.executor.fits(shapes, tokens)
+
+    def _merge(self) -> None:
+        """Merge decoding micro-batches while two fit in one: requests that joined at
+        different times end up sharing fewer, fuller micro-batches (smallest first)."""
+        while True:
+            decoding = sorted((s for s in self._states if s.decoding), key=lambda s: len(s.live))
+            pair = next(((a, b) for i, a in enumerate(decoding) for b in decoding[i + 1:]
+                         if len(a.live) + len(b.live) <= self.llm.micro_batch
+                         and self._fits([], (a, b))), None)
+            if pair is None:
+                return
+            pair[1].merge(pair[0])
+            self._states.remove(pair[0])
+            self.metrics.merges += 1
 
     def _expire(self) -> None:
         """Answer the requests that have waited longer than queue_timeout."""
@@ -235,6 +254,7 @@ class Scheduler:
                             self._finish_if_cancelled(r)
                         self._waiting.clear()
                     self._states = [s for s in self._states if not s.done]
+                    self._merge()
                     if not self._states and self._waiting:
                         self._gather()
                     self._admit()

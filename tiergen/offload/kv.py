@@ -182,17 +182,47 @@ class TieredKV:
             elif self.moves(j):
                 store[:, :, :, lo:hi].copy_(new)
 
+    def read_layer(self, j: int) -> torch.Tensor:
+        """Layer j as its tier holds it (stored shape; packed rows when compressed)."""
+        store = self.layers[j]
+        if not isinstance(store, SpillFile):
+            return store
+        full = torch.empty((self.slots[j], self.parts, self.batch, self.heads, self.stored_width),
+                           dtype=self.stored_dtype)
+        store.read_into(full)
+        return full.permute(1, 2, 3, 0, 4)
+
+    def write_layer(self, j: int, stored: torch.Tensor) -> None:
+        """Replace layer j with ``stored`` (stored shape, this cache's batch and slots)."""
+        store = self.layers[j]
+        if isinstance(store, SpillFile):
+            store.write(stored.permute(3, 0, 1, 2, 4).contiguous().cpu())
+        else:
+            self.layers[j] = stored.to(store.device)
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished sequences (rows of the batch) on every tier."""
-        old_batch, self.batch = self.batch, len(rows)
-        for j, store in enumerate(self.layers):
-            if isinstance(store, SpillFile):
-                full = torch.empty((self.slots[j], self.parts, old_batch, self.heads,
-                                    self.stored_width), dtype=self.stored_dtype)
-                store.read_into(full)
-                store.write(full[:, :, rows.cpu()].contiguous())
-            else:
-                self.layers[j] = store[:, rows.to(store.device)]
+        for j in range(len(self.layers)):
+            stored = self.read_layer(j)
+            self.write_layer(j, stored[:, rows.to(stored.device)])
+        self.batch = len(rows)
+        self._work = {}
+
+    def absorb(self, parts: list[tuple[TieredKV, int]]) -> None:
+        """Fill this (new, empty) cache with other caches' rows, one after another along the
+        batch, each shifted ``later`` slots along the timeline: timeline slot s of a part
+        becomes s + later here, which a ring (slot s at index s % W) turns into a roll."""
+        for j in range(len(self.layers)):
+            merged = torch.zeros(self.stored_shape(j), dtype=self.stored_dtype)
+            row = 0
+            for cache, later in parts:
+                old = cache.read_layer(j).cpu()
+                index = torch.arange(old.shape[3]) + later
+                if self.rings[j] is not None:
+                    index %= self.slots[j]
+                merged[:, row:row + cache.batch, :, index] = old
+                row += cache.batch
+            self.write_layer(j, merged)
         self._work = {}
 
     def close(self) -> None:

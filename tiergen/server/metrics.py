@@ -38,6 +38,7 @@ class _SchedulerCollector(Collector):
             ("prompt_tokens", "Prompt tokens submitted.", m.prompt_tokens),
             ("generated_tokens", "Tokens generated.", m.generated_tokens),
             ("steps", "Engine steps run.", m.steps),
+            ("merges", "Micro-batches merged into another once their prompts were in.", m.merges),
         ]:
             yield CounterMetricFamily(f"tiergen_{name}", help, value=value)
         yield GaugeMetricFamily("tiergen_queue_depth", "Requests waiting to be admitted.",
