@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from tiergen import _platform  # noqa: F401  (before torch)
+from tiergen._platform import on_short_lived_thread  # (first: before torch)
 from tiergen.errors import TiergenError
 
 
@@ -268,7 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise TiergenError(f"--queue-timeout must be a positive number of seconds, got "
                            f"{args.queue_timeout}")
     api_key = args.api_key or os.environ.get("TIERGEN_API_KEY") or None
-    llm = _load(args)
+    llm = on_short_lived_thread(lambda: _load(args))  # see on_short_lived_thread
     if args.chat_template is not None:  # fail now, not on the first chat request
         llm.chat_prompt([{"role": "user", "content": "Hello"}], args.chat_template)
     serve(llm, args.host, args.port, model_names=[args.model], max_queue=args.max_queue,
