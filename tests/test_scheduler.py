@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tiergen import LLM, Policy, SamplingParams, TiergenError
-from tiergen.engine.scheduler import CANCELLED, TIMED_OUT, QueueFull, Scheduler
+from tiergen.engine.scheduler import CANCELLED, TIMED_OUT, Pacer, QueueFull, Scheduler
 from tiny_models import build
 
 
@@ -152,6 +152,24 @@ def test_a_long_prompt_joins_decoding_streams_chunk_by_chunk(tmp_path):
         assert len(during) >= 100 // 16 - 1  # a stream token for (about) every prompt chunk
     finally:
         sched.stop()
+
+
+def test_the_pacer_sizes_prompt_chunks_from_measured_steps():
+    """Prompt tokens beside decoding rows are budgeted so that the step takes about
+    `stretch` decode steps, following the measured costs as they change."""
+    pacer = Pacer(stretch=2.0)
+    assert pacer.budget(decoding_rows=0) is None  # nothing decodes: full chunks
+    pacer.observe(2.0, prompt_tokens=1000, decoding_rows=0)  # a pure prefill: 2 ms a token
+    assert pacer.budget(decoding_rows=32) is None  # no decode step measured yet
+    pacer.observe(0.4, prompt_tokens=0, decoding_rows=32)
+    assert pacer.budget(decoding_rows=32) == 200  # one more decode step's worth: 0.4 s
+    pacer.observe(0.4 + 200 * 0.004, prompt_tokens=200, decoding_rows=32)  # attention grew
+    assert pacer.budget(decoding_rows=32) == 133  # ema: 3 ms a token
+    pacer.observe(0.1, prompt_tokens=10, decoding_rows=32)  # faster than the decode alone
+    assert pacer.budget(decoding_rows=32) >= 1
+    fresh = Pacer()
+    fresh.observe(0.4, prompt_tokens=0, decoding_rows=32)
+    assert fresh.budget(decoding_rows=32) == 32  # before any prompt was measured
 
 
 def test_admission_keeps_to_the_memory_budget(tmp_path):

@@ -142,7 +142,16 @@ class MicroBatchState:
         self.live = self.live + other.live
         self.sampler.extend(other.sampler)
 
-    def work(self) -> MicroBatch:
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the next step feeds (rows times chunk); 0 once decoding."""
+        return 0 if self.decoding else len(self.live) * self.num_tokens
+
+    def work(self, chunk: int | None = None) -> MicroBatch:
+        """The next step's input; ``chunk`` shortens a prefill step (the rest follows)."""
+        if chunk is not None and not self.decoding and chunk < self.num_tokens:
+            self.num_tokens = chunk
+            self.ids = self.prompt[:, self.start:self.start + chunk]
         return MicroBatch(self.ids, StepMeta.build(self.valid, self.start, self.num_tokens), self.cache)
 
     def advance(self, logits: torch.Tensor) -> Iterator[StepEvent]:

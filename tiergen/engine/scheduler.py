@@ -2,7 +2,8 @@
 the next step boundary, and a finished sequence frees its place for a waiting one.
 
 Each admission of waiting requests becomes a new micro-batch of the block (its prefill runs
-in the same forward pass as the others' decode, chunk by chunk); once its prompts are in, it
+in the same forward pass as the others' decode, chunk by chunk, the chunks sized by a
+:class:`Pacer` so that the decoding streams keep their pace); once its prompts are in, it
 merges with another decoding micro-batch when both fit in one; a micro-batch leaves when all
 its sequences have stopped or been cancelled.
 """
@@ -77,6 +78,36 @@ class Request:
 
 
 @dataclass
+class Pacer:
+    """Sizes the prompt chunks that share a step with decoding streams, from measured step
+    times, so that such a step takes about ``stretch`` decode steps: a long prompt then goes
+    in over many steps and never freezes the streams for its whole prefill."""
+
+    stretch: float = 1.5
+    decode_s: float | None = None  # a step of only decoding rows
+    token_s: float | None = None  # one prompt token beside them
+
+    def budget(self, decoding_rows: int) -> int | None:
+        """Prompt tokens the next step may feed (None: as many as the chunk size allows)."""
+        if not decoding_rows or self.decode_s is None:
+            return None
+        if self.token_s is None:  # first guess: a prompt token costs what a decoding row does
+            return decoding_rows
+        return max(1, int((self.stretch - 1) * self.decode_s / self.token_s))
+
+    def observe(self, seconds: float, prompt_tokens: int, decoding_rows: int) -> None:
+        if not prompt_tokens:
+            self.decode_s = _ema(self.decode_s, seconds)
+            return
+        beside = (self.decode_s or 0.0) if decoding_rows else 0.0
+        self.token_s = _ema(self.token_s, max(seconds - beside, seconds / 10) / prompt_tokens)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else 0.5 * old + 0.5 * new
+
+
+@dataclass
 class SchedulerMetrics:
     requests_total: int = 0
     requests_finished: int = 0
@@ -115,6 +146,7 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="tiergen-scheduler", daemon=True)
         self._error: BaseException | None = None
+        self._pacer = Pacer()
 
     def start(self) -> Scheduler:
         self._thread.start()
@@ -264,7 +296,11 @@ class Scheduler:
                         self._lock.wait()
                         continue
                     states = list(self._states)
-                logits = self.llm.executor.forward_block([s.work() for s in states])
+                decoding = sum(len(s.live) for s in states if s.decoding)
+                start = time.perf_counter()
+                logits = self.llm.executor.forward_block(self._work(states, decoding))
+                self._pacer.observe(time.perf_counter() - start,
+                                    sum(s.prompt_tokens for s in states), decoding)
                 with self._lock:
                     self.metrics.steps += 1
                     self.metrics.batch_sizes[sum(len(s.live) for s in states)] += 1
@@ -279,6 +315,14 @@ class Scheduler:
                     r._emit(StreamEvent(r.id, -1, "", "error"))
                 self._requests.clear()
                 self._waiting.clear()
+
+    def _work(self, states: list[MicroBatchState], decoding: int) -> list:
+        """Each micro-batch's input for the next step; prompt chunks within the pacer's
+        budget when they share the step with decoding rows."""
+        budget = self._pacer.budget(decoding)
+        prefilling = sum(len(s.live) for s in states if not s.decoding)
+        chunk = None if budget is None or not prefilling else max(1, budget // prefilling)
+        return [s.work(chunk) for s in states]
 
     def _deliver(self, seq: Sequence, token: int, delta: str) -> None:
         req = self._requests.get(id(seq))
