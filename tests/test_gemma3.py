@@ -225,6 +225,30 @@ def test_gemma_270m_logits_match_transformers(gemma, gemma_hf):
 
 
 @pytest.mark.slow
+def test_gemma_270m_16k_prompt_logits_match_transformers(gemma, gemma_hf):
+    """A 16k-token prompt fed in chunks through the cache (each chunk's attention merged from a
+    pass over the earlier slots and a causal pass within itself) against one transformers
+    forward; past the 512-token window of the local layers and 32 chunks deep."""
+    words = " ".join(f"entry {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 37 % 101} "
+                     f"stones." for i in range(2400))
+    ids = gemma.tokenizer.encode(words)[:16384]
+    assert len(ids) == 16384
+    cache = gemma.executor.new_cache(1, len(ids))
+    valid = torch.ones(1, len(ids), dtype=torch.bool)
+    try:
+        for start in range(0, len(ids), gemma.prefill_chunk_size):
+            piece = torch.tensor([ids[start:start + gemma.prefill_chunk_size]])
+            ours = gemma.executor.forward(piece, StepMeta.build(valid, start, piece.shape[1]),
+                                          cache)[0]
+    finally:
+        cache.close()
+    with torch.no_grad():
+        ref = gemma_hf(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    assert ours.argmax() == ref.argmax()
+
+
+@pytest.mark.slow
 def test_gemma_270m_greedy_matches_transformers(gemma, gemma_hf):
     ids = gemma.tokenizer.encode("The capital of France is")
     ours = gemma.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
