@@ -156,8 +156,9 @@ def test_a_long_prompt_joins_decoding_streams_chunk_by_chunk(tmp_path):
 
 def test_the_pacer_sizes_prompt_chunks_from_measured_steps():
     """Prompt tokens beside decoding rows are budgeted so that the step takes about
-    `stretch` decode steps, following the measured costs as they change."""
-    pacer = Pacer(stretch=2.0)
+    `stretch` decode steps, following the measured costs as they change, and never fewer
+    than `min_tokens`."""
+    pacer = Pacer(stretch=2.0, min_tokens=8)
     assert pacer.budget(decoding_rows=0) is None  # nothing decodes: full chunks
     pacer.observe(2.0, prompt_tokens=1000, decoding_rows=0)  # a pure prefill: 2 ms a token
     assert pacer.budget(decoding_rows=32) is None  # no decode step measured yet
@@ -165,9 +166,10 @@ def test_the_pacer_sizes_prompt_chunks_from_measured_steps():
     assert pacer.budget(decoding_rows=32) == 200  # one more decode step's worth: 0.4 s
     pacer.observe(0.4 + 200 * 0.004, prompt_tokens=200, decoding_rows=32)  # attention grew
     assert pacer.budget(decoding_rows=32) == 133  # ema: 3 ms a token
-    pacer.observe(0.1, prompt_tokens=10, decoding_rows=32)  # faster than the decode alone
-    assert pacer.budget(decoding_rows=32) >= 1
-    fresh = Pacer()
+    pacer.observe(0.02, prompt_tokens=0, decoding_rows=1)  # one short stream left
+    pacer.observe(0.02 + 10 * 0.1, prompt_tokens=10, decoding_rows=1)
+    assert pacer.budget(decoding_rows=1) == 8  # the floor
+    fresh = Pacer(min_tokens=8)
     fresh.observe(0.4, prompt_tokens=0, decoding_rows=32)
     assert fresh.budget(decoding_rows=32) == 32  # before any prompt was measured
 

@@ -41,6 +41,9 @@ def concurrent_cases() -> list[dict]:
 
 
 CASES = concurrent_cases()
+LONG = " ".join(f"Line {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 37 % 101} stones."
+                for i in range(110))  # about 1,500 tokens
+MIXED = QUESTIONS[:4]  # streams decoding while LONG arrives
 
 
 def params_of(case: dict) -> SamplingParams:
@@ -69,8 +72,14 @@ def expected(llm) -> dict:
         prompts.append(STORY)
         params.append(SamplingParams(max_tokens=6, temperature=1.0, seed=seed))
     texts = [r.text for r in llm.generate(prompts, params)]
+    mixed = [r.text for r in llm.generate(MIXED + [LONG], [greedy_n(24)] * 4 + [greedy_n(4)])]
     return {"paris": texts[0], "paris_ids": texts[1], "chat": texts[2],
-            "cases": texts[3:3 + len(CASES)], "story_seeds": texts[3 + len(CASES):]}
+            "cases": texts[3:3 + len(CASES)], "story_seeds": texts[3 + len(CASES):5 + len(CASES)],
+            "mixed": mixed[:4], "long": mixed[4]}
+
+
+def greedy_n(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +213,40 @@ def test_64_concurrent_streams_are_batched_and_correct(base_url, expected):
     batched = after["tiergen_batch_size_count"] - after['tiergen_batch_size_bucket{le="1"}']
     assert batched > before["tiergen_batch_size_count"] - before['tiergen_batch_size_bucket{le="1"}']
     assert after["tiergen_running_sequences"] == 0 and after["tiergen_queue_depth"] == 0
+
+
+def test_a_long_prompt_arriving_while_streams_decode(base_url, expected):
+    """Mixed load: a long prompt sent while four streams decode goes in chunk by chunk beside
+    their steps; the streams keep producing tokens meanwhile, and every output equals
+    LLM.generate's."""
+    arrivals: list[float] = []
+
+    async def stream(client: openai.AsyncOpenAI, prompt: str, n: int, log: bool) -> tuple[str, float]:
+        pieces, first = [], 0.0
+        async for chunk in await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].text:
+                pieces.append(chunk.choices[0].text)
+                first = first or time.perf_counter()
+                if log:
+                    arrivals.append(time.perf_counter())
+        return "".join(pieces), first
+
+    async def run() -> tuple[list[tuple[str, float]], tuple[str, float], float]:
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0,
+                                      timeout=120) as client:
+            streams = [asyncio.create_task(stream(client, p, 24, True)) for p in MIXED]
+            while len(arrivals) < 8:
+                await asyncio.sleep(0.005)
+            sent = time.perf_counter()
+            long = await stream(client, LONG, 4, False)
+            return await asyncio.gather(*streams), long, sent
+
+    streams, (long_text, long_first), sent = asyncio.run(run())
+    assert [text for text, _ in streams] == expected["mixed"]
+    assert long_text == expected["long"]
+    assert sum(sent < t < long_first for t in arrivals) >= 8  # not frozen by the prefill
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -84,6 +84,7 @@ class Pacer:
     in over many steps and never freezes the streams for its whole prefill."""
 
     stretch: float = 1.5
+    min_tokens: int = 32  # below this a chunk's matmuls waste more than the streams gain
     decode_s: float | None = None  # a step of only decoding rows
     token_s: float | None = None  # one prompt token beside them
 
@@ -92,8 +93,8 @@ class Pacer:
         if not decoding_rows or self.decode_s is None:
             return None
         if self.token_s is None:  # first guess: a prompt token costs what a decoding row does
-            return decoding_rows
-        return max(1, int((self.stretch - 1) * self.decode_s / self.token_s))
+            return max(self.min_tokens, decoding_rows)
+        return max(self.min_tokens, int((self.stretch - 1) * self.decode_s / self.token_s))
 
     def observe(self, seconds: float, prompt_tokens: int, decoding_rows: int) -> None:
         if not prompt_tokens:
