@@ -138,17 +138,18 @@ class Executor:
         self.stats.peak_device = device_peak(self.device)
         return self.stats
 
+    def _block_needs(self, micro_batches: list[tuple[int, int]], prompt_len: int):
+        return block_needs(self.weight_plan, self.cfg, self.dtype, self.policy, micro_batches,
+                           prompt_len)
+
     def fits(self, micro_batches: list[tuple[int, int]], prompt_len: int) -> bool:
         """Whether a block of micro-batches given as (rows, capacity) fits the budgets."""
-        needs = block_needs(self.weight_plan, self.cfg, self.dtype, self.policy, micro_batches,
-                            prompt_len)
-        return self.budgets.fits(needs)
+        return self.budgets.fits(self._block_needs(micro_batches, prompt_len))
 
     def check_block(self, micro_batches: list[tuple[int, int]], prompt_len: int,
                     what: str | None = None) -> None:
         """Refuse, before it starts, a block whose cache and activations do not fit."""
-        needs = block_needs(self.weight_plan, self.cfg, self.dtype, self.policy, micro_batches,
-                            prompt_len)
+        needs = self._block_needs(micro_batches, prompt_len)
         what = what or f"a block of {sum(r for r, _ in micro_batches)} sequences"
         self.budgets.check(needs, what, {
             "device": "move KV cache off the device (--percent), use smaller micro-batches "

@@ -213,11 +213,12 @@ class TieredKV:
         batch, each shifted ``later`` slots along the timeline: timeline slot s of a part
         becomes s + later here, which a ring (slot s at index s % W) turns into a roll."""
         for j in range(len(self.layers)):
-            merged = torch.zeros(self.stored_shape(j), dtype=self.stored_dtype)
+            olds = [cache.read_layer(j) for cache, _ in parts]  # all on this layer's tier
+            merged = torch.zeros(self.stored_shape(j), dtype=self.stored_dtype,
+                                 device=olds[0].device)
             row = 0
-            for cache, later in parts:
-                old = cache.read_layer(j).cpu()
-                index = torch.arange(old.shape[3]) + later
+            for (cache, later), old in zip(parts, olds):
+                index = torch.arange(old.shape[3], device=old.device) + later
                 if self.rings[j] is not None:
                     index %= self.slots[j]
                 merged[:, row:row + cache.batch, :, index] = old

@@ -28,18 +28,21 @@ class Budgets:
     device: int | None = None
     host: int | None = None
 
+    def over(self, needs: Bytes) -> list[str]:
+        """The tiers whose needs exceed their budgets."""
+        return [t for t in ("device", "host")
+                if getattr(self, t) is not None and needs.get(t, 0) > getattr(self, t)]
+
     def fits(self, needs: Bytes) -> bool:
-        return all(getattr(self, t) is None or needs.get(t, 0) <= getattr(self, t)
-                   for t in ("device", "host"))
+        return not self.over(needs)
 
     def check(self, needs: Bytes, what: str, hint: dict[str, str]) -> None:
         """Refuse, before any work starts, a plan whose tier needs exceed their budgets."""
-        for tier in ("device", "host"):
-            limit = getattr(self, tier)
-            if limit is not None and needs.get(tier, 0) > limit:
-                raise TiergenError(
-                    f"{what} needs {fmt(needs[tier])} of {tier} memory but the {tier} budget is "
-                    f"{fmt(limit)} (over by {fmt(needs[tier] - limit)}); {hint[tier]}")
+        if over := self.over(needs):
+            tier, limit = over[0], getattr(self, over[0])
+            raise TiergenError(
+                f"{what} needs {fmt(needs[tier])} of {tier} memory but the {tier} budget is "
+                f"{fmt(limit)} (over by {fmt(needs[tier] - limit)}); {hint[tier]}")
 
 
 def add(*parts: Bytes) -> Bytes:

@@ -53,6 +53,9 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+FAILED = (CANCELLED, TIMED_OUT, "error")  # finish reasons that answer with an error
+
+
 class APIKey:
     """ASGI middleware: every request under /v1/ must carry ``Authorization: Bearer <key>``;
     otherwise a 401 in OpenAI's error shape. /health and /metrics stay open."""
@@ -154,7 +157,7 @@ class Server:
             except BaseException:
                 generation.cancel()
                 raise
-            if first[1].finish_reason in (CANCELLED, TIMED_OUT, "error"):
+            if first[1].finish_reason in FAILED:
                 generation.cancel()
                 raise self._failure(first[1].finish_reason)
             return StreamingResponse(self._stream(generation, envelope, prompt_tokens,
@@ -187,7 +190,7 @@ class Server:
                 for i in range(len(generation.requests)):
                     yield sse(envelope.chunk(i, "", role="assistant"))
             async for choice, ev in events():
-                if ev.finish_reason in (CANCELLED, TIMED_OUT, "error"):
+                if ev.finish_reason in FAILED:
                     yield sse(self._failure(ev.finish_reason).body())
                     return
                 if ev.text:
@@ -220,7 +223,7 @@ class Server:
             drained.cancel()
             raise APIError(499, "the client closed the connection")
         for r in generation.requests:
-            if r.finish_reason in (CANCELLED, TIMED_OUT, "error"):
+            if r.finish_reason in FAILED:
                 raise self._failure(r.finish_reason)
         return envelope.response([(r.seq.text, r.finish_reason) for r in generation.requests],
                                  prompt_tokens, generation.completion_tokens)
