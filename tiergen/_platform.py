@@ -42,8 +42,9 @@ def on_short_lived_thread(fn: Callable[[], T]) -> T:
 
     Each thread that runs a parallel torch kernel keeps an OpenMP worker pool for as long as
     it lives, and OpenMP throttles every pool's waiting once the pools hold more threads than
-    the CPU has cores: a model loaded on the main thread then serves slower from the scheduler's
-    thread (benchmarks/bench_load_thread.py). Loading here leaves the scheduler's pool alone.
+    the CPU has cores, which can slow the scheduler's thread when the model was loaded on the
+    main thread (benchmarks/bench_load_thread.py compares). Loading here leaves the
+    scheduler's pool alone.
     """
     box: dict[str, Any] = {}
 
