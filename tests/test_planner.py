@@ -295,3 +295,76 @@ def test_moe_plans_can_put_experts_on_disk(tmp_path):
                      allow_compression=False)
     assert estimates and any(e.policy.experts == "disk" for e in estimates)
     assert "--experts disk" in policy_flags(next(e.policy for e in estimates if e.policy.experts))
+
+
+# plans on paper: shipped configs and machine profiles ------------------------------------
+
+PARAMETERS = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "qwen2.5-72b": 72.71e9,
+              "mixtral-8x22b": 140.63e9, "deepseek-v2": 235.74e9}  # as their model cards count
+
+
+@pytest.mark.parametrize("name", sorted(PARAMETERS))
+def test_shipped_configs_have_the_models_sizes(name):
+    from tiergen.planner import paper
+
+    cfg, dtype = paper.load_config(name)
+    model = build_model(cfg)
+    specs = [*model.global_specs().values()] + [
+        s for j in range(cfg.num_layers) for s in model.layer_specs(j).values()]
+    assert sum(torch.Size(s).numel() for s in specs) == pytest.approx(PARAMETERS[name], rel=1e-3)
+    assert dtype == torch.bfloat16
+
+
+def test_plan_on_paper_for_a_shipped_model_and_machine(capsys):
+    parser = argparse.ArgumentParser()
+    search.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", "--config", "llama-3.1-70b", "--machine", "t4-flexgen",
+                              "--prompt-len", "512", "--gen-len", "32", "--batch", "64"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    # a T4 has no bfloat16: the profile's half precision is used; 140 GB of weights do not
+    # fit its 15 GiB, so most of them are off the device
+    assert "machine: t4-flexgen" in out and "80 layers, float16 on cuda" in out
+    device, host = (int(x) for x in out.split("--percent ")[1].split()[:2])
+    assert device < 30 and "tok/s" in out
+
+
+def test_a_calibration_file_is_a_machine_profile(tmp_path, capsys, monkeypatch):
+    from tiergen.planner import paper
+
+    cal = dataclasses.replace(CPU, hardware={"cpu": "x", "ram_gib": "24.0"})
+    path = calibrate.save(cal, tmp_path / "calibration.json")  # as tiergen calibrate writes it
+    machine = paper.load_machine(str(path))
+    assert machine.calibration == cal and machine.budgets == Budgets(None, 24 * 2**30)
+    # CPU with bfloat16 measured faster than float32: auto picks it, as generate would there
+    assert paper.default_dtype(cal, None) == torch.bfloat16
+    parser = argparse.ArgumentParser()
+    search.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", "--config", "llama-3.1-8b", "--machine", str(path),
+                              "--host-memory", "6G", "--prompt-len", "16", "--gen-len", "8",
+                              "--batch", "32"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16 on cpu" in out and "disk" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--config", "llama-9b"], "model config 'llama-9b' not found: pass a JSON file or one of"),
+    (["--config", "llama-3.1-8b", "--machine", "nowhere"], "machine profile 'nowhere' not found"),
+    (["--config", "llama-3.1-8b", "--machine", "t4-flexgen", "--device", "cpu"],
+     "--device and --machine exclude each other")])
+def test_plan_on_paper_errors(argv, match):
+    parser = argparse.ArgumentParser()
+    search.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["plan", *argv])
+    with pytest.raises(TiergenError, match=match):
+        args.func(args)
+
+
+def test_a_profile_without_calibration_fields_is_refused(tmp_path):
+    from tiergen.planner import paper
+
+    bad = tmp_path / "m.json"
+    bad.write_text('{"hardware": {}, "disk_read": 1e9}')
+    with pytest.raises(TiergenError, match="not a valid machine profile.*missing"):
+        paper.load_machine(str(bad))

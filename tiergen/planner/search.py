@@ -16,6 +16,7 @@ from tiergen.models import build_model
 from tiergen.models.base import ModelFamily
 from tiergen.offload.memory import Budgets, fmt
 from tiergen.offload.policy import Policy
+from tiergen.planner import paper
 from tiergen.planner.calibrate import Calibration
 from tiergen.planner.cost import Estimate, PlacedWeights, Workload, blocks, estimate
 
@@ -242,42 +243,70 @@ def available_ram() -> int | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``tiergen plan``: the fastest policy for a workload under the memory budgets."""
-    from tiergen.engine.llm import _resolve_device, _resolve_dtype
-    from tiergen.offload.policy import parse_size
-    from tiergen.planner import calibrate
-    from tiergen.weights import open_model
-
+    """``tiergen plan``: the fastest policy for a workload under the memory budgets, for the
+    model and machine here, or on paper (``--config``, ``--machine``)."""
     for name in ("prompt_len", "gen_len", "batch", "top"):
         if getattr(args, name) < 1:
             raise TiergenError(f"--{name.replace('_', '-')} must be a positive integer, "
                                f"got {getattr(args, name)}")
-    files = open_model(args.model, packed=not getattr(args, "dequantize", False))
-    cfg, device = files.config, _resolve_device(args.device)
-    dtype = _resolve_dtype(args.dtype, device, files.default_dtype)
+    if args.config:
+        (cfg, checkpoint_dtype), source = paper.load_config(args.config), None
+    else:
+        from tiergen.weights import open_model
+
+        files = open_model(args.model, packed=not getattr(args, "dequantize", False))
+        cfg, checkpoint_dtype, source = files.config, files.default_dtype, files.source
     workload = Workload(args.prompt_len, args.gen_len, args.batch)
     if workload.prompt_len + workload.gen_len > cfg.context_length:
         raise TiergenError(f"--prompt-len {workload.prompt_len} plus --gen-len "
                            f"{workload.gen_len} exceeds the model's context of "
                            f"{cfg.context_length} tokens")
-    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    budgets = Budgets(parse_size(args.device_memory) if args.device_memory else gpu,
-                      parse_size(args.host_memory) if args.host_memory else available_ram())
-    cal = calibrate.load(device)
-    if cal is None:
-        print(f"tiergen: note: {device} is not calibrated yet; measuring it now (saved for "
-              "next time, or run tiergen calibrate)", file=sys.stderr)
-        cal = calibrate.get(device, progress=True)
+    cal, budgets, dtype = _machine(args, checkpoint_dtype)
+    device_type = cal.device_type
     compress = not args.no_compression
-    found = _search(cfg, dtype, workload, cal, device.type, budgets, 64, compress, (4,), None,
-                    files.source)
+    found = _search(cfg, dtype, workload, cal, device_type, budgets, 64, compress, (4,), None,
+                    source)
     if not found.fits:
-        raise _nothing_fits(found, workload, budgets, device.type, compress)
+        raise _nothing_fits(found, workload, budgets, device_type, compress)
     print(format_plan(found.fits[0], cfg, dtype))
     for e in found.fits[1:args.top]:
         print(f"  or         {policy_flags(e.policy)}: {e.total_tok_s:.1f} tok/s, "
               + ", ".join(f"{t} {fmt(n)}" for t, n in e.memory.items()))
     return 0
+
+
+def _machine(args: argparse.Namespace, checkpoint_dtype: torch.dtype | None
+             ) -> tuple[Calibration, Budgets, torch.dtype]:
+    """The calibration, budgets and compute dtype of the plan: a machine profile's, or this
+    machine's (measured now if it was never calibrated)."""
+    from tiergen.offload.policy import parse_size
+
+    def budget(text: str | None, default: int | None) -> int | None:
+        return parse_size(text) if text else default
+
+    if args.machine:
+        m = paper.load_machine(args.machine)
+        if args.device:
+            raise TiergenError("--device and --machine exclude each other: the profile says "
+                               f"which device it describes ({m.calibration.device})")
+        dtype = (paper.default_dtype(m.calibration, checkpoint_dtype) if args.dtype == "auto"
+                 else getattr(torch, args.dtype))
+        print(f"machine: {m.name}" + (f" ({m.note})" if m.note else ""))
+        return (m.calibration, Budgets(budget(args.device_memory, m.budgets.device),
+                                       budget(args.host_memory, m.budgets.host)), dtype)
+    from tiergen.engine.llm import _resolve_device, _resolve_dtype
+    from tiergen.planner import calibrate
+
+    device = _resolve_device(args.device)
+    dtype = _resolve_dtype(args.dtype, device, checkpoint_dtype)
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    cal = calibrate.load(device)
+    if cal is None:
+        print(f"tiergen: note: {device} is not calibrated yet; measuring it now (saved for "
+              "next time, or run tiergen calibrate)", file=sys.stderr)
+        cal = calibrate.get(device, progress=True)
+    return cal, Budgets(budget(args.device_memory, gpu),
+                        budget(args.host_memory, available_ram())), dtype
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -291,6 +320,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-m", "--model", default="smollm2",
                    help="short name (smollm2), a model directory or a .gguf file "
                         "(default: smollm2)")
+    p.add_argument("--config", metavar="CONFIG",
+                   help="plan on paper for a model's Hugging Face config.json instead of --model "
+                        "(no weights needed), or a shipped one: " + ", ".join(paper.names(paper.CONFIGS)))
+    p.add_argument("--machine", metavar="PROFILE",
+                   help="plan for another machine: a profile JSON (tiergen calibrate's output, "
+                        "or the same fields by hand) or a shipped one: "
+                        + ", ".join(paper.names(paper.MACHINES)))
     p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default: 512)")
     p.add_argument("--gen-len", type=int, default=128,
                    help="tokens generated per prompt (default: 128)")
@@ -298,7 +334,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", default=None, metavar="SIZE",
                    help="device budget, e.g. 8G (default: the GPU's memory; none on a CPU)")
     p.add_argument("--host-memory", default=None, metavar="SIZE",
-                   help="host RAM budget, e.g. 16G (default: the RAM available now)")
+                   help="host RAM budget, e.g. 16G (default: the RAM available now, or the "
+                        "profile's under --machine)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: auto, as tiergen generate picks it)")
     p.add_argument("--device", default=None,
