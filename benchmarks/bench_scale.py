@@ -1,0 +1,279 @@
+"""Real scale: an 8B-shaped model (Llama-3.1-8B's shapes, random weights) under a host budget
+its weights do not fit, streamed from disk with the page cache evicted.
+
+Builds once (cached in --dir) the model as a bfloat16 safetensors checkpoint and as Q8_0 and
+Q4_0 GGUF files (benchmarks/scale_model.py), measures the disk's read rate, then runs each
+system in a fresh process while a thread keeps evicting every file under --dir from the page
+cache (so reads come from the disk, as on a machine whose RAM really is the budget):
+
+- tiergen, weights on disk, bfloat16 (converted once into its offload directory; the
+  conversion is timed on a fresh directory, then the run reuses it);
+- tiergen, weights on disk, the Q4_0 GGUF kept packed;
+- tiergen --policy auto on the bfloat16 checkpoint under the same budget (the planner's choice,
+  and its predicted tokens/s next to the measured);
+- accelerate's disk offload (transformers, device_map="auto" with max_memory = the budget);
+- llama.cpp on the Q4_0 GGUF (llama-cpp-python from ../shared/peers/build_llamacpp.sh), which
+  maps the whole file and decodes one prompt at a time: it runs one prompt (batch 1).
+
+Reported per run: generated tokens/s (prefill included), seconds per decode step, bytes read
+from storage per step (/proc/self/io), the bound that bytes over the measured disk
+rate sets, peak RSS, and load or conversion time.
+
+    python benchmarks/bench_scale.py [--dir /var/tmp/tiergen-scale] [--host-memory 6G]
+        [--batch 32] [--prompt-len 16] [--gen-len 8] [--runs tiergen-bf16,tiergen-q4,...]
+        [--llamacpp-python .peers/llamacpp-venv/bin/python] [--shape llama-3.1-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUNS = ["tiergen-bf16", "tiergen-q4", "tiergen-auto", "accelerate", "llamacpp"]
+
+
+def rss_peak() -> int:
+    """Peak resident bytes of this process (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def read_bytes() -> int:
+    """Bytes this process (all its threads) caused to be read from storage."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(300, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def child_tiergen(a: argparse.Namespace, paths: dict[str, str]) -> dict:
+    import tiergen  # noqa: F401  (the CPU guard first)
+    from tiergen import LLM, Policy, SamplingParams
+
+    offload = Path(a.dir) / f"offload-{a.child}"
+    model = paths["Q4_0"] if a.child == "tiergen-q4" else paths["hf"]
+    dtype = "float32" if a.child == "tiergen-q4" else "bfloat16"
+    result: dict = {}
+    if a.child == "tiergen-auto":
+        from tiergen.offload.memory import Budgets
+        from tiergen.offload.policy import parse_size
+        from tiergen.planner import calibrate
+        from tiergen.planner.cost import Workload
+        from tiergen.planner.search import choose_policy, policy_flags
+        from tiergen.weights import open_model
+        import torch
+
+        files = open_model(model)
+        policy, e = choose_policy(files.config, torch.bfloat16,
+                                  Workload(a.prompt_len, a.gen_len, a.batch),
+                                  calibrate.get("cpu"), "cpu", Budgets(host=parse_size(a.host_memory)))
+        result.update(plan=policy_flags(policy), predicted_tok_s=e.total_tok_s,
+                      predicted_step_s=e.decode_seconds / max(a.gen_len - 1, 1))
+    else:
+        policy = Policy(weights=(0, 0))
+    policy.offload_dir = str(offload)
+    t = time.perf_counter()
+    llm = LLM(model, dtype=dtype, policy=policy, host_memory=a.host_memory)
+    result["load_s"] = time.perf_counter() - t
+    ids = prompts(a.batch, a.prompt_len, llm.config.vocab_size)
+    before = read_bytes()
+    t = time.perf_counter()
+    out = llm.generate(ids, SamplingParams(max_tokens=a.gen_len, temperature=0, ignore_eos=True))
+    seconds = time.perf_counter() - t
+    s = llm.last_stats
+    result.update(tok_s=a.batch * a.gen_len / seconds, seconds=seconds,
+                  prefill_s=s.prefill_seconds, step_s=s.decode_seconds / max(a.gen_len - 1, 1),
+                  read_per_step=(read_bytes() - before) / a.gen_len, rss=rss_peak(),
+                  tokens=[r.token_ids for r in out[:2]], batch=a.batch)
+    return result
+
+
+def child_accelerate(a: argparse.Namespace, paths: dict[str, str]) -> dict:
+    import torch
+    import transformers
+
+    from tiergen.offload.policy import parse_size
+
+    class Clock(transformers.LogitsProcessor):
+        """Timestamps of each step (called once per generated token)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    offload = Path(a.dir) / "offload-accelerate"
+    t = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        paths["hf"], dtype=torch.bfloat16, device_map="auto",
+        max_memory={"cpu": parse_size(a.host_memory)}, offload_folder=str(offload))
+    load = time.perf_counter() - t
+    ids = torch.tensor(prompts(a.batch, a.prompt_len, model.config.vocab_size))
+    clock = Clock()
+    before = read_bytes()
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.gen_len,
+                             min_new_tokens=a.gen_len, do_sample=False,
+                             logits_processor=[clock], pad_token_id=0)
+    seconds = time.perf_counter() - t
+    return dict(load_s=load, tok_s=a.batch * a.gen_len / seconds, seconds=seconds,
+                prefill_s=clock.times[0] - t,
+                step_s=(clock.times[-1] - clock.times[0]) / max(len(clock.times) - 1, 1),
+                read_per_step=(read_bytes() - before) / a.gen_len, rss=rss_peak(),
+                tokens=out[:2, ids.shape[1]:].tolist(), batch=a.batch)
+
+
+def child_llamacpp(a: argparse.Namespace, paths: dict[str, str]) -> dict:
+    import llama_cpp
+
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=paths["Q4_0"], n_ctx=a.prompt_len + a.gen_len + 8,
+                          n_threads=os.cpu_count(), n_batch=512, verbose=False)
+    load = time.perf_counter() - t
+    ids = prompts(1, a.prompt_len, llm.n_vocab())[0]
+    before = read_bytes()
+    t = time.perf_counter()
+    llm.eval(ids)
+    times, tokens = [time.perf_counter()], []
+    for _ in range(a.gen_len):
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        tokens.append(tok)
+        if len(tokens) < a.gen_len:
+            llm.eval([tok])
+        times.append(time.perf_counter())
+    seconds = time.perf_counter() - t
+    return dict(load_s=load, tok_s=a.gen_len / seconds, seconds=seconds, prefill_s=times[0] - t,
+                step_s=(times[-2] - times[0]) / max(a.gen_len - 1, 1),
+                read_per_step=(read_bytes() - before) / a.gen_len, rss=rss_peak(),
+                tokens=[tokens], batch=1)
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def machine() -> str:
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":")[1].split())
+                flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+                                 if f in have)
+                break
+    except OSError:
+        pass
+    import tiergen.planner.calibrate as c
+
+    return f"{c._cpu_name()} ({flags}), {os.cpu_count()} cores, {platform.python_version()}"
+
+
+def run_child(a: argparse.Namespace, name: str, paths: dict[str, Path]) -> dict:
+    sys.path.insert(0, str(HERE))
+    from bench_plan import PageCacheEvictor
+
+    python = a.llamacpp_python if name == "llamacpp" else sys.executable
+    cmd = [python, str(HERE / "bench_scale.py"), "--child", name, "--dir", a.dir,
+           "--host-memory", a.host_memory, "--batch", str(a.batch), "--prompt-len",
+           str(a.prompt_len), "--gen-len", str(a.gen_len), "--paths",
+           json.dumps({k: str(v) for k, v in paths.items()})]
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    with PageCacheEvictor(Path(a.dir), period=0.2):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip()
+                else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def convert_time(a: argparse.Namespace, paths: dict[str, Path], name: str) -> float:
+    """Seconds tiergen takes to convert a checkpoint into its offload directory (fresh)."""
+    shutil.rmtree(Path(a.dir) / f"offload-{name}", ignore_errors=True)
+    t = time.perf_counter()
+    r = run_child(a, name + "-convert", paths)
+    return r.get("load_s", time.perf_counter() - t)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default="/var/tmp/tiergen-scale")
+    p.add_argument("--shape", default="llama-3.1-8b")
+    p.add_argument("--host-memory", default="6G")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--gen-len", type=int, default=8)
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--llamacpp-python", default=".peers/llamacpp-venv/bin/python")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--paths", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        paths = json.loads(a.paths)
+        kind = a.child.removesuffix("-convert")
+        if a.child.endswith("-convert"):  # load only: the conversion into a fresh directory
+            a.child, a.gen_len, a.batch = kind, 1, 1
+        fn = {"accelerate": child_accelerate, "llamacpp": child_llamacpp}.get(kind, child_tiergen)
+        print(json.dumps(fn(a, paths)))
+        return
+
+    import scale_model
+    from tiergen.planner.calibrate import _measure_disk
+
+    a.dir = str(Path(a.dir).resolve())
+    t = time.perf_counter()
+    paths = scale_model.build(Path(a.dir) / a.shape, scale_model.SHAPES[a.shape])
+    print(f"checkpoint ready in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    disk = _measure_disk(Path(a.dir), 2**30)
+    hf_bytes = sum(f.stat().st_size for f in paths["hf"].glob("*.safetensors"))
+    print(f"{machine()}; disk read {disk / 1e9:.2f} GB/s; host budget {a.host_memory}; "
+          f"{a.batch} prompts x {a.prompt_len} tokens, {a.gen_len} new; page cache evicted")
+    print(f"checkpoint: {hf_bytes / 1e9:.1f} GB bfloat16 safetensors, "
+          + ", ".join(f"{q} {paths[q].stat().st_size / 1e9:.1f} GB" for q in ("Q8_0", "Q4_0")))
+    print("| run | batch | tok/s | s/decode step | GB read/step | bound s/step (bytes/disk) "
+          "| step vs bound | peak RSS GB | load s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    results = {}
+    for name in a.runs.split(","):
+        if name in ("tiergen-bf16", "tiergen-q4"):
+            c = convert_time(a, paths, name)
+            print(f"{name}: conversion into a fresh offload directory {c:.1f} s "
+                  f"(reading the checkpoint once at the disk rate: "
+                  f"{(hf_bytes if name == 'tiergen-bf16' else paths['Q4_0'].stat().st_size) / disk:.1f} s)",
+                  file=sys.stderr, flush=True)
+        r = results[name] = run_child(a, name, paths)
+        if "error" in r:
+            print(f"| {name} | failed: {r['error']} |||||||")
+            continue
+        bound = r["read_per_step"] / disk
+        extra = f" (plan {r['plan']}, predicted {r['predicted_tok_s']:.2f} tok/s)" if "plan" in r else ""
+        print(f"| {name}{extra} | {r['batch']} | {r['tok_s']:.2f} | {r['step_s']:.1f} | "
+              f"{r['read_per_step'] / 1e9:.2f} | {bound:.1f} | {bound / r['step_s']:.0%} | "
+              f"{r['rss'] / 1e9:.2f} | {r['load_s']:.1f} |", flush=True)
+    print(json.dumps(results), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
