@@ -84,3 +84,38 @@ def test_packed_specs_describe_pack_layer(model_dir):
     ex = LLM(model_dir, dtype="float32").executor
     for j, layer in enumerate(ex.weights.resident):
         assert {n: tuple(t.shape) for n, t in layer.items()} == ex.model.packed_specs(j)
+
+
+# Dense layers of the Llama and Gemma 3 families are row ranges of checkpoint tensors (fused
+# q/k/v and gate/up are rows one after the other): read in place. Experts are stacked, and
+# DeepSeek's latent projections are split: converted.
+IN_PLACE = {"llama-mha", "llama-gqa-tied", "llama-mqa-headdim", "llama3-rope", "mistral",
+            "mistral-window", "qwen2", "qwen2-window", "qwen3", "gemma3-window4",
+            "gemma3-window8-linear"}
+
+
+def test_weights_on_disk_are_read_in_place_where_they_lie(model_dir, tmp_path, request):
+    """Weights on disk come straight from the checkpoint's files when every packed tensor is
+    row ranges of checkpoint tensors in the compute dtype (nothing converted or copied), and
+    are then exactly what packing makes; other families are converted."""
+    from tiergen.offload.disk import CheckpointWeights
+
+    resident = LLM(model_dir, dtype="float32").executor.weights.resident
+    llm = LLM(model_dir, dtype="float32", policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    disk = llm.executor.weights.disk
+    case = request.node.callspec.params["model_dir"]
+    assert isinstance(disk, CheckpointWeights) == (case in IN_PLACE), case
+    if isinstance(disk, CheckpointWeights):
+        assert not list(tmp_path.iterdir()), "nothing is written to the offload directory"
+        for j, layer in enumerate(resident):
+            for name, want in layer.items():
+                shape, dtype = disk.shape(j, name)
+                got = disk.read_into(j, name, torch.empty(shape, dtype=dtype))
+                assert torch.equal(got, want), (j, name)
+
+
+def test_a_dtype_other_than_the_checkpoints_is_converted(model_dir, tmp_path):
+    from tiergen.offload.disk import OffloadedWeights
+
+    llm = LLM(model_dir, dtype="bfloat16", policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    assert isinstance(llm.executor.weights.disk, OffloadedWeights)

@@ -21,6 +21,9 @@ from tiny_models import build
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
+# Not the float32 checkpoint's dtype: its weights are converted into the offload directory
+# rather than read in place from the checkpoint.
+CONVERT = "bfloat16"
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def test_offload_dir_not_writable(model_dir, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(TiergenError, match="cannot write the offload directory .*a-file"):
-        LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=blocker / "sub"))
+        LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=blocker / "sub"))
 
 
 def test_host_budget_smaller_than_one_layer(model_dir, tmp_path):
@@ -105,10 +108,10 @@ def test_interrupted_conversion_leaves_nothing_trusted(model_dir, tmp_path, monk
 
     monkeypatch.setattr(disk, "write_file", failing)
     with pytest.raises(KeyboardInterrupt):
-        LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+        LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     assert list(tmp_path.iterdir()) == []  # partial directory removed
     monkeypatch.setattr(disk, "write_file", real)
-    llm = LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    llm = LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     assert llm.generate(PROMPTS, GREEDY)[0].num_generated_tokens == 6
 
 
@@ -122,7 +125,7 @@ def test_killed_conversion_is_never_trusted(model_dir, tmp_path):
             time.sleep(0.2)
             return real(path, t)
         disk.write_file = slow
-        tiergen.LLM({str(model_dir)!r}, policy=tiergen.Policy(weights=(0, 0), offload_dir={str(tmp_path)!r}))
+        tiergen.LLM({str(model_dir)!r}, dtype={CONVERT!r}, policy=tiergen.Policy(weights=(0, 0), offload_dir={str(tmp_path)!r}))
     """)
     proc = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.time() + 60
@@ -132,16 +135,16 @@ def test_killed_conversion_is_never_trusted(model_dir, tmp_path):
     proc.wait()
     assert list(tmp_path.glob(".*partial*")), "the conversion was not caught in the middle"
     assert converted_dirs(tmp_path) == []
-    llm = LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
-    expected = LLM(model_dir).generate(PROMPTS, GREEDY)
+    llm = LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    expected = LLM(model_dir, dtype=CONVERT).generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == [r.token_ids for r in expected]
 
 
 def test_conversion_is_reused(model_dir, tmp_path, monkeypatch):
-    LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     (converted,) = converted_dirs(tmp_path)
     monkeypatch.setattr(disk, "write_file", lambda *a: pytest.fail("converted again"))
-    LLM(model_dir, policy=Policy(weights=(0, 50), offload_dir=tmp_path)).generate(PROMPTS, GREEDY)
+    LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 50), offload_dir=tmp_path)).generate(PROMPTS, GREEDY)
     assert converted_dirs(tmp_path) == [converted]
 
 
@@ -152,22 +155,22 @@ def _one_offload_file(root: Path) -> Path:
 
 
 def test_corrupt_offload_file_is_detected(model_dir, tmp_path):
-    LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     path = _one_offload_file(tmp_path)
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
-    llm = LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    llm = LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     with pytest.raises(TiergenError, match="is corrupt \\(checksum mismatch\\); delete"):
         llm.generate(PROMPTS, GREEDY)
 
 
 def test_truncated_offload_file_is_detected(model_dir, tmp_path):
-    LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     path = _one_offload_file(tmp_path)
     os.truncate(path, path.stat().st_size - 10)
     with pytest.raises(TiergenError, match="the manifest says .* is damaged: delete it"):
-        LLM(model_dir, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+        LLM(model_dir, dtype=CONVERT, policy=Policy(weights=(0, 0), offload_dir=tmp_path))
 
 
 # ---- peak memory with weights on disk -----------------------------------------------------------

@@ -1,5 +1,11 @@
-"""The disk tier: a converted copy of a model's packed layer weights, and spill files for KV
-cache and activations.
+"""The disk tier: a model's packed layer weights read straight from the checkpoint where they
+lie there as they are used, else from a converted copy; and spill files for KV cache and
+activations.
+
+Read in place (``CheckpointWeights``): a packed tensor that is a concatenation of row ranges of
+checkpoint tensors stored in the compute dtype (a Llama layer's fused q/k/v is q, k and v one
+after the other) is read range by range from the checkpoint's files into the buffer, so there
+is nothing to convert and no second copy on disk.
 
 Weights are converted once into ``<offload_dir>/<key>/``: one raw file per tensor (read in one
 large sequential ``preadv`` straight into a reusable buffer, no parsing) and a manifest with
@@ -16,7 +22,7 @@ import os
 import shutil
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -177,6 +183,118 @@ class OffloadedWeights:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return cls(final)
+
+
+Segments = list[tuple[str, int, int]]  # (checkpoint tensor, first row, rows)
+_CODE = 2.0**36  # probe values: tensor index * _CODE + row * _ROW
+_ROW = 256
+
+
+def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
+                   specs: Mapping[str, tuple[int, ...]]) -> dict[str, Segments] | None:
+    """For each tensor ``pack`` makes of a layer's checkpoint tensors (``specs``: their names
+    and shapes), the row ranges of checkpoint tensors that, one after the other, are its rows;
+    None when one of them is anything else (scaled, transposed, stacked, cast).
+
+    Found by packing probe tensors of one column whose rows hold codes naming (tensor, row):
+    exact in float64, and spaced so that any arithmetic on them shows."""
+    names = list(specs)
+    if any(len(s) not in (1, 2) for s in specs.values()):
+        return None
+    probe = {}
+    for i, (name, shape) in enumerate(specs.items()):
+        rows = torch.arange(shape[0], dtype=torch.float64) * _ROW + i * _CODE
+        probe[name] = rows if len(shape) == 1 else rows[:, None]
+    try:
+        packed = pack(probe)
+    except Exception:  # a family whose packing needs real shapes: convert instead
+        return None
+    out = {}
+    for name, t in packed.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float64 or t.dim() > 2 or (
+                t.dim() == 2 and t.shape[1] != 1):
+            return None
+        runs: list[list] = []
+        for code in t.reshape(-1).tolist():
+            i, rest = divmod(code, _CODE)
+            row, off = divmod(rest, _ROW)
+            if off or not 0 <= i < len(names) or row >= specs[names[int(i)]][0] or (
+                    len(specs[names[int(i)]]) != t.dim()):
+                return None
+            if runs and runs[-1][0] == names[int(i)] and sum(runs[-1][1:]) == row:
+                runs[-1][2] += 1
+            else:
+                runs.append([names[int(i)], int(row), 1])
+        out[name] = [tuple(r) for r in runs]
+    return out
+
+
+class CheckpointWeights:
+    """Packed layer tensors read range by range from the checkpoint's own files (see the
+    module docstring): the same reads as ``OffloadedWeights`` without a converted copy."""
+
+    def __init__(self, entries: dict[str, tuple[tuple[int, ...], torch.dtype,
+                                                list[tuple[Path, int, int]]]]) -> None:
+        self.entries = entries  # key -> (shape, dtype, [(file, offset, bytes)])
+        self.rows_read = 0
+        self._fds: dict[Path, int] = {}
+        for _, _, parts in entries.values():
+            for path, offset, nbytes in parts:
+                if path not in self._fds:
+                    self._fds[path] = os.open(path, os.O_RDONLY)
+                if os.fstat(self._fds[path]).st_size < offset + nbytes:
+                    raise TiergenError(f"{path} is shorter than its header says; the "
+                                       "checkpoint is truncated: re-download it")
+
+    @classmethod
+    def make(cls, source, layer_specs: list[dict[str, tuple[int, ...]]],
+             pack: Callable[[int, dict], Mapping[str, torch.Tensor]],
+             dtype: torch.dtype) -> CheckpointWeights | None:
+        """Read in place if every layer's packed tensors are row ranges of checkpoint tensors
+        stored in ``dtype``; else None."""
+        if not hasattr(source, "locate"):
+            return None
+        entries = {}
+        for j, specs in enumerate(layer_specs):
+            segments = layer_segments(lambda raw: pack(j, raw), specs)
+            if segments is None:
+                return None
+            for name, runs in segments.items():
+                parts, rows, width = [], 0, None
+                for raw, first, count in runs:
+                    where = source.locate(raw)
+                    if where is None or where[2] != dtype or where[3] != specs[raw]:
+                        return None
+                    path, offset, _, shape = where
+                    row_bytes = dtype.itemsize * (shape[1] if len(shape) == 2 else 1)
+                    if width not in (None, shape[1:]):
+                        return None
+                    width, rows = shape[1:], rows + count
+                    parts.append((path, offset + first * row_bytes, count * row_bytes))
+                entries[OffloadedWeights.key(j, name)] = ((rows, *width), dtype, parts)
+        return cls(entries)
+
+    def shape(self, layer: int, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        shape, dtype, _ = self.entries[OffloadedWeights.key(layer, name)]
+        return shape, dtype
+
+    def read_into(self, layer: int, name: str, out: torch.Tensor) -> torch.Tensor:
+        _, _, parts = self.entries[OffloadedWeights.key(layer, name)]
+        buf, pos = _as_bytes(out), 0
+        for path, offset, nbytes in parts:
+            read_exact(self._fds[path], buf[pos:pos + nbytes], offset, f"checkpoint file {path}")
+            pos += nbytes
+        if pos != len(buf):
+            raise ValueError(f"buffer of {len(buf)} bytes for {layer}/{name} of {pos}")
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class SpillFile:

@@ -14,7 +14,7 @@ from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
 from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
-from tiergen.offload.disk import FORMAT as DISK_FORMAT, OffloadedWeights
+from tiergen.offload.disk import FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
 from tiergen.weights.packed import Packed, Parts, packed_nbytes
@@ -197,12 +197,16 @@ class TieredWeights:
                     quantize(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t
                     for n, t in packed.items()}
 
-        self.disk: OffloadedWeights | None = None
+        self.disk: OffloadedWeights | CheckpointWeights | None = None
         if any("disk" in layer.values() for layer in self.tiers):
             root = offload_root(policy)
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
                                  .encode()).hexdigest()[:16]
-            self.disk = OffloadedWeights.open_or_convert(root, key, cfg.num_layers, produce)
+            self.disk = None if plan.compress else CheckpointWeights.make(
+                source, [model.layer_specs(j) for j in range(cfg.num_layers)],
+                model.pack_layer, dtype)
+            self.disk = self.disk or OffloadedWeights.open_or_convert(root, key, cfg.num_layers,
+                                                                      produce)
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
         for j, tiers in enumerate(self.tiers):

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from tiergen.errors import TiergenError
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+           "F64": torch.float64}
 
 
 class SafetensorsSource:
@@ -48,6 +53,25 @@ class SafetensorsSource:
             if not weight_map:
                 weight_map.update({k: shard for k in self._files[shard].keys()})
         self._where = weight_map
+        self._paths = {shard: directory / shard for shard in shards}
+        self._headers: dict[str, tuple[int, dict]] = {}
+
+    def locate(self, name: str) -> tuple[Path, int, torch.dtype, tuple[int, ...]] | None:
+        """Where a tensor's bytes lie: (file, offset, dtype, shape), or None when it is not
+        stored there as plain row-major data of a torch dtype."""
+        shard = self._where.get(name)
+        if shard is None:
+            return None
+        if shard not in self._headers:
+            with open(self._paths[shard], "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                self._headers[shard] = (8 + size, json.loads(f.read(size)))
+        start, header = self._headers[shard]
+        entry = header.get(name)
+        dtype = _DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        if dtype is None:
+            return None
+        return self._paths[shard], start + entry["data_offsets"][0], dtype, tuple(entry["shape"])
 
     def has(self, name: str) -> bool:
         return name in self._where
