@@ -17,10 +17,14 @@ def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
     monkeypatch.setattr(layers, "_slow_bfloat16", lambda: True)
     monkeypatch.setattr(layers.F, "linear", spy)
     torch.manual_seed(0)
+    monkeypatch.setattr(layers, "UPCAST_SCRATCH", 96 * 10)  # 10 rows at a time: 5 slices
     w, b = torch.randn(48, 96).bfloat16(), torch.randn(48).bfloat16()
-    for rows, widened in ((layers.UPCAST_ROWS - 1, torch.bfloat16), (layers.UPCAST_ROWS, torch.float32)):
-        x = torch.randn(rows, 96).bfloat16()
+    for shape, widened in (((layers.UPCAST_ROWS - 1, 96), torch.bfloat16),
+                           ((layers.UPCAST_ROWS, 96), torch.float32), ((3, 50, 96), torch.float32)):
+        calls.clear()
+        x = torch.randn(shape).bfloat16()
         y = layers.linear(x, w, b)
-        assert calls[-1] == widened and y.dtype == torch.bfloat16
+        assert set(calls) == {widened} and len(calls) == (5 if widened == torch.float32 else 1)
+        assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], 48)
         want = real(x.float(), w.float(), b.float())
-        torch.testing.assert_close(y.float(), want, atol=0, rtol=2**-8)  # one bfloat16 rounding
+        torch.testing.assert_close(y.float(), want, atol=1e-6, rtol=2**-8)  # one bf16 rounding

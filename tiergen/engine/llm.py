@@ -66,8 +66,11 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device,
     if dtype == "auto":
         if device.type == "cpu":
             # Native bfloat16 (AVX512-BF16) halves the bytes read per token and more than
-            # doubles batched matmul throughput; without it float32 is fastest.
-            return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
+            # doubles batched matmul throughput. Without it a bfloat16 checkpoint still stays
+            # bfloat16 (half the bytes to hold and stream; ``linear`` multiplies many rows
+            # widened to float32), and others run in float32.
+            fast = cpu_has_fast_bfloat16() or checkpoint == torch.bfloat16
+            return torch.bfloat16 if fast else torch.float32
         return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
     if dtype not in DTYPES:
         raise TiergenError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")

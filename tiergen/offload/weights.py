@@ -202,11 +202,11 @@ class TieredWeights:
             root = offload_root(policy)
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
                                  .encode()).hexdigest()[:16]
-            self.disk = None if plan.compress else CheckpointWeights.make(
+            in_place = None if plan.compress else CheckpointWeights.make(
                 source, [model.layer_specs(j) for j in range(cfg.num_layers)],
                 model.pack_layer, dtype)
-            self.disk = self.disk or OffloadedWeights.open_or_convert(root, key, cfg.num_layers,
-                                                                      produce)
+            self.disk = in_place or OffloadedWeights.open_or_convert(root, key, cfg.num_layers,
+                                                                     produce)
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
         for j, tiers in enumerate(self.tiers):

@@ -98,10 +98,11 @@ def load_machine(spec: str) -> Machine:
 
 def default_dtype(cal: Calibration, checkpoint: torch.dtype | None) -> torch.dtype:
     """What ``dtype="auto"`` would pick on that machine: on a GPU a half precision it has
-    figures for, the checkpoint's first; on a CPU bfloat16 only where it was measured faster."""
+    figures for, the checkpoint's first; on a CPU bfloat16 for a bfloat16 checkpoint or where it
+    was measured faster, else float32."""
     if cal.device_type == "cuda":  # the checkpoint's half type, else one the GPU was measured in
         halves = [d for d in (checkpoint, torch.bfloat16, torch.float16)
                   if d in (torch.float16, torch.bfloat16)]
         return next((d for d in halves if str(d).removeprefix("torch.") in cal.matmul), halves[0])
     fast = cal.matmul.get("bfloat16", 0) > cal.matmul.get("float32", 0)
-    return torch.bfloat16 if fast else torch.float32
+    return torch.bfloat16 if fast or checkpoint == torch.bfloat16 else torch.float32
