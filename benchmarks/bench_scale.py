@@ -104,7 +104,8 @@ def child_tiergen(a: argparse.Namespace, paths: dict[str, str]) -> dict:
     result.update(tok_s=a.batch * a.gen_len / seconds, seconds=seconds,
                   prefill_s=s.prefill_seconds, step_s=s.decode_seconds / max(a.gen_len - 1, 1),
                   read_per_step=(read_bytes() - before) / a.gen_len, rss=rss_peak(),
-                  tokens=[r.token_ids for r in out[:2]], batch=a.batch)
+                  tokens=[r.token_ids for r in out[:2]], batch=a.batch,
+                  compute_s=sum(s.compute), wait_weights_s=sum(s.wait_weights))
     return result
 
 

@@ -77,7 +77,7 @@ def test_calibrate_cpu_gives_positive_finite_numbers(fast, disk):
     assert "float32" in cal.matmul
     assert set(cal.gemv) == set(cal.matmul)
     assert all(_positive(v) for v in [*cal.matmul.values(), *cal.gemv.values()])
-    assert ("bfloat16" in cal.matmul) == tiergen._platform.cpu_has_fast_bfloat16()
+    assert "bfloat16" in cal.matmul  # natively, or widened to float32 as linear runs it
     assert "float16" not in cal.matmul  # emulated on CPUs: not measured
     # CPU device: host and device are the same memory.
     assert cal.host_to_device == cal.device_to_host == cal.host_memcpy
@@ -104,14 +104,18 @@ def test_default_directory_is_the_tiergen_cache(fast, cache_home, monkeypatch):
     assert list((cache_home / "tiergen").iterdir()) == []
 
 
-def test_bfloat16_skipped_without_native_support(fast, disk, monkeypatch):
-    monkeypatch.setattr(tiergen._platform, "cpu_has_fast_bfloat16", lambda: False)
-    assert cb._matmul_dtypes(torch.device("cpu")) == [torch.float32]
-    cal = cb.calibrate("cpu", disk, size=2 * MiB)
-    assert list(cal.matmul) == ["float32"] and list(cal.gemv) == ["float32"]
+def test_bfloat16_is_measured_as_the_model_multiplies_it(fast, disk, monkeypatch):
+    """With or without native bfloat16, through ``linear`` (which widens many rows to float32
+    where the CPU lacks it)."""
+    from tiergen.models import layers
 
-    monkeypatch.setattr(tiergen._platform, "cpu_has_fast_bfloat16", lambda: True)
-    assert cb._matmul_dtypes(torch.device("cpu")) == [torch.float32, torch.bfloat16]
+    shapes = []
+    real = layers.linear
+    monkeypatch.setattr(layers, "linear", lambda x, w, b=None: shapes.append(
+        (x.dtype, tuple(x.shape))) or real(x, w, b))
+    cal = cb.calibrate("cpu", disk, size=2 * MiB)
+    assert list(cal.matmul) == list(cal.gemv) == ["float32", "bfloat16"]
+    assert {(torch.bfloat16, (cb.GEMM[0], cb.GEMM[1])), (torch.bfloat16, (1, cb.GEMV[0]))} <= set(shapes)
 
 
 @pytest.mark.parametrize("exc, raised", [

@@ -166,9 +166,10 @@ def fingerprint(device: torch.device | str = "cpu") -> dict[str, str]:
 def _matmul_dtypes(dev: torch.device) -> list[torch.dtype]:
     """The dtypes worth measuring on ``dev``.
 
-    On a CPU: float32, and bfloat16 where the CPU multiplies it natively. float16 is left out
-    on CPUs: tiergen never picks it there, and PyTorch emulates it (hundreds of times slower
-    than float32), so measuring it would take most of the calibration time. On CUDA: float32,
+    On a CPU: float32 and bfloat16 (natively where the CPU has it, else as ``linear`` runs it:
+    widened to float32 from a few rows on). float16 is left out on CPUs: tiergen never picks
+    it there, and PyTorch emulates it (hundreds of times slower than float32), so measuring it
+    would take most of the calibration time. On CUDA: float32,
     float16, and bfloat16 where the GPU runs it natively (compute capability 8.0 and up, or
     ROCm), not where PyTorch would emulate it.
     """
@@ -177,10 +178,7 @@ def _matmul_dtypes(dev: torch.device) -> list[torch.dtype]:
         if torch.version.hip or torch.cuda.get_device_properties(dev).major >= 8:
             out.insert(1, torch.bfloat16)
         return out
-    out = [torch.float32]
-    if _platform.cpu_has_fast_bfloat16():
-        out.append(torch.bfloat16)
-    return out
+    return [torch.float32, torch.bfloat16]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -360,24 +358,26 @@ def _measure_transfers(dev: torch.device) -> tuple[float, float]:
 
 
 def _measure_matmul(dev: torch.device, dtype: torch.dtype) -> float:
+    from tiergen.models.layers import linear  # as the model multiplies
+
     m, k, n = GEMM
     a = torch.randn(m, k, device=dev).to(dtype)
-    b = torch.randn(k, n, device=dev).to(dtype)
-    c = torch.empty(m, n, device=dev, dtype=dtype)
-    return 2 * m * k * n / _seconds(lambda: torch.matmul(a, b, out=c), dev)
+    w = torch.randn(n, k, device=dev).to(dtype)
+    return 2 * m * k * n / _seconds(lambda: linear(a, w), dev)
 
 
 def _measure_gemv(dev: torch.device, dtype: torch.dtype) -> float:
+    from tiergen.models.layers import linear
+
     k, n = GEMV
-    base = torch.randn(k, n, device=dev).to(dtype)
+    base = torch.randn(n, k, device=dev).to(dtype)
     count = max(1, math.ceil(GEMV_BYTES / base.nbytes))
     weights = [base] + [base.clone() for _ in range(count - 1)]
     x = torch.randn(1, k, device=dev).to(dtype)
-    out = torch.empty(1, n, device=dev, dtype=dtype)
 
     def run() -> None:
         for w in weights:
-            torch.matmul(x, w, out=out)
+            linear(x, w)
 
     return count * base.nbytes / _seconds(run, dev)
 
