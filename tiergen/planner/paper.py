@@ -11,7 +11,6 @@ Profiles that ship live in ``planner/machines``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from tiergen.errors import TiergenError
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import parse_size
 from tiergen.planner.calibrate import Calibration, _from_dict
+from tiergen.weights import read_json
 
 HERE = Path(__file__).parent
 CONFIGS, MACHINES = HERE / "configs", HERE / "machines"
@@ -44,19 +44,9 @@ def _resolve(spec: str, directory: Path, what: str) -> Path:
                        f"{', '.join(names(directory))}")
 
 
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise TiergenError(f"cannot read {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise TiergenError(f"{path} should hold a JSON object, not a {type(data).__name__}")
-    return data
-
-
 def load_config(spec: str) -> tuple[ModelConfig, torch.dtype | None]:
     """The model of a config.json (or a shipped name) and the dtype its checkpoint declares."""
-    raw = _read(_resolve(spec, CONFIGS, "model config"))
+    raw = read_json(_resolve(spec, CONFIGS, "model config"))
     dtype = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype")), None)
     return from_hf_config(raw), dtype if isinstance(dtype, torch.dtype) else None
 
@@ -72,7 +62,7 @@ class Machine:
 def load_machine(spec: str) -> Machine:
     """A machine profile by shipped name or path."""
     path = _resolve(spec, MACHINES, "machine profile")
-    raw = _read(path)
+    raw = read_json(path)
     if "hardware" not in raw:  # calibrate's cache file: one entry per device type
         entry = raw.get("cuda") or raw.get("cpu")
         if not isinstance(entry, dict):

@@ -144,7 +144,8 @@ def _packaged_file(short: str) -> Path:
     raise TiergenError(f"package {package} has no {filename}; reinstall it with: {install}")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """A JSON object from a file, or a TiergenError saying what is wrong with it."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -163,11 +164,11 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
                            "(and not exactly one .gguf file)")
     from tiergen.weights.safetensors import SafetensorsSource
 
-    raw = _read_json(directory / "config.json")
+    raw = read_json(directory / "config.json")
     config = from_hf_config(raw)
     gen_path = directory / "generation_config.json"
     if gen_path.exists():
-        eos = as_id_list(_read_json(gen_path).get("eos_token_id"))
+        eos = as_id_list(read_json(gen_path).get("eos_token_id"))
         config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos))
     dtype_name = raw.get("dtype") or raw.get("torch_dtype")
     dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
