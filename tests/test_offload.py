@@ -119,3 +119,18 @@ def test_a_dtype_other_than_the_checkpoints_is_converted(model_dir, tmp_path):
 
     llm = LLM(model_dir, dtype="bfloat16", policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     assert isinstance(llm.executor.weights.disk, OffloadedWeights)
+
+
+@pytest.mark.parametrize("change", [lambda t: t * 2, lambda t: t + 1, lambda t: -t,
+                                    lambda t: t * 3 - 256, lambda t: t.to(torch.float32)])
+def test_a_tensor_packing_changes_is_not_read_in_place(change):
+    """Values changed by packing are found out; rows only joined (or reordered) are ranges."""
+    from tiergen.offload.disk import layer_segments
+
+    specs = {"a": (6, 4), "b": (3, 4), "n": (4,)}
+    joined = layer_segments(lambda r: {"ab": torch.cat([r["a"], r["b"]]), "n": r["n"]}, specs)
+    assert joined == {"ab": [("a", 0, 6), ("b", 0, 3)], "n": [("n", 0, 4)]}
+    assert layer_segments(lambda r: {"n": r["n"].flip(0)}, {"n": (3,)}) == {
+        "n": [("n", 2, 1), ("n", 1, 1), ("n", 0, 1)]}
+    assert layer_segments(lambda r: {"ab": torch.cat([r["a"], r["b"]]), "n": change(r["n"])},
+                          specs) is None

@@ -186,8 +186,9 @@ class OffloadedWeights:
 
 
 Segments = list[tuple[str, int, int]]  # (checkpoint tensor, first row, rows)
-_CODE = 2.0**36  # probe values: tensor index * _CODE + row * _ROW
+_CODE = 2.0**36  # probe values: tensor index * _CODE + row * _ROW + _MARK
 _ROW = 256
+_MARK = 0.5  # scaling or shifting a code moves it off the mark
 
 
 def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
@@ -203,7 +204,7 @@ def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
         return None
     probe = {}
     for i, (name, shape) in enumerate(specs.items()):
-        rows = torch.arange(shape[0], dtype=torch.float64) * _ROW + i * _CODE
+        rows = torch.arange(shape[0], dtype=torch.float64) * _ROW + i * _CODE + _MARK
         probe[name] = rows if len(shape) == 1 else rows[:, None]
     try:
         packed = pack(probe)
@@ -218,7 +219,7 @@ def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
         for code in t.reshape(-1).tolist():
             i, rest = divmod(code, _CODE)
             row, off = divmod(rest, _ROW)
-            if off or not 0 <= i < len(names) or row >= specs[names[int(i)]][0] or (
+            if off != _MARK or not 0 <= i < len(names) or row >= specs[names[int(i)]][0] or (
                     len(specs[names[int(i)]]) != t.dim()):
                 return None
             if runs and runs[-1][0] == names[int(i)] and sum(runs[-1][1:]) == row:
