@@ -176,24 +176,15 @@ def child_llamacpp(a: argparse.Namespace, paths: dict[str, str]) -> dict:
 
 
 def machine() -> str:
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":")[1].split())
-                flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-                                 if f in have)
-                break
-    except OSError:
-        pass
-    import tiergen.planner.calibrate as c
+    from tiergen.bench import cpu_description
 
-    return f"{c._cpu_name()} ({flags}), {os.cpu_count()} cores, {platform.python_version()}"
+    cpu = cpu_description()
+    return (f"{cpu['cpu']} ({' '.join(cpu['simd'])}), {os.cpu_count()} cores, "
+            f"{platform.python_version()}")
 
 
 def run_child(a: argparse.Namespace, name: str, paths: dict[str, Path]) -> dict:
-    sys.path.insert(0, str(HERE))
-    from bench_plan import PageCacheEvictor
+    from bench_plan import PageCacheEvictor  # not at the top: llama.cpp's child has no torch
 
     python = a.llamacpp_python if name == "llamacpp" else sys.executable
     cmd = [python, str(HERE / "bench_scale.py"), "--child", name, "--dir", a.dir,
@@ -210,11 +201,13 @@ def run_child(a: argparse.Namespace, name: str, paths: dict[str, Path]) -> dict:
 
 
 def convert_time(a: argparse.Namespace, paths: dict[str, Path], name: str) -> float:
-    """Seconds tiergen takes to convert a checkpoint into its offload directory (fresh)."""
+    """Seconds tiergen takes to load a checkpoint with a fresh offload directory (converting
+    into it where the weights cannot be read in place)."""
     shutil.rmtree(Path(a.dir) / f"offload-{name}", ignore_errors=True)
-    t = time.perf_counter()
     r = run_child(a, name + "-convert", paths)
-    return r.get("load_s", time.perf_counter() - t)
+    if "error" in r:
+        raise SystemExit(f"{name}: loading failed: {r['error']}")
+    return r["load_s"]
 
 
 def main() -> None:
@@ -259,11 +252,10 @@ def main() -> None:
     results = {}
     for name in a.runs.split(","):
         if name in ("tiergen-bf16", "tiergen-q4"):
-            c = convert_time(a, paths, name)
-            print(f"{name}: conversion into a fresh offload directory {c:.1f} s "
-                  f"(reading the checkpoint once at the disk rate: "
-                  f"{(hf_bytes if name == 'tiergen-bf16' else paths['Q4_0'].stat().st_size) / disk:.1f} s)",
-                  file=sys.stderr, flush=True)
+            size = hf_bytes if name == "tiergen-bf16" else paths["Q4_0"].stat().st_size
+            print(f"{name}: load with a fresh offload directory (converting into it unless read "
+                  f"in place) {convert_time(a, paths, name):.1f} s; reading the checkpoint once "
+                  f"at the disk rate: {size / disk:.1f} s", file=sys.stderr, flush=True)
         r = results[name] = run_child(a, name, paths)
         if "error" in r:
             print(f"| {name} | failed: {r['error']} |||||||")

@@ -18,6 +18,7 @@ directory that a later run trusts.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import uuid
@@ -219,13 +220,15 @@ def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
         for code in t.reshape(-1).tolist():
             i, rest = divmod(code, _CODE)
             row, off = divmod(rest, _ROW)
-            if off != _MARK or not 0 <= i < len(names) or row >= specs[names[int(i)]][0] or (
-                    len(specs[names[int(i)]]) != t.dim()):
+            if off != _MARK or not 0 <= i < len(names):
                 return None
-            if runs and runs[-1][0] == names[int(i)] and sum(runs[-1][1:]) == row:
+            raw, row = names[int(i)], int(row)
+            if row >= specs[raw][0] or len(specs[raw]) != t.dim():
+                return None
+            if runs and runs[-1][0] == raw and sum(runs[-1][1:]) == row:
                 runs[-1][2] += 1
             else:
-                runs.append([names[int(i)], int(row), 1])
+                runs.append([raw, row, 1])
         out[name] = [tuple(r) for r in runs]
     return out
 
@@ -267,7 +270,7 @@ class CheckpointWeights:
                     if where is None or where[2] != dtype or where[3] != specs[raw]:
                         return None
                     path, offset, _, shape = where
-                    row_bytes = dtype.itemsize * (shape[1] if len(shape) == 2 else 1)
+                    row_bytes = dtype.itemsize * math.prod(shape[1:])
                     if width not in (None, shape[1:]):
                         return None
                     width, rows = shape[1:], rows + count

@@ -34,10 +34,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
-# Safe before tiergen._platform: importing this module ran tiergen/__init__ (the CPU guard) first.
+# Safe here: importing this module ran tiergen/__init__ (the CPU guard) first.
 import torch
 
-from tiergen import _platform
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import parse_size
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 
 from tiergen.config import ModelConfig, from_hf_config
+from tiergen.engine.llm import cpu_auto_dtype
 from tiergen.errors import TiergenError
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import parse_size
 from tiergen.planner.calibrate import Calibration, _from_dict
-from tiergen.weights import read_json
+from tiergen.weights import config_dtype, read_json
 
 HERE = Path(__file__).parent
 CONFIGS, MACHINES = HERE / "configs", HERE / "machines"
@@ -47,8 +48,7 @@ def _resolve(spec: str, directory: Path, what: str) -> Path:
 def load_config(spec: str) -> tuple[ModelConfig, torch.dtype | None]:
     """The model of a config.json (or a shipped name) and the dtype its checkpoint declares."""
     raw = read_json(_resolve(spec, CONFIGS, "model config"))
-    dtype = getattr(torch, str(raw.get("torch_dtype") or raw.get("dtype")), None)
-    return from_hf_config(raw), dtype if isinstance(dtype, torch.dtype) else None
+    return from_hf_config(raw), config_dtype(raw)
 
 
 @dataclass
@@ -94,5 +94,4 @@ def default_dtype(cal: Calibration, checkpoint: torch.dtype | None) -> torch.dty
         halves = [d for d in (checkpoint, torch.bfloat16, torch.float16)
                   if d in (torch.float16, torch.bfloat16)]
         return next((d for d in halves if str(d).removeprefix("torch.") in cal.matmul), halves[0])
-    fast = cal.matmul.get("bfloat16", 0) > cal.matmul.get("float32", 0)
-    return torch.bfloat16 if fast or checkpoint == torch.bfloat16 else torch.float32
+    return cpu_auto_dtype(checkpoint, cal.matmul.get("bfloat16", 0) > cal.matmul.get("float32", 0))

@@ -155,6 +155,12 @@ def read_json(path: Path) -> dict:
     return value
 
 
+def config_dtype(raw: dict) -> torch.dtype | None:
+    """The dtype a Hugging Face config.json says its checkpoint holds, if it says."""
+    dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype")), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
     if not (directory / "config.json").exists():
         ggufs = sorted(directory.glob("*.gguf"))
@@ -170,10 +176,8 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
     if gen_path.exists():
         eos = as_id_list(read_json(gen_path).get("eos_token_id"))
         config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos))
-    dtype_name = raw.get("dtype") or raw.get("torch_dtype")
-    dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
     return ModelFiles(directory.name, config, SafetensorsSource(directory),
-                      Tokenizer.from_hf_dir(directory), dtype,
+                      Tokenizer.from_hf_dir(directory), config_dtype(raw),
                       fingerprint(list(directory.glob("*.safetensors")) + [directory / "config.json"]))
 
 
