@@ -6,7 +6,7 @@ and GGUF metadata (``tiergen.weights.gguf_map.config_from_gguf``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tiergen.errors import TiergenError
@@ -202,6 +202,14 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def span(self, layers: range) -> ModelConfig:
+        """The config of a run of consecutive layers numbered from 0 (a pipeline stage's
+        share): what each layer's cache and weights need, nothing of the others."""
+        moe = self.moe and replace(self.moe, dense_layers=[
+            j - layers.start for j in self.moe.dense_layers if j in layers])
+        return replace(self, num_layers=len(layers), moe=moe, layer_types=None
+                       if self.layer_types is None else self.layer_types[layers.start:layers.stop])
 
     def layer_rope(self, layer: int) -> RopeConfig:
         """The RoPE settings of a layer: sliding layers may have their own (Gemma 3)."""

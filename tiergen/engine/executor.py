@@ -30,6 +30,7 @@ from tiergen.offload.memory import (Budgets, add, device_peak, fmt, reset_peak_r
                                     resident_set)
 from tiergen.offload.policy import Policy, tiers_for
 from tiergen.offload.weights import TieredWeights, WeightPlan, offload_root
+from tiergen.parallel.stage import Stage
 
 
 @dataclass
@@ -169,9 +170,14 @@ class Executor:
         return self.forward_block([MicroBatch(ids, meta, cache)], all_positions)[0]
 
     @torch.inference_mode()
-    def forward_block(self, block: list[MicroBatch], all_positions: bool = False
-                      ) -> list[torch.Tensor]:
-        """Run every micro-batch of a block through all layers, layer by layer."""
+    def forward_block(self, block: list[MicroBatch], all_positions: bool = False,
+                      hidden: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Run every micro-batch of a block through all layers, layer by layer.
+
+        A pipeline stage (:class:`tiergen.parallel.stage.Stage`) that does not begin the
+        model starts from ``hidden``, the hidden states the stage before it returned, and
+        one that does not end the model returns its hidden states instead of logits.
+        """
         model, t = self.model, self.stats
         started = time.perf_counter()
         # callers may build ids and metadata on the CPU: bring them to the device (no-op there)
@@ -181,7 +187,8 @@ class Executor:
                            self.device, self.spill_dir)
         shared = [model.prepare(mb.meta, self.dtype) for mb in block]
         for k, mb in enumerate(block):
-            acts.put(k, model.embed(self.globals, mb.ids))
+            acts.put(k, model.embed(self.globals, mb.ids) if hidden is None
+                     else hidden[k].to(self.device))
         self.weights.prefetch(0)
         stored: list[Future | None] = [None] * len(block)
         try:
@@ -210,7 +217,11 @@ class Executor:
                 if f is not None:
                     f.result()
             last = slice(None) if all_positions else -1
-            logits = [model.head(self.globals, acts.take(k)[:, last]).float() for k in range(len(block))]
+            if isinstance(model, Stage) and not model.last:
+                logits = [acts.take(k) for k in range(len(block))]
+            else:
+                logits = [model.head(self.globals, acts.take(k)[:, last]).float()
+                          for k in range(len(block))]
             seconds = time.perf_counter() - started
             is_prompt = [mb.meta.start == 0 or mb.ids.shape[1] > 1 for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)

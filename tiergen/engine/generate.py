@@ -154,19 +154,25 @@ class MicroBatchState:
             self.ids = self.prompt[:, self.start:self.start + chunk]
         return MicroBatch(self.ids, StepMeta.build(self.valid, self.start, self.num_tokens), self.cache)
 
-    def advance(self, logits: torch.Tensor) -> Iterator[StepEvent]:
-        """Sample this step's tokens, report them, and prepare the next step.
+    @property
+    def samples(self) -> bool:
+        """Whether this step's logits give tokens: a prompt longer than the prefill chunk
+        goes in over several steps, each chunk attending to the cache plus itself, and
+        sampling starts after the last chunk."""
+        return self.start + self.num_tokens >= self.prompt.shape[1]
 
-        A prompt longer than the prefill chunk goes in over several steps, each chunk
-        attending to the cache plus itself; sampling starts after the last chunk.
-        """
-        prompt_len = self.prompt.shape[1]
-        if self.start + self.num_tokens < prompt_len:
+    def advance(self, logits: torch.Tensor) -> Iterator[StepEvent]:
+        """Sample this step's tokens, report them, and prepare the next step."""
+        return self.apply(self.sampler(logits) if self.samples else None)
+
+    def apply(self, tokens: torch.Tensor | None) -> Iterator[StepEvent]:
+        """Report this step's sampled tokens (None for a prompt chunk that samples nothing)
+        and prepare the next step."""
+        if tokens is None:
             self.start += self.num_tokens
-            self.num_tokens = min(self.chunk, prompt_len - self.start)
+            self.num_tokens = min(self.chunk, self.prompt.shape[1] - self.start)
             self.ids = self.prompt[:, self.start:self.start + self.num_tokens]
             return
-        tokens = self.sampler(logits)
         for s, token in zip(self.live, tokens.tolist()):
             if s.finish_reason is None:
                 s.append(token)

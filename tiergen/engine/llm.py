@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +12,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen._platform import cpu_has_fast_bfloat16
-from tiergen.engine.executor import Executor
-from tiergen.engine.executor import RunStats
+from tiergen.engine.executor import Executor, MicroBatch, RunStats
 from tiergen.engine.generate import Sequence, StepEvent, make_sequences, run_block
 from tiergen.engine.sampler import SamplingParams
 from tiergen.engine.step import StepMeta
@@ -22,6 +22,9 @@ from tiergen.models.layers import use_compiled_gemv
 from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
+from tiergen.parallel.group import HIDDEN, TOKENS, Group, under_torchrun
+from tiergen.parallel.pipeline import run_pipelined, start_pipeline
+from tiergen.parallel.stage import Stage, split_layers
 from tiergen.weights import ModelFiles, open_model
 
 Prompt = str | list[int]
@@ -121,6 +124,13 @@ class LLM:
     quantised matrices at load (by default they stay in their blocks and are multiplied
     packed).
 
+    ``pipeline_parallel=P`` splits the layers into P consecutive spans, each run by its own
+    process (rank); on one machine tiergen starts ranks 1..P-1 itself and shares the cores
+    among them, and under ``torchrun`` every rank runs the same program (on ranks other
+    than 0 the constructor serves rank 0, then exits the process). ``policy`` may then be a
+    list, one policy per rank; budgets apply to each rank. A rank that dies or does not
+    answer within ``parallel_timeout`` seconds stops all of them with an error naming it.
+
     >>> llm = LLM("smollm2")
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
     """
@@ -129,7 +139,9 @@ class LLM:
                  device: str | None = None, max_batch_size: int = 64,
                  policy: Policy | None = None, device_memory: int | str | None = None,
                  host_memory: int | str | None = None, compile: bool = False,
-                 prefill_chunk_size: int | None = 512, packed: bool = True) -> None:
+                 prefill_chunk_size: int | None = 512, packed: bool = True,
+                 pipeline_parallel: int = 1, parallel_timeout: float = 60.0, *,
+                 _group: Group | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
@@ -137,9 +149,27 @@ class LLM:
             raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "
                                f"whole prompt at once), got {prefill_chunk_size!r}")
         self.prefill_chunk_size = prefill_chunk_size
-        self.policy = policy or Policy()
         self.device = _resolve_device(device)
         files = model if isinstance(model, ModelFiles) else open_model(model, packed)
+        family, model_id = build_model(files.config), files.fingerprint
+        self.group = _group
+        if self.group is None and (pipeline_parallel != 1 or under_torchrun()):
+            self.group = start_pipeline(files, pipeline_parallel, parallel_timeout, dict(
+                dtype=dtype, device=device, max_batch_size=max_batch_size, policy=policy,
+                device_memory=device_memory, host_memory=host_memory, compile=compile,
+                prefill_chunk_size=prefill_chunk_size))
+        if self.group is not None:
+            span = split_layers(files.config.num_layers, self.group.size)[self.group.rank]
+            family, model_id = Stage(family, span), f"{model_id}|layers {span.start}-{span.stop}"
+            if isinstance(policy, (list, tuple)):
+                if len(policy) != self.group.size:
+                    self.group.close(graceful=False)
+                    raise TiergenError(f"got {len(policy)} policies for {self.group.size} "
+                                       "pipeline ranks; give one per rank, or one for all")
+                policy = policy[self.group.rank]
+        elif isinstance(policy, (list, tuple)):
+            raise TiergenError("a list of policies is for pipeline_parallel > 1 (one per rank)")
+        self.policy = policy or Policy()
         self.name = files.name
         self.config = files.config
         self.tokenizer = files.tokenizer
@@ -149,8 +179,23 @@ class LLM:
         self.micro_batch = self.policy.gpu_batch_size or max_batch_size
         budgets = Budgets(None if device_memory is None else parse_size(device_memory),
                           None if host_memory is None else parse_size(host_memory))
-        self.executor = Executor(build_model(self.config), files.source, self.dtype, self.device,
-                                 self.policy, files.fingerprint, budgets, _expert_rates(self.device))
+
+        def executor() -> Executor:
+            return Executor(family, files.source, self.dtype, self.device, self.policy, model_id,
+                            budgets, _expert_rates(self.device))
+
+        if self.group is None:
+            self.executor = executor()
+        else:
+            try:
+                self.executor = self.group.agree(executor)
+            except BaseException:
+                self.group.close(graceful=False)
+                raise
+            if self.group.rank != 0 and under_torchrun():
+                self.serve_pipeline()
+                raise SystemExit(0)
+            weakref.finalize(self, self.group.close)
         self.last_stats: RunStats | None = None
         if compile:  # process-wide, like torch's own backend switches
             use_compiled_gemv(True)
@@ -217,10 +262,74 @@ class LLM:
 
     # -- generation ----------------------------------------------------------------------
     def _run(self, seqs: list[Sequence]) -> Iterator[StepEvent]:
+        if self.group is not None:
+            yield from self._run_pipelined(seqs)
+            return
         self.executor.start_run()
         for block in self._blocks(seqs):
             yield from run_block(self.executor, block, self.micro_batch, self.prefill_chunk_size)
         self.last_stats = self.executor.finish_run()
+
+    def _pipelined(self, command: str, *args):
+        """Rank 0: have every rank run ``command`` with this process; a failure stops them all."""
+        if self.group.closed:
+            raise TiergenError("this LLM's pipeline has stopped (a rank failed or close() was "
+                               "called); create a new LLM")
+        self.group.command((command, *args))
+        try:
+            return getattr(self, f"_{command}")(*args)
+        except BaseException:
+            self.group.close(graceful=False)
+            raise
+
+    def _run_pipelined(self, seqs: list[Sequence]) -> Iterator[StepEvent]:
+        """Rank 0 hands the sequences to every rank, and all run them together; a caller
+        that stops listening early still lets the run finish, so the ranks stay in step."""
+        group = self.group
+        if group.closed:
+            raise TiergenError("this LLM's pipeline has stopped (a rank failed or close() was "
+                               "called); create a new LLM")
+        if group.rank == 0:
+            group.command(("generate", [s.prompt_ids for s in seqs], [s.params for s in seqs]))
+        self.executor.start_run()
+        runs = (run_pipelined(self.executor, group, block, self.micro_batch,
+                              self.prefill_chunk_size) for block in self._blocks(seqs))
+        run = iter(())
+        try:
+            for run in runs:
+                for event in run:
+                    yield event  # (not ``yield from``: closing us must not close ``run``)
+        except GeneratorExit:
+            for rest in (run, *runs):
+                for _ in rest:
+                    pass
+            raise
+        except BaseException:
+            group.close(graceful=False)
+            raise
+        finally:
+            self.last_stats = self.executor.finish_run()
+
+    def serve_pipeline(self) -> None:
+        """Ranks other than 0: run what rank 0 asks until it closes the pipeline."""
+        while (command := self.group.next_command()) is not None:
+            if command[0] == "generate":
+                seqs = make_sequences(*command[1:], self.eos_token_ids, self.tokenizer)
+                for _ in self._run(seqs):
+                    pass
+            else:
+                getattr(self, f"_{command[0]}")(*command[1:])
+
+    def close(self) -> None:
+        """Stop the pipeline's other ranks (nothing to do for one process)."""
+        if self.group is not None and self.group.rank == 0:
+            self.group.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def stream(self, prompts: Prompt | Seq[Prompt],
                params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[StreamEvent]:
@@ -250,6 +359,15 @@ class LLM:
         if len(ids) > self.config.context_length:
             raise TiergenError(f"the text has {len(ids)} tokens, more than the model's context "
                                f"of {self.config.context_length}; shorten it")
+        if self.group is not None:
+            return math.exp(self._pipelined("nll", ids) / (len(ids) - 1))
+        return math.exp(self._nll(ids) / (len(ids) - 1))
+
+    def _nll(self, ids: list[int]) -> float:
+        """Negative log-likelihood of ``ids``; over a pipeline, each stage runs its layers
+        and only the last has a result (the others return 0)."""
+        group = self.group
+        stage = self.executor.model if group is not None else None
         tokens = torch.tensor([ids])
         valid = torch.ones(1, len(ids), dtype=torch.bool)
         cache = self.executor.new_cache(1, len(ids))
@@ -260,14 +378,26 @@ class LLM:
             for start in range(0, len(ids), chunk):
                 piece = tokens[:, start:start + chunk]
                 meta = StepMeta.build(valid, start, piece.shape[1])
-                logits = self.executor.forward(piece, meta, cache, all_positions=True)[0]
+                hidden = None if stage is None or stage.first else group.recv(
+                    [((1, piece.shape[1], self.config.hidden_size), torch.float32)],
+                    group.rank - 1, HIDDEN)
+                out = self.executor.forward_block([MicroBatch(piece, meta, cache)], True, hidden)
+                if stage is not None and not stage.last:
+                    group.send(out, group.rank + 1, HIDDEN)
+                    continue
                 targets = tokens[0, start + 1:start + 1 + piece.shape[1]]
-                logp = torch.log_softmax(logits[:len(targets)], dim=-1)
+                logp = torch.log_softmax(out[0][0, :len(targets)], dim=-1)
                 nll -= logp.gather(1, targets[:, None]).sum().item()
         finally:
             cache.close()
             self.last_stats = self.executor.finish_run()
-        return math.exp(nll / (len(ids) - 1))
+        if group is not None:  # the last stage's result goes to rank 0
+            if stage.last and group.rank != 0:
+                group.send([torch.tensor([nll], dtype=torch.float64)], 0, TOKENS)
+            elif group.rank == 0 and not stage.last:
+                nll = group.recv([((1,), torch.float64)], group.size - 1, TOKENS)[0].item()
+            group.flush()
+        return nll
 
     def chat_prompt(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
         if self.tokenizer is None:

@@ -32,6 +32,7 @@ class ModelFiles:
     tokenizer: Tokenizer | None
     default_dtype: torch.dtype | None  # the checkpoint's own dtype, if it says
     fingerprint: str  # changes when the weight files change
+    opened_as: tuple[str, bool] | None = None  # open_model's arguments, to open it again
 
 
 def fingerprint(files: list[Path]) -> str:
@@ -204,17 +205,21 @@ def open_model(model: str | Path, packed: bool = True) -> ModelFiles:
     """Resolve a model argument to its config, tensors and tokenizer. ``packed``: a GGUF's
     quantised matrices stay in their blocks (False: dequantised at load)."""
     spec = str(model)
-    if spec in SHORT_NAMES:
-        return _from_gguf(_packaged_file(spec), packed)
     path = Path(spec).expanduser()
-    if path.is_dir():
-        return _from_hf_dir(path, packed)
-    if path.is_file():
+    if spec in SHORT_NAMES:
+        files = _from_gguf(_packaged_file(spec), packed)
+    elif path.is_dir():
+        files = _from_hf_dir(path, packed)
+    elif path.is_file():
         if path.suffix != ".gguf":
             raise TiergenError(f"{path} is a file but not a .gguf; pass a GGUF file or a "
                                "Hugging Face model directory")
-        return _from_gguf(path, packed)
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _from_hf_dir(_download(spec), packed)
-    raise TiergenError(f"model {spec!r} not found: it is no existing path, no short name "
-                       f"({', '.join(SHORT_NAMES)}) and no hub id (org/name)")
+        files = _from_gguf(path, packed)
+    elif spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        files = _from_hf_dir(_download(spec), packed)
+    else:
+        raise TiergenError(f"model {spec!r} not found: it is no existing path, no short name "
+                           f"({', '.join(SHORT_NAMES)}) and no hub id (org/name)")
+    files.opened_as = (spec if spec in SHORT_NAMES or not path.exists() else str(path.resolve()),
+                       packed)
+    return files

@@ -1,0 +1,143 @@
+"""Pipeline parallelism over processes on loopback (gloo): the same tokens and likelihoods as
+one process, for every architecture, and faults that stop every rank with a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tiergen import LLM, SamplingParams
+from tiergen.errors import TiergenError
+from tiergen.offload.policy import Policy
+from tiergen.parallel.stage import split_layers
+
+from tiny_models import CASES, build
+
+PROMPTS = [[5], list(range(3, 40)), [7, 8, 9, 10, 11], list(range(50, 70)), [100, 3, 17]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SAMPLED = [SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=s, ignore_eos=True)
+           for s in range(len(PROMPTS))]
+TEXT = list(range(1, 60))
+# small micro-batches (three per block, dealt to the stages) and chunked prompts
+OPTIONS = dict(dtype="float32", max_batch_size=2, prefill_chunk_size=8)
+
+
+def disk(tmp_path) -> Policy:
+    """Weights and KV cache on disk."""
+    return Policy(weights=(0, 0), cache=(0, 0), offload_dir=tmp_path)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    build(request.param, directory)
+    one = LLM(directory, **OPTIONS)
+    return directory, [r.token_ids for r in one.generate(PROMPTS, GREEDY)], \
+        [r.token_ids for r in one.generate(PROMPTS, SAMPLED)], one.perplexity(TEXT)
+
+
+def test_two_ranks_match_one_process(case, tmp_path):
+    """Rank 1 holds its weights and cache on disk; rank 0 everything in memory."""
+    directory, greedy, sampled, perplexity = case
+    with LLM(directory, **OPTIONS, pipeline_parallel=2, policy=[Policy(), disk(tmp_path)]) as llm:
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == greedy
+        assert [r.token_ids for r in llm.generate(PROMPTS, SAMPLED)] == sampled
+        assert llm.perplexity(TEXT) == pytest.approx(perplexity, rel=1e-5)
+        workers = llm.group.workers
+    assert all(p.poll() is not None for p in workers), "a rank outlived close()"
+
+
+@pytest.mark.parametrize("name", ["deepseek-v2", "gemma3-window8-linear", "qwen2-window"])
+def test_three_ranks_match_one_process(name, tmp_path):
+    build(name, tmp_path / "model")
+    one = LLM(tmp_path / "model", **OPTIONS)
+    expected = [r.token_ids for r in one.generate(PROMPTS, GREEDY)]
+    with LLM(tmp_path / "model", **OPTIONS, pipeline_parallel=3,
+             policy=[Policy(), disk(tmp_path / "disk"), Policy()]) as llm:
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == expected
+        assert llm.perplexity(TEXT) == pytest.approx(one.perplexity(TEXT), rel=1e-5)
+
+
+def test_layers_are_split_evenly_and_checked():
+    assert split_layers(7, 3) == [range(0, 2), range(2, 4), range(4, 7)]
+    assert split_layers(4, 4) == [range(i, i + 1) for i in range(4)]
+    for bad in (0, 5, 2.0):
+        with pytest.raises(TiergenError, match="pipeline_parallel must be"):
+            split_layers(4, bad)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    build("llama-gqa-tied", directory)
+    return directory
+
+
+def test_bad_settings_are_refused_before_any_rank_starts(llama):
+    with pytest.raises(TiergenError, match="from 1 to the model's 2 layers"):
+        LLM(llama, pipeline_parallel=3)
+    with pytest.raises(TiergenError, match="one per rank"):
+        LLM(llama, pipeline_parallel=2, policy=[Policy()] * 3)
+    with pytest.raises(TiergenError, match="is for pipeline_parallel > 1"):
+        LLM(llama, policy=[Policy()])
+    with pytest.raises(TiergenError, match="parallel_timeout"):
+        LLM(llama, pipeline_parallel=2, parallel_timeout=0)
+
+
+def test_a_rank_that_cannot_load_stops_all_with_its_reason(llama, tmp_path):
+    """Rank 1 streams from disk and its buffers do not fit its host budget."""
+    with pytest.raises(TiergenError, match="pipeline rank 1: .*host budget"):
+        LLM(llama, pipeline_parallel=2, host_memory="20K", policy=[Policy(), disk(tmp_path)])
+
+
+def test_a_stream_left_early_keeps_the_ranks_in_step(llama):
+    with LLM(llama, **OPTIONS, pipeline_parallel=2) as llm:
+        expected = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+        stream = llm.stream(PROMPTS, GREEDY)
+        next(stream)
+        stream.close()
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == expected
+
+
+def _when_running(llm: LLM, act) -> threading.Thread:
+    """Do ``act`` to rank 1 once the run is under way."""
+    def wait_then_act():
+        time.sleep(1.0)
+        act(llm.group.workers[0].pid)
+    thread = threading.Thread(target=wait_then_act)
+    thread.start()
+    return thread
+
+
+LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+
+def test_a_killed_rank_stops_the_others_with_its_name(llama):
+    llm = LLM(llama, dtype="float32", pipeline_parallel=2)
+    thread = _when_running(llm, lambda pid: os.kill(pid, signal.SIGKILL))
+    started = time.monotonic()
+    with pytest.raises(TiergenError, match="pipeline rank 1 was killed by signal 9"):
+        while True:  # until the kill lands
+            llm.generate(PROMPTS * 4, LONG)
+    thread.join()
+    assert time.monotonic() - started < 30
+    assert all(p.poll() is not None for p in llm.group.workers)
+    with pytest.raises(TiergenError, match="pipeline has stopped"):
+        llm.generate(PROMPTS, GREEDY)
+
+
+def test_a_rank_that_stops_answering_times_out(llama):
+    llm = LLM(llama, dtype="float32", pipeline_parallel=2, parallel_timeout=3)
+    thread = _when_running(llm, lambda pid: os.kill(pid, signal.SIGSTOP))
+    started = time.monotonic()
+    with pytest.raises(TiergenError, match="pipeline rank 1 did not answer within 3 s"):
+        while True:
+            llm.generate(PROMPTS * 4, LONG)
+    thread.join()
+    assert time.monotonic() - started < 30
+    assert all(p.poll() is not None for p in llm.group.workers), "the stopped rank was left"

@@ -1,0 +1,4 @@
+"""Running one model over several processes: pipeline stages that each hold a span of
+layers (:mod:`tiergen.parallel.stage`), the process group that links them
+(:mod:`tiergen.parallel.group`), and the schedule that keeps every stage busy
+(:mod:`tiergen.parallel.pipeline`)."""

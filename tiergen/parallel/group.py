@@ -1,0 +1,205 @@
+"""The processes of a pipeline and the links between them, on torch.distributed (gloo).
+
+On one machine rank 0 is the caller's process and starts the other ranks itself; across
+machines every rank runs the same command under ``torchrun``, which sets RANK and
+WORLD_SIZE. Rank 0 drives: it sends each command to the other ranks on a control group
+(which may wait idle for as long as the user does), and every run's tensors travel point
+to point on a data group whose waits end after ``timeout`` seconds, so a rank that dies or
+stops answering stops the others with one error that names it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tiergen.errors import TiergenError
+
+HIDDEN, TOKENS = 0, 1  # message tags: hidden states stage to stage, sampled tokens to all
+IDLE = timedelta(days=365)  # the control group waits for the user's next command
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class Group:
+    """This process's place in the pipeline and its links to the other ranks."""
+
+    def __init__(self, rank: int, size: int, timeout: float,
+                 workers: list[subprocess.Popen] | None = None) -> None:
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.workers = workers or []  # the ranks this process started (rank 0, one machine)
+        self.control = dist.new_group(backend="gloo", timeout=IDLE)
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.closed = False
+        self.threads_before = 0  # this process's thread count before the pipeline shared cores
+
+    # -- the data links ------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> None:
+        """Send tensors as one message without waiting for it to arrive."""
+        data = torch.cat([t.detach().reshape(-1).cpu().view(torch.uint8) for t in tensors])
+        self._sends = [(w, d) for w, d in self._sends if not w.is_completed()]
+        try:
+            self._sends.append((dist.isend(data, dst, tag=tag), data))
+        except RuntimeError as e:
+            raise self.fault(dst, e) from None
+
+    def recv(self, layouts: list[tuple[tuple[int, ...], torch.dtype]], src: int,
+             tag: int) -> list[torch.Tensor]:
+        """Receive one message holding tensors of the given shapes and dtypes."""
+        sizes = [torch.Size(s).numel() * d.itemsize for s, d in layouts]
+        data = torch.empty(sum(sizes), dtype=torch.uint8)
+        try:
+            dist.irecv(data, src, tag=tag).wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise self.fault(src, e) from None
+        return [part.view(d).reshape(s) for part, (s, d) in zip(data.split(sizes), layouts)]
+
+    def flush(self) -> None:
+        """Wait until every message sent has arrived."""
+        sends, self._sends = self._sends, []
+        for work, _ in sends:
+            try:
+                work.wait(timedelta(seconds=self.timeout))
+            except RuntimeError as e:
+                raise self.fault(None, e) from None
+
+    def fault(self, peer: int | None, error: Exception) -> TiergenError:
+        """The error for a link that failed: it names the rank that died (one this process
+        started and that was killed or exited), else the peer it was talking to; every rank
+        this process started is stopped."""
+        culprit, how = peer, "stopped answering"
+        dead = [(r, p.poll()) for r, p in enumerate(self.workers, 1) if p.poll() is not None]
+        if dead:  # one killed by a signal died first; the others exited on losing it
+            culprit, code = min(dead, key=lambda d: (d[1] >= 0, d[0]))
+            how = f"was killed by signal {-code}" if code < 0 else f"exited (code {code})"
+        elif "timed out" in str(error).lower() or "timeout" in str(error).lower():
+            how = f"did not answer within {self.timeout:g} s"
+        self.stop_workers()
+        who = f"pipeline rank {culprit}" if culprit is not None else "a pipeline rank"
+        return TiergenError(f"{who} {how}; rank {self.rank} stopped ({str(error).strip()[:200]})")
+
+    # -- commands from rank 0 ------------------------------------------------------------
+    def command(self, obj: object) -> None:
+        """Rank 0: hand every other rank a command (None: shut down)."""
+        dist.broadcast_object_list([obj], src=0, group=self.control)
+
+    def next_command(self) -> object:
+        """Any other rank: wait for rank 0's next command."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def agree(self, work: Callable[[], object]) -> object:
+        """Run ``work`` on every rank; if it fails on any, raise the first failure on all
+        (rank 0 says which rank), so that no rank goes on alone."""
+        try:
+            result, failure = work(), None
+        except Exception as e:
+            result, failure = None, e
+        errors: list[str | None] = [None] * self.size
+        dist.all_gather_object(errors, failure and str(failure), group=self.control)
+        if failure is not None:
+            raise failure
+        for r, e in enumerate(errors):
+            if e is not None:
+                raise TiergenError(f"pipeline rank {r}: {e}")
+        return result
+
+    def close(self, graceful: bool = True) -> None:
+        """Rank 0: tell the other ranks to stop and wait for them (``graceful=False``, after
+        a failure: stop those it started at once); then leave the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and self.rank == 0 and all(p.poll() is None for p in self.workers):
+            try:
+                self.command(None)
+                for p in self.workers:
+                    p.wait(timeout=self.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                pass
+        self.stop_workers()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.threads_before:
+            torch.set_num_threads(self.threads_before)
+
+    def stop_workers(self) -> None:
+        for p in self.workers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies, so no rank outlives rank 0."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def launch(size: int, timeout: float, worker: Callable[[Group], None], threads: int) -> Group:
+    """Rank 0 on one machine: start ranks 1..size-1 (fresh interpreters, so the caller's
+    script is never imported again), each running ``worker`` on its own Group, and join
+    them in a process group over loopback."""
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout))
+    workers = []
+    for r in range(1, size):
+        p = subprocess.Popen([sys.executable, "-m", "tiergen.parallel"], stdin=subprocess.PIPE)
+        p.stdin.write(pickle.dumps((r, size, store.port, timeout, worker, threads, os.getpid())))
+        p.stdin.close()
+        workers.append(p)
+    group = Group.__new__(Group)  # only to stop the workers if joining fails
+    group.workers, group.timeout = workers, timeout
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=size,
+                                timeout=timedelta(seconds=timeout))
+    except BaseException as e:
+        failed = [f"rank {r} (exit code {p.returncode})"
+                  for r, p in enumerate(workers, 1) if p.poll() is not None]
+        group.stop_workers()
+        if failed:
+            raise TiergenError(f"pipeline {', '.join(failed)} failed to start; its output above "
+                               "says why") from None
+        raise TiergenError(f"the pipeline's ranks did not join within {timeout:g} s ({e})") from None
+    return Group(0, size, timeout, workers)
+
+
+def join_torchrun(timeout: float) -> Group:
+    """Any rank started by torchrun: join the others through its environment."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
+    return Group(dist.get_rank(), dist.get_world_size(), timeout)
+
+
+def worker_main() -> None:
+    """A rank started by :func:`launch` (``python -m tiergen.parallel``)."""
+    rank, size, port, timeout, worker, threads, parent = pickle.load(sys.stdin.buffer)
+    _die_with_parent()
+    if os.getppid() != parent:  # rank 0 died before we could ask to follow it
+        sys.exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout))
+    try:
+        worker(Group(rank, size, timeout))
+    except TiergenError as e:
+        print(f"tiergen: pipeline rank {rank}: {e}", file=sys.stderr)
+        sys.exit(1)
+

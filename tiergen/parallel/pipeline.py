@@ -1,0 +1,110 @@
+"""The pipeline schedule: every stage works at once on a different share of the batch.
+
+Every rank runs this same loop over the same sequences (rank 0 hands them out), so each
+knows every micro-batch's state and every message's shape without being told: only hidden
+states (from each stage to the next) and sampled tokens (from the last stage to all) travel.
+The micro-batches of a block are dealt into as many *units* as there are stages; a stage
+runs one unit through its layers (one trip of its weights per unit), passes it on, and goes
+on to the next unit while later stages work on the earlier ones. A unit's next step starts
+on the first stage as soon as its tokens come back, so with as many units as stages no
+stage waits once the pipeline is full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from tiergen.engine.executor import Executor
+from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity
+from tiergen.errors import TiergenError
+from tiergen.parallel.group import HIDDEN, TOKENS, Group, join_torchrun, launch, under_torchrun
+from tiergen.parallel.stage import Stage, split_layers
+
+
+def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_batch: int,
+                  prefill_chunk: int | None = None) -> Iterator[StepEvent]:
+    """Generate for a block of sequences over the pipeline (the counterpart of
+    :func:`tiergen.engine.generate.run_block`); rank 0's events are the ones that count."""
+    stage: Stage = executor.model
+    groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
+    longest = max(len(s.prompt_ids) for s in seqs)
+    group.agree(lambda: executor.check_block([(len(g), capacity(g)) for g in groups], longest))
+    states = [MicroBatchState(executor, g, prefill_chunk) for g in groups]
+    units = [states[u::group.size] for u in range(min(group.size, len(states)))]
+    hidden = executor.cfg.hidden_size
+    last = group.size - 1
+    waiting: dict[int, list[MicroBatchState]] = {}  # states whose tokens are on their way
+    try:
+        while any(not s.done for s in states) or waiting:
+            for u, unit in enumerate(units):
+                if u in waiting:  # tokens of the unit's last step, before its next step
+                    sampling = waiting.pop(u)
+                    received = group.recv([((len(s.live),), torch.long) for s in sampling],
+                                          last, TOKENS)
+                    for s, tokens in zip(sampling, received):
+                        yield from s.apply(tokens.to(s.valid.device))
+                live = [s for s in unit if not s.done]
+                if not live:
+                    continue
+                work = [s.work() for s in live]
+                inputs = None if stage.first else group.recv(
+                    [((len(s.live), mb.ids.shape[1], hidden), torch.float32)
+                     for s, mb in zip(live, work)], group.rank - 1, HIDDEN)
+                out = executor.forward_block(work, hidden=inputs)
+                if not stage.last:
+                    group.send(out, group.rank + 1, HIDDEN)
+                sampled = [s.sampler(lg) if s.samples else None for s, lg in zip(live, out)] \
+                    if stage.last else [None] * len(live)
+                if stage.last and any(t is not None for t in sampled):
+                    for r in range(last):
+                        group.send([t for t in sampled if t is not None], r, TOKENS)
+                for s, tokens in zip(live, sampled):
+                    if tokens is not None or not s.samples:
+                        yield from s.apply(tokens)
+                    else:
+                        waiting.setdefault(u, []).append(s)
+        group.flush()
+    finally:
+        for s in states:
+            if not s.done:
+                s.cache.close()
+
+
+def start_pipeline(files, stages: int, timeout: float, options: dict) -> Group:
+    """This process's place in a pipeline of ``stages`` ranks: under torchrun, the rank it
+    was given; otherwise rank 0, with ranks 1.. started here, the cores shared among all."""
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise TiergenError(f"parallel_timeout must be a number of seconds > 0, got {timeout!r}")
+    if under_torchrun():
+        group = join_torchrun(timeout)
+        if stages not in (1, group.size):
+            group.close(graceful=False)
+            raise TiergenError(f"pipeline_parallel={stages} but torchrun started {group.size} "
+                               "ranks; make them equal (or leave pipeline_parallel at 1)")
+        return group
+    split_layers(files.config.num_layers, stages)  # refuse a bad count before starting anything
+    if files.opened_as is None:
+        raise TiergenError("pipeline_parallel needs the model as a path or a name, which every "
+                           "rank opens itself, not an already opened ModelFiles")
+    if dist.is_initialized():
+        raise TiergenError("this process already runs a pipeline; close() that LLM first")
+    threads_before = torch.get_num_threads()
+    threads = max(1, threads_before // stages)
+    model, packed = files.opened_as
+    spec = dict(model=model, packed=packed, pipeline_parallel=stages, parallel_timeout=timeout,
+                **options)
+    group = launch(stages, timeout, partial(serve_stage, spec), threads)
+    group.threads_before = threads_before
+    torch.set_num_threads(threads)
+    return group
+
+
+def serve_stage(spec: dict, group: Group) -> None:
+    """What a started rank runs: its share of the model, serving rank 0 until it closes."""
+    from tiergen.engine.llm import LLM  # the facade builds on this module
+
+    LLM(**spec, _group=group).serve_pipeline()
