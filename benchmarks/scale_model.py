@@ -27,6 +27,9 @@ SHAPES = {
     # Llama-3.1-8B's shapes (plain RoPE: the scaling changes no byte or FLOP count)
     "llama-3.1-8b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
                          num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    # Llama-3.2-1B's shapes, untied: 1.5 B parameters, 3 GB in bfloat16
+    "llama-3.2-1b": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),
     # the same builder scaled down for tests: about 20 MB
     "tiny": dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=8,
                  num_key_value_heads=2, intermediate_size=768, vocab_size=2048),

@@ -12,7 +12,7 @@ from tiergen._platform import on_short_lived_thread  # (first: before torch)
 from tiergen.errors import TiergenError
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
+def _add_model_options(p: argparse.ArgumentParser, parallel: bool = True) -> None:
     g = p.add_argument_group("model")
     g.add_argument("-m", "--model", default="smollm2",
                    help="short name (smollm2), a Hugging Face model directory, a .gguf file, "
@@ -34,6 +34,14 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-size", type=int, default=64,
                    help="most prompts run together in one batch when --gpu-batch-size is not "
                         "given (default: 64)")
+    if parallel:
+        d = p.add_argument_group("pipeline parallelism")
+        d.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
+                       help="split the layers over P processes that work at once, each with its "
+                            "own share of the cores and of the budgets; under torchrun, P is its "
+                            "world size (default: 1)")
+        d.add_argument("--parallel-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="stop every rank when one has not answered for SECONDS (default: 60)")
     o = p.add_argument_group("offloading policy")
     o.add_argument("--policy", choices=["auto"], default=None,
                    help="auto: plan the fastest policy that fits the budgets for these prompts "
@@ -126,7 +134,9 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
         return LLM(files, dtype=args.dtype, device=args.device,
                    max_batch_size=args.max_batch_size, policy=policy,
                    device_memory=args.device_memory, host_memory=args.host_memory,
-                   compile=args.compile, prefill_chunk_size=args.prefill_chunk_size)
+                   compile=args.compile, prefill_chunk_size=args.prefill_chunk_size,
+                   pipeline_parallel=getattr(args, "pipeline_parallel", 1),
+                   parallel_timeout=getattr(args, "parallel_timeout", 60.0))
 
     args.estimate = None
     if args.policy != "auto":
@@ -323,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--queue-timeout", type=float, metavar="SECONDS",
                    help="answer a request still waiting for a place after SECONDS with 503 "
                         "(default: wait)")
-    _add_model_options(srv)
+    _add_model_options(srv, parallel=False)
     srv.set_defaults(func=cmd_serve)
 
     from tiergen import bench

@@ -1,0 +1,139 @@
+"""Pipeline parallelism on one machine: P processes, each with its share of the layers and of
+the cores, against one process with all of them.
+
+1. Efficiency (weights in RAM): ``tiergen bench`` on SmolLM2 (packed Q4_1) at one batch
+   size, one process with every core against ``--pipeline-parallel 2`` (one core per rank).
+2. A model over one rank's host budget (Llama-3.2-1B's shapes, random bfloat16 weights,
+   benchmarks/scale_model.py): one process under ``--host-memory`` streams its layers from
+   disk while a thread keeps evicting the checkpoint from the page cache; two ranks under
+   the same budget each hold their half in RAM.
+
+Each configuration runs in a fresh process; the table gives generated tokens/s (prefill
+included), decode tokens/s, the ratio to the one-process run, and peak RSS per rank.
+
+    python benchmarks/bench_pipeline.py [--dir /var/tmp/tiergen-scale] [--host-memory 2G]
+        [--batch 32] [--big-batches 4 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def status(pid: int | str, key: str) -> int:
+    """A byte count from /proc/<pid>/status (kB fields) or /proc/<pid>/io."""
+    if key == "read_bytes":
+        text = Path(f"/proc/{pid}/io").read_text()
+        return next(int(line.split()[1]) for line in text.splitlines() if line.startswith(key))
+    text = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith(key))
+
+
+def child(a: argparse.Namespace) -> dict:
+    """One run of the big model in this process (and its ranks)."""
+    import tiergen  # noqa: F401  (the CPU guard first)
+    from tiergen import LLM, Policy, SamplingParams
+    from bench_scale import prompts
+
+    policy = Policy(weights=(0, 0), offload_dir=str(Path(a.dir) / "offload-pipeline"))
+    t = time.perf_counter()
+    llm = LLM(a.model, dtype="bfloat16", host_memory=a.host_memory,
+              policy=policy if a.ranks == 1 else Policy(), pipeline_parallel=a.ranks)
+    load = time.perf_counter() - t
+    pids = ["self"] + [p.pid for p in (llm.group.workers if llm.group else [])]
+    before = sum(status(p, "read_bytes") for p in pids)
+    ids = prompts(a.batch, a.prompt_len, llm.config.vocab_size)
+    t = time.perf_counter()
+    out = llm.generate(ids, SamplingParams(max_tokens=a.gen_len, temperature=0, ignore_eos=True))
+    seconds = time.perf_counter() - t
+    result = dict(tok_s=a.batch * a.gen_len / seconds, load_s=load,
+                  read_per_step=(sum(status(p, "read_bytes") for p in pids) - before) / a.gen_len,
+                  rss=[status(p, "VmHWM") for p in pids], tokens=[r.token_ids for r in out[:2]])
+    llm.close()
+    return result
+
+
+def bench(args: list[str]) -> dict:
+    done = subprocess.run([sys.executable, "-m", "tiergen.cli", "bench", "--json", *args],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default="/var/tmp/tiergen-scale")
+    p.add_argument("--host-memory", default="2G")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--big-batches", type=int, nargs="+", default=[4, 32])
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--gen-len", type=int, default=16)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(child(a)))
+        return
+
+    import scale_model
+    from bench_plan import PageCacheEvictor
+    from bench_scale import machine
+    from tiergen.planner.calibrate import _measure_disk
+
+    print(machine())
+    print(f"\n1. SmolLM2 (Q4_1 packed), weights in RAM: batch {a.batch}, 128-token prompts, "
+          "64 new tokens")
+    print("| run | decode tok/s | total tok/s | vs one process (total) |")
+    print("|---|---|---|---|")
+    base = None
+    for name, extra in [("1 process x 2 threads", []),
+                        ("2 ranks x 1 thread", ["--pipeline-parallel", "2"])]:
+        r = bench(["--batch", str(a.batch), *extra])["runs"][0]
+        base = base or r["total_tok_s"]
+        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
+              f"{r['total_tok_s'] / base:.0%} |", flush=True)
+
+    a.dir = str(Path(a.dir).resolve())
+    paths = scale_model.build(Path(a.dir) / "llama-3.2-1b", scale_model.SHAPES["llama-3.2-1b"],
+                              qtypes=())
+    hf = paths["hf"]
+    size = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
+    disk = _measure_disk(Path(a.dir), 2**30)
+    print(f"\n2. Llama-3.2-1B-shaped, bfloat16, {size / 1e9:.2f} GB; host budget {a.host_memory} "
+          f"per rank; {a.prompt_len}-token prompts, {a.gen_len} new; page cache evicted; disk "
+          f"read {disk / 1e9:.2f} GB/s")
+    print("| run | batch | tok/s | vs one process | GB read/step | peak RSS per rank GB | load s |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in a.big_batches:
+        base, tokens = None, None
+        for ranks, name in [(1, "1 process, weights on disk"), (2, "2 ranks, weights in RAM")]:
+            cmd = [sys.executable, str(HERE / "bench_pipeline.py"), "--child", "--model", str(hf),
+                   "--ranks", str(ranks), "--dir", a.dir, "--host-memory", a.host_memory,
+                   "--batch", str(batch), "--prompt-len", str(a.prompt_len),
+                   "--gen-len", str(a.gen_len)]
+            env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+            with PageCacheEvictor(Path(a.dir), period=0.2):
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if done.returncode:
+                print(f"| {name} | {batch} | failed: {done.stderr.strip().splitlines()[-1]} ||||")
+                continue
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            base, tokens = base or r["tok_s"], tokens or r["tokens"]
+            same = "" if r["tokens"] == tokens else " (tokens differ!)"
+            print(f"| {name}{same} | {batch} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | "
+                  f"{r['read_per_step'] / 1e9:.2f} | "
+                  f"{' + '.join(f'{x / 1e9:.2f}' for x in r['rss'])} | {r['load_s']:.1f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
