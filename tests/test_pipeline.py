@@ -141,3 +141,13 @@ def test_a_rank_that_stops_answering_times_out(llama):
     thread.join()
     assert time.monotonic() - started < 30
     assert all(p.poll() is not None for p in llm.group.workers), "the stopped rank was left"
+
+
+def test_the_command_line_runs_a_pipeline(capsys):
+    from tiergen import cli
+
+    args = ["generate", "--json", "--max-tokens", "6", "The capital of France is", "Hello"]
+    assert cli.main(args) == 0
+    one = capsys.readouterr().out
+    assert cli.main(args + ["--pipeline-parallel", "2"]) == 0
+    assert capsys.readouterr().out == one

@@ -22,8 +22,8 @@ from tiergen.models.layers import use_compiled_gemv
 from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
-from tiergen.parallel.group import HIDDEN, TOKENS, Group, under_torchrun
-from tiergen.parallel.pipeline import run_pipelined, start_pipeline
+from tiergen.parallel.group import TOKENS, Group, under_torchrun
+from tiergen.parallel.pipeline import run_pipelined, stage_forward, start_pipeline
 from tiergen.parallel.stage import Stage, split_layers
 from tiergen.weights import ModelFiles, open_model
 
@@ -270,12 +270,16 @@ class LLM:
             yield from run_block(self.executor, block, self.micro_batch, self.prefill_chunk_size)
         self.last_stats = self.executor.finish_run()
 
-    def _pipelined(self, command: str, *args):
-        """Rank 0: have every rank run ``command`` with this process; a failure stops them all."""
+    def _command(self, *command) -> None:
+        """Rank 0: hand every other rank what to run next."""
         if self.group.closed:
             raise TiergenError("this LLM's pipeline has stopped (a rank failed or close() was "
                                "called); create a new LLM")
-        self.group.command((command, *args))
+        self.group.command(command)
+
+    def _pipelined(self, command: str, *args):
+        """Rank 0: have every rank run ``command`` with this process; a failure stops them all."""
+        self._command(command, *args)
         try:
             return getattr(self, f"_{command}")(*args)
         except BaseException:
@@ -286,14 +290,14 @@ class LLM:
         """Rank 0 hands the sequences to every rank, and all run them together; a caller
         that stops listening early still lets the run finish, so the ranks stay in step."""
         group = self.group
-        if group.closed:
-            raise TiergenError("this LLM's pipeline has stopped (a rank failed or close() was "
-                               "called); create a new LLM")
         if group.rank == 0:
-            group.command(("generate", [s.prompt_ids for s in seqs], [s.params for s in seqs]))
+            self._command("generate", [s.prompt_ids for s in seqs], [s.params for s in seqs])
         self.executor.start_run()
-        runs = (run_pipelined(self.executor, group, block, self.micro_batch,
-                              self.prefill_chunk_size) for block in self._blocks(seqs))
+        # unless told, each block is cut into enough micro-batches to keep every rank busy
+        per_block = group.size * self.policy.num_gpu_batches
+        runs = (run_pipelined(self.executor, group, block, self.policy.gpu_batch_size
+                              or -(-len(block) // per_block), self.prefill_chunk_size)
+                for block in self._blocks(seqs))
         run = iter(())
         try:
             for run in runs:
@@ -367,7 +371,6 @@ class LLM:
         """Negative log-likelihood of ``ids``; over a pipeline, each stage runs its layers
         and only the last has a result (the others return 0)."""
         group = self.group
-        stage = self.executor.model if group is not None else None
         tokens = torch.tensor([ids])
         valid = torch.ones(1, len(ids), dtype=torch.bool)
         cache = self.executor.new_cache(1, len(ids))
@@ -378,12 +381,10 @@ class LLM:
             for start in range(0, len(ids), chunk):
                 piece = tokens[:, start:start + chunk]
                 meta = StepMeta.build(valid, start, piece.shape[1])
-                hidden = None if stage is None or stage.first else group.recv(
-                    [((1, piece.shape[1], self.config.hidden_size), torch.float32)],
-                    group.rank - 1, HIDDEN)
-                out = self.executor.forward_block([MicroBatch(piece, meta, cache)], True, hidden)
-                if stage is not None and not stage.last:
-                    group.send(out, group.rank + 1, HIDDEN)
+                block = [MicroBatch(piece, meta, cache)]
+                out = self.executor.forward_block(block, True) if group is None else \
+                    stage_forward(self.executor, group, block, True)
+                if out is None:  # a pipeline stage before the last
                     continue
                 targets = tokens[0, start + 1:start + 1 + piece.shape[1]]
                 logp = torch.log_softmax(out[0][0, :len(targets)], dim=-1)
@@ -391,10 +392,10 @@ class LLM:
         finally:
             cache.close()
             self.last_stats = self.executor.finish_run()
-        if group is not None:  # the last stage's result goes to rank 0
-            if stage.last and group.rank != 0:
+        if group is not None and group.size > 1:  # the last stage's result goes to rank 0
+            if group.rank == group.size - 1:
                 group.send([torch.tensor([nll], dtype=torch.float64)], 0, TOKENS)
-            elif group.rank == 0 and not stage.last:
+            elif group.rank == 0:
                 nll = group.recv([((1,), torch.float64)], group.size - 1, TOKENS)[0].item()
             group.flush()
         return nll

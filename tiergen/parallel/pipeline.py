@@ -12,61 +12,91 @@ stage waits once the pipeline is full.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from tiergen.engine.executor import Executor
+from tiergen.engine.executor import Executor, MicroBatch
 from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity
 from tiergen.errors import TiergenError
 from tiergen.parallel.group import HIDDEN, TOKENS, Group, join_torchrun, launch, under_torchrun
 from tiergen.parallel.stage import Stage, split_layers
 
 
+def stage_forward(executor: Executor, group: Group, block: list[MicroBatch],
+                  all_positions: bool = False) -> list[torch.Tensor] | None:
+    """This stage's part of a forward pass: hidden states come from the stage before
+    (unless this one embeds) and go to the next (unless this one ends the model, and
+    returns logits; the others return None)."""
+    stage: Stage = executor.model
+    hidden = None if stage.first else group.recv(
+        [((*mb.ids.shape, executor.cfg.hidden_size), torch.float32) for mb in block],
+        group.rank - 1, HIDDEN)
+    out = executor.forward_block(block, all_positions, hidden)
+    if stage.last:
+        return out
+    group.send(out, group.rank + 1, HIDDEN)
+    return None
+
+
 def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_batch: int,
                   prefill_chunk: int | None = None) -> Iterator[StepEvent]:
     """Generate for a block of sequences over the pipeline (the counterpart of
-    :func:`tiergen.engine.generate.run_block`); rank 0's events are the ones that count."""
-    stage: Stage = executor.model
+    :func:`tiergen.engine.generate.run_block`); rank 0's events are the ones that count.
+    Time spent waiting for other stages counts as prefill or decode time, like computing."""
+    stats = executor.stats
     groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
     longest = max(len(s.prompt_ids) for s in seqs)
     group.agree(lambda: executor.check_block([(len(g), capacity(g)) for g in groups], longest))
     states = [MicroBatchState(executor, g, prefill_chunk) for g in groups]
     units = [states[u::group.size] for u in range(min(group.size, len(states)))]
-    hidden = executor.cfg.hidden_size
     last = group.size - 1
-    waiting: dict[int, list[MicroBatchState]] = {}  # states whose tokens are on their way
+    waiting: dict[int, tuple[list[MicroBatchState], bool]] = {}  # tokens on their way here
+
+    def clock() -> tuple[float, float]:
+        return time.perf_counter(), stats.decode_seconds + stats.prefill_seconds
+
+    def add_wait(start: tuple[float, float], decoding: bool) -> None:
+        """Count as prefill or decode the wall time since ``start`` the executor did not."""
+        now, counted = clock()
+        seconds = (now - start[0]) - (counted - start[1])
+        if decoding:
+            stats.decode_seconds += seconds
+        else:
+            stats.prefill_seconds += seconds
+
     try:
         while any(not s.done for s in states) or waiting:
             for u, unit in enumerate(units):
                 if u in waiting:  # tokens of the unit's last step, before its next step
-                    sampling = waiting.pop(u)
+                    sampling, decoding = waiting.pop(u)
+                    start = clock()
                     received = group.recv([((len(s.live),), torch.long) for s in sampling],
                                           last, TOKENS)
+                    add_wait(start, decoding)
                     for s, tokens in zip(sampling, received):
                         yield from s.apply(tokens.to(s.valid.device))
                 live = [s for s in unit if not s.done]
                 if not live:
                     continue
                 work = [s.work() for s in live]
-                inputs = None if stage.first else group.recv(
-                    [((len(s.live), mb.ids.shape[1], hidden), torch.float32)
-                     for s, mb in zip(live, work)], group.rank - 1, HIDDEN)
-                out = executor.forward_block(work, hidden=inputs)
-                if not stage.last:
-                    group.send(out, group.rank + 1, HIDDEN)
+                decoding = not all(mb.meta.start == 0 or mb.ids.shape[1] > 1 for mb in work)
+                start = clock()
+                out = stage_forward(executor, group, work)
+                add_wait(start, decoding)
                 sampled = [s.sampler(lg) if s.samples else None for s, lg in zip(live, out)] \
-                    if stage.last else [None] * len(live)
-                if stage.last and any(t is not None for t in sampled):
+                    if out is not None else [None] * len(live)
+                if out is not None and any(t is not None for t in sampled):
                     for r in range(last):
                         group.send([t for t in sampled if t is not None], r, TOKENS)
                 for s, tokens in zip(live, sampled):
                     if tokens is not None or not s.samples:
                         yield from s.apply(tokens)
                     else:
-                        waiting.setdefault(u, []).append(s)
+                        waiting.setdefault(u, ([], decoding))[0].append(s)
         group.flush()
     finally:
         for s in states:
