@@ -63,12 +63,20 @@ def test_three_ranks_match_one_process(name, tmp_path):
         assert llm.perplexity(TEXT) == pytest.approx(one.perplexity(TEXT), rel=1e-5)
 
 
-def test_layers_are_split_evenly_and_checked():
-    assert split_layers(7, 3) == [range(0, 2), range(2, 4), range(4, 7)]
-    assert split_layers(4, 4) == [range(i, i + 1) for i in range(4)]
-    for bad in (0, 5, 2.0):
+def test_layers_are_split_so_the_costliest_stage_is_cheapest():
+    def worst(spans, costs, head):
+        return max(sum(costs[j] for j in r) + (head if r.stop == len(costs) else 0) for r in spans)
+
+    assert split_layers([1.0] * 6, 2, head=2.0) == [range(0, 4), range(4, 6)]
+    assert split_layers([5.0, 1.0, 1.0, 1.0], 2) == [range(0, 1), range(1, 4)]
+    assert split_layers([1.0] * 4, 4, head=9.0) == [range(i, i + 1) for i in range(4)]
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    spans = split_layers(costs, 3, head=4.0)
+    assert [j for r in spans for j in r] == list(range(8)) and all(len(r) for r in spans)
+    assert worst(spans, costs, 4.0) == 14.0  # the best of every way to cut (checked by hand)
+    for bad in (0, 9, 2.0):
         with pytest.raises(TiergenError, match="pipeline_parallel must be"):
-            split_layers(4, bad)
+            split_layers(costs, bad)
 
 
 @pytest.fixture(scope="module")

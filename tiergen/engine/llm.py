@@ -24,7 +24,7 @@ from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
 from tiergen.parallel.group import TOKENS, Group, under_torchrun
 from tiergen.parallel.pipeline import run_pipelined, stage_forward, start_pipeline
-from tiergen.parallel.stage import Stage, split_layers
+from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.weights import ModelFiles, open_model
 
 Prompt = str | list[int]
@@ -159,7 +159,8 @@ class LLM:
                 device_memory=device_memory, host_memory=host_memory, compile=compile,
                 prefill_chunk_size=prefill_chunk_size))
         if self.group is not None:
-            span = split_layers(files.config.num_layers, self.group.size)[self.group.rank]
+            costs, head = layer_costs(family)
+            span = split_layers(costs, self.group.size, head)[self.group.rank]
             family, model_id = Stage(family, span), f"{model_id}|layers {span.start}-{span.stop}"
             if isinstance(policy, (list, tuple)):
                 if len(policy) != self.group.size:

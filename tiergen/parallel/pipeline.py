@@ -116,7 +116,7 @@ def start_pipeline(files, stages: int, timeout: float, options: dict) -> Group:
             raise TiergenError(f"pipeline_parallel={stages} but torchrun started {group.size} "
                                "ranks; make them equal (or leave pipeline_parallel at 1)")
         return group
-    split_layers(files.config.num_layers, stages)  # refuse a bad count before starting anything
+    split_layers([0.0] * files.config.num_layers, stages)  # refuse a bad count before starting
     if files.opened_as is None:
         raise TiergenError("pipeline_parallel needs the model as a path or a name, which every "
                            "rank opens itself, not an already opened ModelFiles")

@@ -11,16 +11,44 @@ from tiergen.models.base import ModelFamily, Weights
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
 
-def split_layers(num_layers: int, stages: int) -> list[range]:
-    """Consecutive spans of layers, as even as the count allows (earlier stages, which also
-    embed, get the smaller ones)."""
-    if not isinstance(stages, int) or not 1 <= stages <= num_layers:
+def layer_costs(model: ModelFamily) -> tuple[list[float], float]:
+    """Multiply-adds per token of each layer (routed experts at the share a token uses)
+    and of the LM head: what a stage's share of the work is measured in."""
+    cfg = model.cfg
+    share = cfg.moe.top_k / cfg.moe.num_experts if cfg.moe else 1.0
+    costs = [float(sum(torch.Size(s).numel() * (share if n.startswith("experts.") else 1.0)
+                       for n, s in model.packed_specs(j).items() if len(s) > 1))
+             for j in range(cfg.num_layers)]
+    return costs, float(cfg.vocab_size * cfg.hidden_size)
+
+
+def split_layers(costs: list[float], stages: int, head: float = 0.0) -> list[range]:
+    """Consecutive spans of layers, at least one each, that make the costliest stage (the
+    last also runs the LM head, of cost ``head``) as cheap as possible."""
+    n = len(costs)
+    if not isinstance(stages, int) or not 1 <= stages <= n:
         raise TiergenError(f"pipeline_parallel must be an integer from 1 to the model's "
-                           f"{num_layers} layers, got {stages!r}")
-    base, extra = divmod(num_layers, stages)
-    sizes = [base + (s >= stages - extra) for s in range(stages)]
-    starts = [sum(sizes[:s]) for s in range(stages)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
+                           f"{n} layers, got {stages!r}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: the least possible cost of the costliest of s stages over layers 0..i-1
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        extra = head if s == stages else 0.0
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                worst = max(best[s - 1][j], prefix[i] - prefix[j] + (extra if i == n else 0.0))
+                if worst < best[s][i]:
+                    best[s][i], cut[s][i] = worst, j
+    ends = [n]
+    for s in range(stages, 1, -1):
+        ends.append(cut[s][ends[-1]])
+    ends.reverse()
+    return [range(a, b) for a, b in zip([0] + ends[:-1], ends)]
 
 
 class Stage:
