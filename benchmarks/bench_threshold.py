@@ -1,0 +1,55 @@
+"""Where the packed kernels stop paying: milliseconds per product of SmolLM2's packed matrices
+with x of 2..24 rows, through packed.c (decode each block in registers, row by row) and
+through decode-into-a-buffer then the BLAS; tiergen.kernels.ROW_THRESHOLD should sit at the
+crossover.
+
+    python benchmarks/bench_threshold.py [--threads 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import tiergen.kernels as K
+from tiergen.bench import cpu_description
+from tiergen.weights import open_model
+
+MATRICES = ["model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.gate_proj.weight",
+            "model.layers.3.mlp.down_proj.weight"]
+
+
+def per_product(x: torch.Tensor, w, threshold: int, repeat: int = 20) -> float:
+    K.ROW_THRESHOLD = threshold
+    K.packed_linear(x, w)
+    t = time.perf_counter()
+    for _ in range(repeat):
+        K.packed_linear(x, w)
+    return (time.perf_counter() - t) / repeat * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    a = p.parse_args()
+    cpu = cpu_description()
+    print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
+    files = open_model("smollm2")
+    print("| threads | matrix | rows | packed.c ms | decode + BLAS ms |")
+    print("|---|---|---|---|---|")
+    for threads in a.threads:
+        torch.set_num_threads(threads)
+        for name in MATRICES:
+            w = files.source.get(name)
+            for rows in (2, 4, 6, 8, 12, 16, 24):
+                x = torch.randn(rows, w.shape[1])
+                kernel, blas = per_product(x, w, 1 << 30), per_product(x, w, 0)
+                print(f"| {threads} | {name.split('.')[-2]} {tuple(w.shape)} | {rows} | "
+                      f"{kernel:.2f} | {blas:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
