@@ -13,7 +13,8 @@ import time
 
 import tiergen  # noqa: F401  (the CPU guard first)
 from tiergen.bench import cpu_description
-from tiergen.models.layers import UPCAST_ROWS, _slow_bfloat16, linear
+from tiergen._platform import cpu_has_fast_bfloat16
+from tiergen.models.layers import UPCAST_ROWS, linear
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ def main() -> None:
     a = p.parse_args()
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}), {torch.get_num_threads()} threads; "
-          f"linear widens from {UPCAST_ROWS} rows: {_slow_bfloat16()}")
+          f"linear widens from {UPCAST_ROWS} rows: {not cpu_has_fast_bfloat16()}")
     w = torch.randn(28672, 4096).bfloat16()
     print("| rows | torch bfloat16 ms | tiergen linear ms | speed-up |")
     print("|---|---|---|---|")

@@ -14,7 +14,7 @@ def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
         calls.append(x.dtype)
         return real(x, w, b)
 
-    monkeypatch.setattr(layers, "_slow_bfloat16", lambda: True)
+    monkeypatch.setattr(layers, "cpu_has_fast_bfloat16", lambda: False)
     monkeypatch.setattr(layers.F, "linear", spy)
     torch.manual_seed(0)
     monkeypatch.setattr(layers, "UPCAST_SCRATCH", 96 * 10)  # 10 rows at a time: 5 slices

@@ -8,6 +8,7 @@ real AMX hardware gives up its tile units for bfloat16). A user who knows their 
 sets ONEDNN_MAX_CPU_ISA themselves (e.g. to "ALL"), and tiergen leaves it alone.
 """
 
+import functools
 import os
 import platform
 import threading
@@ -17,15 +18,17 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (read once: they do not change while the process runs)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def cpu_has_fast_bfloat16() -> bool:

@@ -41,6 +41,11 @@ class MicroBatch:
     meta: StepMeta
     cache: TieredKV
 
+    @property
+    def is_prompt(self) -> bool:
+        """Whether this step feeds prompt tokens (prefill) rather than one new token each."""
+        return self.meta.start == 0 or self.ids.shape[1] > 1
+
 
 @dataclass
 class RunStats:
@@ -223,7 +228,7 @@ class Executor:
                 logits = [model.head(self.globals, acts.take(k)[:, last]).float()
                           for k in range(len(block))]
             seconds = time.perf_counter() - started
-            is_prompt = [mb.meta.start == 0 or mb.ids.shape[1] > 1 for mb in block]
+            is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
             t.decode_tokens += sum(mb.ids.shape[0] for mb, p in zip(block, is_prompt) if not p)
             if all(is_prompt):  # a block mixing both (continuous batching) counts as decode

@@ -3,7 +3,6 @@ or move tensors, the executor hands them what they need."""
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 from collections.abc import Callable
@@ -65,11 +64,6 @@ UPCAST_SCRATCH = 1 << 22
 _scratch = threading.local()
 
 
-@functools.cache
-def _slow_bfloat16() -> bool:
-    return not cpu_has_fast_bfloat16()
-
-
 def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                     ) -> torch.Tensor:
     buf = getattr(_scratch, "buf", None)
@@ -98,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | 
         y = _compiled_gemv(x.reshape(-1), weight).view(*x.shape[:-1], -1)
         return y if bias is None else y + bias
     if (weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.shape[:-1].numel() >= UPCAST_ROWS and _slow_bfloat16()):
+            and x.shape[:-1].numel() >= UPCAST_ROWS and not cpu_has_fast_bfloat16()):
         return _widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

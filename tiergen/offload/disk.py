@@ -240,15 +240,17 @@ class CheckpointWeights:
     def __init__(self, entries: dict[str, tuple[tuple[int, ...], torch.dtype,
                                                 list[tuple[Path, int, int]]]]) -> None:
         self.entries = entries  # key -> (shape, dtype, [(file, offset, bytes)])
-        self.rows_read = 0
         self._fds: dict[Path, int] = {}
+        ends: dict[Path, int] = {}
         for _, _, parts in entries.values():
             for path, offset, nbytes in parts:
-                if path not in self._fds:
-                    self._fds[path] = os.open(path, os.O_RDONLY)
-                if os.fstat(self._fds[path]).st_size < offset + nbytes:
-                    raise TiergenError(f"{path} is shorter than its header says; the "
-                                       "checkpoint is truncated: re-download it")
+                ends[path] = max(ends.get(path, 0), offset + nbytes)
+        for path, end in ends.items():
+            self._fds[path] = os.open(path, os.O_RDONLY)
+            if os.fstat(self._fds[path]).st_size < end:
+                self.close()
+                raise TiergenError(f"{path} is shorter than its header says; the "
+                                   "checkpoint is truncated: re-download it")
 
     @classmethod
     def make(cls, source, layer_specs: list[dict[str, tuple[int, ...]]],

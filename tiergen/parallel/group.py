@@ -83,7 +83,7 @@ class Group:
         if dead:  # one killed by a signal died first; the others exited on losing it
             culprit, code = min(dead, key=lambda d: (d[1] >= 0, d[0]))
             how = f"was killed by signal {-code}" if code < 0 else f"exited (code {code})"
-        elif "timed out" in str(error).lower() or "timeout" in str(error).lower():
+        elif any(w in str(error).lower() for w in ("timed out", "timeout")):
             how = f"did not answer within {self.timeout:g} s"
         self.stop_workers()
         who = f"pipeline rank {culprit}" if culprit is not None else "a pipeline rank"
@@ -136,10 +136,14 @@ class Group:
             torch.set_num_threads(self.threads_before)
 
     def stop_workers(self) -> None:
-        for p in self.workers:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        _stop(self.workers)
+
+
+def _stop(workers: list[subprocess.Popen]) -> None:
+    for p in workers:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
 
 
 def _die_with_parent() -> None:
@@ -162,15 +166,13 @@ def launch(size: int, timeout: float, worker: Callable[[Group], None], threads: 
         p.stdin.write(pickle.dumps((r, size, store.port, timeout, worker, threads, os.getpid())))
         p.stdin.close()
         workers.append(p)
-    group = Group.__new__(Group)  # only to stop the workers if joining fails
-    group.workers, group.timeout = workers, timeout
     try:
         dist.init_process_group("gloo", store=store, rank=0, world_size=size,
                                 timeout=timedelta(seconds=timeout))
     except BaseException as e:
         failed = [f"rank {r} (exit code {p.returncode})"
                   for r, p in enumerate(workers, 1) if p.poll() is not None]
-        group.stop_workers()
+        _stop(workers)
         if failed:
             raise TiergenError(f"pipeline {', '.join(failed)} failed to start; its output above "
                                "says why") from None

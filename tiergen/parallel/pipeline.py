@@ -83,7 +83,7 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
                 if not live:
                     continue
                 work = [s.work() for s in live]
-                decoding = not all(mb.meta.start == 0 or mb.ids.shape[1] > 1 for mb in work)
+                decoding = not all(mb.is_prompt for mb in work)  # as the executor counts it
                 start = clock()
                 out = stage_forward(executor, group, work)
                 add_wait(start, decoding)
