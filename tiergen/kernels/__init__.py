@@ -30,8 +30,8 @@ from tiergen.weights.quant import ggml_type_sizes
 log = logging.getLogger("tiergen")
 
 SOURCE = Path(__file__).with_name("packed.c")
-ROW_THRESHOLD = 8  # more rows than this: decode the matrix, then the BLAS (crossover 6-10 rows
-# on an AVX2 EPYC with 1-2 threads: benchmarks/bench_threshold.py)
+ROW_THRESHOLD = 8  # more rows than this: decode the matrix, then the BLAS (crossover 5-6 rows
+# with 1 thread, 8-12 with 2, on an AVX2 EPYC: benchmarks/bench_threshold.py)
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
