@@ -24,7 +24,7 @@ COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--dequantize",
                   "--compress-group-size", "--attn-sparsity", "--verbose",
                   "--max-tokens", "--temperature", "--top-p", "--top-k", "--repetition-penalty",
                   "--seed", "--stop", "--ignore-eos"]
-PARALLEL_OPTIONS = ["--pipeline-parallel", "--parallel-timeout"]  # not on serve
+PARALLEL_OPTIONS = ["--pipeline-parallel", "--tensor-parallel", "--parallel-timeout"]  # not on serve
 GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
 CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
 MODEL_OPTIONS = COMMON_OPTIONS[:COMMON_OPTIONS.index("--max-tokens")]

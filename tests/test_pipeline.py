@@ -91,7 +91,7 @@ def test_bad_settings_are_refused_before_any_rank_starts(llama):
         LLM(llama, pipeline_parallel=3)
     with pytest.raises(TiergenError, match="one per rank"):
         LLM(llama, pipeline_parallel=2, policy=[Policy()] * 3)
-    with pytest.raises(TiergenError, match="is for pipeline_parallel > 1"):
+    with pytest.raises(TiergenError, match="is for pipeline_parallel or tensor_parallel > 1"):
         LLM(llama, policy=[Policy()])
     with pytest.raises(TiergenError, match="parallel_timeout"):
         LLM(llama, pipeline_parallel=2, parallel_timeout=0)
@@ -99,7 +99,7 @@ def test_bad_settings_are_refused_before_any_rank_starts(llama):
 
 def test_a_rank_that_cannot_load_stops_all_with_its_reason(llama, tmp_path):
     """Rank 1 streams from disk and its buffers do not fit its host budget."""
-    with pytest.raises(TiergenError, match="pipeline rank 1: .*host budget"):
+    with pytest.raises(TiergenError, match="parallel rank 1: .*host budget"):
         LLM(llama, pipeline_parallel=2, host_memory="20K", policy=[Policy(), disk(tmp_path)])
 
 
@@ -129,13 +129,13 @@ def test_a_killed_rank_stops_the_others_with_its_name(llama):
     llm = LLM(llama, dtype="float32", pipeline_parallel=2)
     thread = _when_running(llm, lambda pid: os.kill(pid, signal.SIGKILL))
     started = time.monotonic()
-    with pytest.raises(TiergenError, match="pipeline rank 1 was killed by signal 9"):
+    with pytest.raises(TiergenError, match="parallel rank 1 was killed by signal 9"):
         while True:  # until the kill lands
             llm.generate(PROMPTS * 4, LONG)
     thread.join()
     assert time.monotonic() - started < 30
     assert all(p.poll() is not None for p in llm.group.workers)
-    with pytest.raises(TiergenError, match="pipeline has stopped"):
+    with pytest.raises(TiergenError, match="parallel ranks have stopped"):
         llm.generate(PROMPTS, GREEDY)
 
 
@@ -143,7 +143,7 @@ def test_a_rank_that_stops_answering_times_out(llama):
     llm = LLM(llama, dtype="float32", pipeline_parallel=2, parallel_timeout=3)
     thread = _when_running(llm, lambda pid: os.kill(pid, signal.SIGSTOP))
     started = time.monotonic()
-    with pytest.raises(TiergenError, match="pipeline rank 1 did not answer within 3 s"):
+    with pytest.raises(TiergenError, match="parallel rank 1 did not answer within 3 s"):
         while True:
             llm.generate(PROMPTS * 4, LONG)
     thread.join()

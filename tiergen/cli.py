@@ -35,11 +35,14 @@ def _add_model_options(p: argparse.ArgumentParser, parallel: bool = True) -> Non
                    help="most prompts run together in one batch when --gpu-batch-size is not "
                         "given (default: 64)")
     if parallel:
-        d = p.add_argument_group("pipeline parallelism")
+        d = p.add_argument_group("parallelism (several processes, each with its own share of "
+                                 "the cores and of the budgets)")
         d.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
-                       help="split the layers over P processes that work at once, each with its "
-                            "own share of the cores and of the budgets; under torchrun, P is its "
-                            "world size (default: 1)")
+                       help="split the layers over P processes that work at once; under "
+                            "torchrun, P defaults to its world size over T (default: 1)")
+        d.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                       help="split every layer's heads, MLP columns and experts over T "
+                            "processes (P x T in all; default: 1)")
         d.add_argument("--parallel-timeout", type=float, default=60.0, metavar="SECONDS",
                        help="stop every rank when one has not answered for SECONDS (default: 60)")
     o = p.add_argument_group("offloading policy")
@@ -136,6 +139,7 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
                    device_memory=args.device_memory, host_memory=args.host_memory,
                    compile=args.compile, prefill_chunk_size=args.prefill_chunk_size,
                    pipeline_parallel=getattr(args, "pipeline_parallel", 1),
+                   tensor_parallel=getattr(args, "tensor_parallel", 1),
                    parallel_timeout=getattr(args, "parallel_timeout", 60.0))
 
     args.estimate = None

@@ -65,6 +65,12 @@ class MoEConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # the routed experts this rank holds under tensor parallelism, [first, stop); None: all
+    experts: tuple[int, int] | None = None
+
+    @property
+    def local_experts(self) -> range:
+        return range(*self.experts) if self.experts else range(self.num_experts)
 
 
 @dataclass

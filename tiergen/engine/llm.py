@@ -23,7 +23,8 @@ from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
 from tiergen.parallel.group import TOKENS, Group, under_torchrun
-from tiergen.parallel.pipeline import run_pipelined, stage_forward, start_pipeline
+from tiergen.parallel.pipeline import run_pipelined, stage_forward, start_ranks
+from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.weights import ModelFiles, open_model
 
@@ -125,11 +126,13 @@ class LLM:
     packed).
 
     ``pipeline_parallel=P`` splits the layers into P consecutive spans, each run by its own
-    process (rank); on one machine tiergen starts ranks 1..P-1 itself and shares the cores
-    among them, and under ``torchrun`` every rank runs the same program (on ranks other
-    than 0 the constructor serves rank 0, then exits the process). ``policy`` may then be a
-    list, one policy per rank; budgets apply to each rank. A rank that dies or does not
-    answer within ``parallel_timeout`` seconds stops all of them with an error naming it.
+    process (rank); ``tensor_parallel=T`` splits every layer's heads, MLP columns and experts
+    over T ranks (:mod:`tiergen.parallel.shard`); both together make P x T ranks. On one
+    machine tiergen starts ranks 1.. itself and shares the cores among them, and under
+    ``torchrun`` every rank runs the same program (on ranks other than 0 the constructor
+    serves rank 0, then exits the process). ``policy`` may then be a list, one policy per
+    rank; budgets apply to each rank. A rank that dies or does not answer within
+    ``parallel_timeout`` seconds stops all of them with an error naming it.
 
     >>> llm = LLM("smollm2")
     >>> llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0))
@@ -140,8 +143,8 @@ class LLM:
                  policy: Policy | None = None, device_memory: int | str | None = None,
                  host_memory: int | str | None = None, compile: bool = False,
                  prefill_chunk_size: int | None = 512, packed: bool = True,
-                 pipeline_parallel: int = 1, parallel_timeout: float = 60.0, *,
-                 _group: Group | None = None) -> None:
+                 pipeline_parallel: int = 1, tensor_parallel: int = 1,
+                 parallel_timeout: float = 60.0, *, _group: Group | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
@@ -151,25 +154,32 @@ class LLM:
         self.prefill_chunk_size = prefill_chunk_size
         self.device = _resolve_device(device)
         files = model if isinstance(model, ModelFiles) else open_model(model, packed)
-        family, model_id = build_model(files.config), files.fingerprint
-        self.group = _group
-        if self.group is None and (pipeline_parallel != 1 or under_torchrun()):
-            self.group = start_pipeline(files, pipeline_parallel, parallel_timeout, dict(
-                dtype=dtype, device=device, max_batch_size=max_batch_size, policy=policy,
-                device_memory=device_memory, host_memory=host_memory, compile=compile,
-                prefill_chunk_size=prefill_chunk_size))
-        if self.group is not None:
+        family, model_id, source = build_model(files.config), files.fingerprint, files.source
+        self.group = group = _group
+        if group is None and (pipeline_parallel != 1 or tensor_parallel != 1 or under_torchrun()):
+            self.group = group = start_ranks(
+                files, pipeline_parallel, tensor_parallel, parallel_timeout, dict(
+                    dtype=dtype, device=device, max_batch_size=max_batch_size, policy=policy,
+                    device_memory=device_memory, host_memory=host_memory, compile=compile,
+                    prefill_chunk_size=prefill_chunk_size))
+        if group is not None:
             costs, head = layer_costs(family)
-            span = split_layers(costs, self.group.size, head)[self.group.rank]
-            family, model_id = Stage(family, span), f"{model_id}|layers {span.start}-{span.stop}"
+            span = split_layers(costs, group.pipeline, head)[group.stage]
+            model_id = f"{model_id}|layers {span.start}-{span.stop}"
+            if group.tensor > 1:
+                family = Shard(family, group)
+                source = family.source(source)
+                model_id = f"{model_id}|shard {group.shard} of {group.tensor}"
+            family = Stage(family, span)
             if isinstance(policy, (list, tuple)):
-                if len(policy) != self.group.size:
-                    self.group.close(graceful=False)
-                    raise TiergenError(f"got {len(policy)} policies for {self.group.size} "
-                                       "pipeline ranks; give one per rank, or one for all")
-                policy = policy[self.group.rank]
+                if len(policy) != group.size:
+                    group.close(graceful=False)
+                    raise TiergenError(f"got {len(policy)} policies for {group.size} parallel "
+                                       "ranks; give one per rank, or one for all")
+                policy = policy[group.rank]
         elif isinstance(policy, (list, tuple)):
-            raise TiergenError("a list of policies is for pipeline_parallel > 1 (one per rank)")
+            raise TiergenError("a list of policies is for pipeline_parallel or tensor_parallel "
+                               "> 1 (one per rank)")
         self.policy = policy or Policy()
         self.name = files.name
         self.config = files.config
@@ -182,7 +192,7 @@ class LLM:
                           None if host_memory is None else parse_size(host_memory))
 
         def executor() -> Executor:
-            return Executor(family, files.source, self.dtype, self.device, self.policy, model_id,
+            return Executor(family, source, self.dtype, self.device, self.policy, model_id,
                             budgets, _expert_rates(self.device))
 
         if self.group is None:
@@ -194,7 +204,7 @@ class LLM:
                 self.group.close(graceful=False)
                 raise
             if self.group.rank != 0 and under_torchrun():
-                self.serve_pipeline()
+                self.serve_ranks()
                 raise SystemExit(0)
             weakref.finalize(self, self.group.close)
         self.last_stats: RunStats | None = None
@@ -274,8 +284,8 @@ class LLM:
     def _command(self, *command) -> None:
         """Rank 0: hand every other rank what to run next."""
         if self.group.closed:
-            raise TiergenError("this LLM's pipeline has stopped (a rank failed or close() was "
-                               "called); create a new LLM")
+            raise TiergenError("this LLM's parallel ranks have stopped (a rank failed or close() "
+                               "was called); create a new LLM")
         self.group.command(command)
 
     def _pipelined(self, command: str, *args):
@@ -294,8 +304,8 @@ class LLM:
         if group.rank == 0:
             self._command("generate", [s.prompt_ids for s in seqs], [s.params for s in seqs])
         self.executor.start_run()
-        # unless told, each block is cut into enough micro-batches to keep every rank busy
-        per_block = group.size * self.policy.num_gpu_batches
+        # unless told, each block is cut into enough micro-batches to keep every stage busy
+        per_block = group.pipeline * self.policy.num_gpu_batches
         runs = (run_pipelined(self.executor, group, block, self.policy.gpu_batch_size
                               or -(-len(block) // per_block), self.prefill_chunk_size)
                 for block in self._blocks(seqs))
@@ -315,8 +325,8 @@ class LLM:
         finally:
             self.last_stats = self.executor.finish_run()
 
-    def serve_pipeline(self) -> None:
-        """Ranks other than 0: run what rank 0 asks until it closes the pipeline."""
+    def serve_ranks(self) -> None:
+        """Ranks other than 0: run what rank 0 asks until it closes the group."""
         while (command := self.group.next_command()) is not None:
             if command[0] == "generate":
                 seqs = make_sequences(*command[1:], self.eos_token_ids, self.tokenizer)
@@ -326,7 +336,7 @@ class LLM:
                 getattr(self, f"_{command[0]}")(*command[1:])
 
     def close(self) -> None:
-        """Stop the pipeline's other ranks (nothing to do for one process)."""
+        """Stop the other parallel ranks (nothing to do for one process)."""
         if self.group is not None and self.group.rank == 0:
             self.group.close()
 
@@ -393,11 +403,11 @@ class LLM:
         finally:
             cache.close()
             self.last_stats = self.executor.finish_run()
-        if group is not None and group.size > 1:  # the last stage's result goes to rank 0
-            if group.rank == group.size - 1:
+        if group is not None and group.sampler != 0:  # the last stage's result goes to rank 0
+            if group.rank == group.sampler:
                 group.send([torch.tensor([nll], dtype=torch.float64)], 0, TOKENS)
             elif group.rank == 0:
-                nll = group.recv([((1,), torch.float64)], group.size - 1, TOKENS)[0].item()
+                nll = group.recv([((1,), torch.float64)], group.sampler, TOKENS)[0].item()
             group.flush()
         return nll
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from typing import TYPE_CHECKING
@@ -15,6 +16,13 @@ if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
     from tiergen.cache.kv import KVView
 
 Weights = dict[str, torch.Tensor]
+
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    """A family's ``reduce`` in one process. Under tensor parallelism each rank's attention
+    and MLP outputs are partial sums that ``reduce`` adds up over the ranks
+    (:mod:`tiergen.parallel.shard`)."""
+    return x
 
 
 def causal_lm_global_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -37,6 +45,7 @@ class ModelFamily(Protocol):
     """A family is stateless apart from its config: weights arrive as arguments."""
 
     cfg: ModelConfig
+    reduce: Callable[[torch.Tensor], torch.Tensor]  # applied to attention and MLP outputs
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
         """Checkpoint names and shapes of the tensors outside the layers."""

@@ -22,7 +22,8 @@ import torch
 
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
-from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
+from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
+                                 pack_causal_lm_globals)
 from tiergen.models.layers import (apply_rope_interleaved, attention, embedding, linear, rms_norm,
                                    rope_attention_factor, rope_inv_freq, yarn_mscale)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
@@ -34,7 +35,7 @@ if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
 class DeepseekV2:
     def __init__(self, cfg: ModelConfig, absorb: bool = True) -> None:
         assert cfg.mla is not None and cfg.moe is not None
-        self.cfg, self.mla, self.absorb = cfg, cfg.mla, absorb
+        self.cfg, self.mla, self.absorb, self.reduce = cfg, cfg.mla, absorb, no_reduce
         m = cfg.mla
         self.inv_freq = rope_inv_freq(cfg.rope, m.qk_rope_head_dim)
         self.rope_factor = rope_attention_factor(cfg.rope)
@@ -129,8 +130,8 @@ class DeepseekV2:
             o = torch.einsum("bhtr,hvr->bhtv", o_lat, w["w_uv"])
         else:
             o = self._naive_attention(w, q_nope, q_pe, row, cache, meta)
-        h = h + linear(o.transpose(1, 2).reshape(B, T, -1), w["o"])
-        return h + ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps))
+        h = h + self.reduce(linear(o.transpose(1, 2).reshape(B, T, -1), w["o"]))
+        return h + self.reduce(ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps)))
 
     def _naive_attention(self, w: Weights, q_nope: torch.Tensor, q_pe: torch.Tensor,
                          row: torch.Tensor, cache: KVView, meta: StepMeta) -> torch.Tensor:

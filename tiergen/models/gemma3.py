@@ -19,7 +19,8 @@ import torch
 
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
-from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
+from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
+                                 pack_causal_lm_globals)
 from tiergen.models.layers import (apply_rope, cat_rows, embedding, gelu_tanh_mlp,
                                    gemma_rms_norm, linear, rope_cos_sin, rope_inv_freq)
 
@@ -31,7 +32,7 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 
 class Gemma3:
     def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
+        self.cfg, self.reduce = cfg, no_reduce
         self.inv_freq_global = rope_inv_freq(cfg.rope, cfg.head_dim)
         self.inv_freq_local = rope_inv_freq(cfg.rope_local or cfg.rope, cfg.head_dim)
         # The shared attention scales scores by head_dim**-0.5; Gemma wants
@@ -119,9 +120,9 @@ class Gemma3:
             q = q * self.q_scale
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         o = cache.attend(q, k, v, meta).transpose(1, 2).reshape(B, T, -1)
-        h = h + gemma_rms_norm(linear(o, w["o"]), w["post_attn_norm"], eps).float()
+        h = h + gemma_rms_norm(self.reduce(linear(o, w["o"])), w["post_attn_norm"], eps).float()
         x = gemma_rms_norm(h, w["pre_ffw_norm"], eps)
-        y = gelu_tanh_mlp(x, w["gate_up"], w["down"])
+        y = self.reduce(gelu_tanh_mlp(x, w["gate_up"], w["down"]))
         return h + gemma_rms_norm(y, w["post_ffw_norm"], eps).float()
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ import torch
 
 from tiergen.config import ModelConfig
 from tiergen.engine.step import StepMeta
-from tiergen.models.base import Weights, causal_lm_global_specs, pack_causal_lm_globals
+from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
+                                 pack_causal_lm_globals)
 from tiergen.models.layers import (apply_rope, cat_rows, embedding, linear, rms_norm,
                                    rope_cos_sin, rope_inv_freq)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
 
 class Llama:
     def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg = cfg
+        self.cfg, self.reduce = cfg, no_reduce
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
@@ -115,8 +116,8 @@ class Llama:
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KVH, T, D)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         o = cache.attend(q, k, v, meta).transpose(1, 2).reshape(B, T, -1)
-        h = h + linear(o, w["o"], w.get("o_bias"))
-        return h + ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps))
+        h = h + self.reduce(linear(o, w["o"], w.get("o_bias")))
+        return h + self.reduce(ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps)))
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])

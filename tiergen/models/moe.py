@@ -60,20 +60,23 @@ def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Te
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   experts: Experts) -> torch.Tensor:
-    """Mix the chosen experts' outputs for tokens x (N, H); returns (N, H) in x's dtype."""
+                   experts: Experts, local: range | None = None) -> torch.Tensor:
+    """Mix the chosen experts' outputs for tokens x (N, H); returns (N, H) in x's dtype.
+    ``local``: the experts this rank holds (tensor parallelism), ``experts`` indexed from
+    its first; the others' shares are left to their ranks."""
     k = ids.shape[1]
     flat, mix = ids.flatten(), weights.flatten()
     order = flat.argsort(stable=True)  # token slots grouped by expert
     counts = torch.bincount(flat).tolist()
     ends = list(accumulate(counts))
-    active = [e for e, c in enumerate(counts) if c]
-    experts.fetch(active)
+    first = local.start if local else 0
+    active = [e for e, c in enumerate(counts) if c and (local is None or e in local)]
+    experts.fetch([e - first for e in active])
     out = torch.zeros_like(x)
     for e in active:
         slots = order[ends[e] - counts[e]:ends[e]]
         tokens = slots // k
-        y = experts.mlp(e, x[tokens])
+        y = experts.mlp(e - first, x[tokens])
         out.index_add_(0, tokens, y * mix[slots, None].to(y.dtype))
     return out
 
@@ -87,7 +90,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     ids, weights = route(cfg, x, w["router"])
-    y = routed_experts(x, ids, weights, w["experts"])
+    y = routed_experts(x, ids, weights, w["experts"], cfg.local_experts)
     if cfg.shared_intermediate_size:
         shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
         if cfg.shared_gate:
@@ -161,8 +164,8 @@ def ffn(cfg: ModelConfig, layer: int, w: dict, x: torch.Tensor) -> torch.Tensor:
 
 def moe_specs(cfg: MoEConfig, hidden: int) -> Specs:
     """Packed tensor names and shapes of a MoE MLP (experts stacked, gate and up fused)."""
-    e, i = cfg.num_experts, cfg.intermediate_size
-    specs = {"router": (e, hidden), "experts.gate_up": (e, 2 * i, hidden),
+    e, i = len(cfg.local_experts), cfg.intermediate_size
+    specs = {"router": (cfg.num_experts, hidden), "experts.gate_up": (e, 2 * i, hidden),
              "experts.down": (e, hidden, i)}
     if cfg.shared_intermediate_size:
         s = cfg.shared_intermediate_size
@@ -179,7 +182,7 @@ def pack_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) 
     index: keys "router", "gate", "up", "down", and "shared_gate"/"shared_up"/"shared_down"/
     "shared_expert_gate" as the model has them.
     """
-    n = range(cfg.num_experts)
+    n = cfg.local_experts
     w = {"router": r[names["router"]],
          "experts.gate_up": torch.stack([torch.cat([r[names["gate"].format(e=e)],
                                                     r[names["up"].format(e=e)]]) for e in n]),
@@ -197,7 +200,7 @@ def checkpoint_moe_specs(cfg: MoEConfig, hidden: int, names: dict[str, str]
     """Checkpoint names (as in :func:`pack_moe`) and shapes of a MoE MLP."""
     i = cfg.intermediate_size
     specs = {names["router"]: (cfg.num_experts, hidden)}
-    for e in range(cfg.num_experts):
+    for e in cfg.local_experts:
         specs |= {names["gate"].format(e=e): (i, hidden), names["up"].format(e=e): (i, hidden),
                   names["down"].format(e=e): (hidden, i)}
     if cfg.shared_intermediate_size:

@@ -1,4 +1,9 @@
-"""The processes of a pipeline and the links between them, on torch.distributed (gloo).
+"""The processes of a parallel run and the links between them, on torch.distributed (gloo).
+
+Ranks form a grid: ``pipeline`` stages of ``tensor`` ranks each; rank r is shard
+``r % tensor`` of stage ``r // tensor``. A stage's shards share its layers (tensor
+parallelism, summing over their own group); stage s's shard t passes hidden states to stage
+s+1's shard t.
 
 On one machine rank 0 is the caller's process and starts the other ranks itself; across
 machines every rank runs the same command under ``torchrun``, which sets RANK and
@@ -33,13 +38,20 @@ def under_torchrun() -> bool:
 
 
 class Group:
-    """This process's place in the pipeline and its links to the other ranks."""
+    """This process's place in the grid of ranks and its links to the others."""
 
-    def __init__(self, rank: int, size: int, timeout: float,
+    def __init__(self, rank: int, size: int, timeout: float, tensor: int = 1,
                  workers: list[subprocess.Popen] | None = None) -> None:
-        self.rank, self.size, self.timeout = rank, size, timeout
+        self.rank, self.size, self.timeout, self.tensor = rank, size, timeout, tensor
+        self.pipeline, self.stage, self.shard = size // tensor, rank // tensor, rank % tensor
+        self.sampler = (self.pipeline - 1) * tensor  # samples; its tokens go to all
         self.workers = workers or []  # the ranks this process started (rank 0, one machine)
         self.control = dist.new_group(backend="gloo", timeout=IDLE)
+        self.shards = None  # this stage's tensor-parallel group (every rank makes every one)
+        for s in range(self.pipeline if tensor > 1 else 0):
+            g = dist.new_group(list(range(s * tensor, (s + 1) * tensor)), backend="gloo",
+                               timeout=timedelta(seconds=timeout))
+            self.shards = g if s == self.stage else self.shards
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.closed = False
         self.threads_before = 0  # this process's thread count before the pipeline shared cores
@@ -65,6 +77,28 @@ class Group:
             raise self.fault(src, e) from None
         return [part.view(d).reshape(s) for part, (s, d) in zip(data.split(sizes), layouts)]
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over this stage's shards (in float32, returned in x's dtype)."""
+        total = x.float().cpu().contiguous()
+        self._wait(dist.all_reduce(total, group=self.shards, async_op=True))
+        return total.to(x.device, x.dtype)
+
+    def all_gather(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every shard's x, whose last dims are ``widths``, joined along the last dim."""
+        most = max(widths)
+        mine = torch.nn.functional.pad(x.cpu(), (0, most - x.shape[-1])).contiguous()
+        parts = [torch.empty_like(mine) for _ in widths]
+        self._wait(dist.all_gather(parts, mine, group=self.shards, async_op=True))
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths)], -1).to(x.device)
+
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            peers = [r for r in range(self.stage * self.tensor, (self.stage + 1) * self.tensor)
+                     if r != self.rank]
+            raise self.fault(peers[0] if len(peers) == 1 else None, e) from None
+
     def flush(self) -> None:
         """Wait until every message sent has arrived."""
         sends, self._sends = self._sends, []
@@ -86,7 +120,7 @@ class Group:
         elif any(w in str(error).lower() for w in ("timed out", "timeout")):
             how = f"did not answer within {self.timeout:g} s"
         self.stop_workers()
-        who = f"pipeline rank {culprit}" if culprit is not None else "a pipeline rank"
+        who = f"parallel rank {culprit}" if culprit is not None else "a parallel rank"
         return TiergenError(f"{who} {how}; rank {self.rank} stopped ({str(error).strip()[:200]})")
 
     # -- commands from rank 0 ------------------------------------------------------------
@@ -113,7 +147,7 @@ class Group:
             raise failure
         for r, e in enumerate(errors):
             if e is not None:
-                raise TiergenError(f"pipeline rank {r}: {e}")
+                raise TiergenError(f"parallel rank {r}: {e}")
         return result
 
     def close(self, graceful: bool = True) -> None:
@@ -154,7 +188,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def launch(size: int, timeout: float, worker: Callable[[Group], None], threads: int) -> Group:
+def launch(size: int, tensor: int, timeout: float, worker: Callable[[Group], None],
+           threads: int) -> Group:
     """Rank 0 on one machine: start ranks 1..size-1 (fresh interpreters, so the caller's
     script is never imported again), each running ``worker`` on its own Group, and join
     them in a process group over loopback."""
@@ -163,7 +198,8 @@ def launch(size: int, timeout: float, worker: Callable[[Group], None], threads: 
     workers = []
     for r in range(1, size):
         p = subprocess.Popen([sys.executable, "-m", "tiergen.parallel"], stdin=subprocess.PIPE)
-        p.stdin.write(pickle.dumps((r, size, store.port, timeout, worker, threads, os.getpid())))
+        p.stdin.write(pickle.dumps((r, size, tensor, store.port, timeout, worker, threads,
+                                    os.getpid())))
         p.stdin.close()
         workers.append(p)
     try:
@@ -174,22 +210,22 @@ def launch(size: int, timeout: float, worker: Callable[[Group], None], threads: 
                   for r, p in enumerate(workers, 1) if p.poll() is not None]
         _stop(workers)
         if failed:
-            raise TiergenError(f"pipeline {', '.join(failed)} failed to start; its output above "
+            raise TiergenError(f"parallel {', '.join(failed)} failed to start; its output above "
                                "says why") from None
-        raise TiergenError(f"the pipeline's ranks did not join within {timeout:g} s ({e})") from None
-    return Group(0, size, timeout, workers)
+        raise TiergenError(f"the parallel ranks did not join within {timeout:g} s ({e})") from None
+    return Group(0, size, timeout, tensor, workers)
 
 
-def join_torchrun(timeout: float) -> Group:
+def join_torchrun(timeout: float, tensor: int) -> Group:
     """Any rank started by torchrun: join the others through its environment."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
-    return Group(dist.get_rank(), dist.get_world_size(), timeout)
+    return Group(dist.get_rank(), dist.get_world_size(), timeout, tensor)
 
 
 def worker_main() -> None:
     """A rank started by :func:`launch` (``python -m tiergen.parallel``)."""
-    rank, size, port, timeout, worker, threads, parent = pickle.load(sys.stdin.buffer)
+    rank, size, tensor, port, timeout, worker, threads, parent = pickle.load(sys.stdin.buffer)
     _die_with_parent()
     if os.getppid() != parent:  # rank 0 died before we could ask to follow it
         sys.exit(1)
@@ -200,8 +236,8 @@ def worker_main() -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout))
     try:
-        worker(Group(rank, size, timeout))
+        worker(Group(rank, size, timeout, tensor))
     except TiergenError as e:
-        print(f"tiergen: pipeline rank {rank}: {e}", file=sys.stderr)
+        print(f"tiergen: parallel rank {rank}: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from tiergen.errors import TiergenError
-from tiergen.weights.quant import GGMLType, dequantize, ggml_type_name, tensor_nbytes
+from tiergen.weights.quant import (GGMLType, dequantize, ggml_type_name, ggml_type_sizes,
+                                   tensor_nbytes)
 
 # Block types kept packed (and multiplied packed); others are dequantised at load.
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
@@ -95,6 +96,29 @@ class Packed:
                 per_row = raw.view(rows, -1)[flat[hit] - row].reshape(-1)
                 out[hit] = dequantize(per_row, ggml_type, (hit.numel(), self.shape[1]), dtype)
         return out.view(*ids.shape, self.shape[1])
+
+    def narrow(self, dim: int, start: int, stop: int) -> Packed | None:
+        """Rows (dim 0) or columns (dim 1) [start, stop) as a packed matrix: rows are a view
+        of this one's bytes; columns a copy of whole blocks, or None where the bounds cut
+        through a block (the caller then dequantises)."""
+        if dim == 0:
+            pieces, parts = [], []
+            for ggml_type, row, rows, raw in self.segments():
+                a, b = max(start, row), min(stop, row + rows)
+                if a < b:
+                    per_row = raw.numel() // rows
+                    pieces.append(raw[(a - row) * per_row:(b - row) * per_row])
+                    parts.append((ggml_type, b - a))
+            data = pieces[0] if len(pieces) == 1 else _cat(pieces)
+            return Packed(data, (stop - start, self.shape[1]), tuple(parts))
+        pieces = []
+        for ggml_type, _, rows, raw in self.segments():
+            block, nbytes = ggml_type_sizes(ggml_type)
+            if start % block or (stop % block and stop != self.shape[1]):
+                return None
+            blocks = raw.view(rows, self.shape[1] // block, nbytes)
+            pieces.append(blocks[:, start // block:-(-stop // block)].reshape(-1))
+        return Packed(_cat(pieces), (self.shape[0], stop - start), self.parts)
 
     def permute_rows(self, perm: torch.Tensor) -> Packed:
         """Rows reordered (``perm[i]`` is the old row of new row i), within one part."""

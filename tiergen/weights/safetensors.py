@@ -77,11 +77,20 @@ class SafetensorsSource:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
+        return self._read(name, lambda f: f.get_tensor(name))
+
+    def get_slice(self, name: str, dim: int, rows: range) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) ``rows`` of a tensor, reading only those."""
+        index = (slice(rows.start, rows.stop),) if dim == 0 else \
+            (slice(None), slice(rows.start, rows.stop))
+        return self._read(name, lambda f: f.get_slice(name)[index].contiguous())
+
+    def _read(self, name: str, read) -> torch.Tensor:
         if name not in self._where:
             raise TiergenError(f"the checkpoint has no tensor {name!r}; "
                                "is it complete and for the architecture in config.json?")
         try:
-            return self._files[self._where[name]].get_tensor(name)
+            return read(self._files[self._where[name]])
         except Exception as e:
             raise TiergenError(f"could not read tensor {name!r} from {self._where[name]} ({e}); "
                                "the file may be corrupt: re-download it") from None
