@@ -368,25 +368,37 @@ class LLM:
     def perplexity(self, text: Prompt) -> float:
         """exp(mean negative log-likelihood) of each token of ``text`` given those before it,
         fed in chunks of ``prefill_chunk_size`` through the policy's cache."""
+        ids = self._scored(text)
+        return math.exp(self._score_everywhere(ids, "nll").item() / (len(ids) - 1))
+
+    def logits(self, text: Prompt) -> torch.Tensor:
+        """Float32 logits (tokens, vocab) after each token of ``text``, fed as perplexity's."""
+        return self._score_everywhere(self._scored(text), "logits")
+
+    def _scored(self, text: Prompt) -> list[int]:
         ids = self.encode(text)
         if len(ids) < 2:
-            raise TiergenError("perplexity needs a text of at least two tokens")
+            raise TiergenError("scoring needs a text of at least two tokens")
         if len(ids) > self.config.context_length:
             raise TiergenError(f"the text has {len(ids)} tokens, more than the model's context "
                                f"of {self.config.context_length}; shorten it")
-        if self.group is not None:
-            return math.exp(self._pipelined("nll", ids) / (len(ids) - 1))
-        return math.exp(self._nll(ids) / (len(ids) - 1))
+        return ids
 
-    def _nll(self, ids: list[int]) -> float:
-        """Negative log-likelihood of ``ids``; over a pipeline, each stage runs its layers
-        and only the last has a result (the others return 0)."""
+    def _score_everywhere(self, ids: list[int], what: str) -> torch.Tensor:
+        return self._score(ids, what) if self.group is None else \
+            self._pipelined("score", ids, what)
+
+    def _score(self, ids: list[int], what: str) -> torch.Tensor:
+        """Feed ``ids`` in chunks and return their negative log-likelihood ("nll", float64)
+        or every position's logits ("logits"). Over several ranks each runs its share; the
+        rank that samples has the result and hands it to rank 0 (the others return it
+        empty)."""
         group = self.group
         tokens = torch.tensor([ids])
         valid = torch.ones(1, len(ids), dtype=torch.bool)
         cache = self.executor.new_cache(1, len(ids))
         chunk = self.prefill_chunk_size or len(ids)
-        nll = 0.0
+        nll, logits = torch.zeros((), dtype=torch.float64), []
         self.executor.start_run()
         try:
             for start in range(0, len(ids), chunk):
@@ -395,21 +407,26 @@ class LLM:
                 block = [MicroBatch(piece, meta, cache)]
                 out = self.executor.forward_block(block, True) if group is None else \
                     stage_forward(self.executor, group, block, True)
-                if out is None:  # a pipeline stage before the last
+                if out is None:  # a rank without the logits
+                    continue
+                if what == "logits":
+                    logits.append(out[0][0])
                     continue
                 targets = tokens[0, start + 1:start + 1 + piece.shape[1]]
                 logp = torch.log_softmax(out[0][0, :len(targets)], dim=-1)
-                nll -= logp.gather(1, targets[:, None]).sum().item()
+                nll -= logp.gather(1, targets[:, None]).sum().double()
         finally:
             cache.close()
             self.last_stats = self.executor.finish_run()
-        if group is not None and group.sampler != 0:  # the last stage's result goes to rank 0
+        result = (torch.cat(logits) if logits else torch.empty(0)) if what == "logits" else nll
+        if group is not None and group.sampler != 0:
             if group.rank == group.sampler:
-                group.send([torch.tensor([nll], dtype=torch.float64)], 0, TOKENS)
+                group.send([result], 0, TOKENS)
             elif group.rank == 0:
-                nll = group.recv([((1,), torch.float64)], group.sampler, TOKENS)[0].item()
+                shape = (len(ids), self.config.vocab_size) if what == "logits" else ()
+                result = group.recv([(shape, result.dtype)], group.sampler, TOKENS)[0]
             group.flush()
-        return nll
+        return result
 
     def chat_prompt(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
         if self.tokenizer is None:

@@ -45,11 +45,9 @@ def even_ranges(n: int, parts: int, what: str, unit: int = 1) -> list[range]:
 
 
 def _unit(n: int, parts: int) -> int:
-    """The widest power-of-two unit (up to 256, a quantised block) that cuts ``n`` evenly,
-    or failing that the widest that still gives every part some."""
-    units = [256 >> s for s in range(9)]
-    return next((u for u in units if n % (u * parts) == 0), None) or \
-        next(u for u in units if n // u >= parts)
+    """The widest power-of-two unit, up to 256 (a quantised block: packed matrices are then
+    cut between blocks), that cuts ``n`` into equal parts; 1 if none does."""
+    return next((u for u in (256 >> s for s in range(9)) if n % (u * parts) == 0), 1)
 
 
 def _scaled(r: range, unit: int) -> range:
