@@ -1,12 +1,14 @@
-"""Pipeline parallelism on one machine: P processes, each with its share of the layers and of
-the cores, against one process with all of them.
+"""Pipeline and tensor parallelism on one machine: 2 processes, each with its share of the
+model (a span of layers, or a slice of every layer) and of the cores, against one process
+with all of them.
 
-1. Efficiency (weights in RAM): ``tiergen bench`` on SmolLM2 (packed Q4_1) at one batch
-   size, one process with every core against ``--pipeline-parallel 2`` (one core per rank).
+1. Efficiency (weights in RAM): ``tiergen bench`` on SmolLM2 (packed Q4_1) at batch 1 and
+   at one larger batch size, one process with every core against ``--pipeline-parallel 2``
+   and ``--tensor-parallel 2`` (one core per rank).
 2. A model over one rank's host budget (Llama-3.2-1B's shapes, random bfloat16 weights,
    benchmarks/scale_model.py): one process under ``--host-memory`` streams its layers from
    disk while a thread keeps evicting the checkpoint from the page cache; two ranks under
-   the same budget each hold their half in RAM.
+   the same budget (pipeline stages or tensor shards) each hold their half in RAM.
 
 Each configuration runs in a fresh process; the table gives generated tokens/s (prefill
 included), decode tokens/s, the ratio to the one-process run, and peak RSS per rank.
@@ -46,7 +48,8 @@ def child(a: argparse.Namespace) -> dict:
     policy = Policy(weights=(0, 0), offload_dir=str(Path(a.dir) / "offload-pipeline"))
     t = time.perf_counter()
     llm = LLM(a.model, dtype="bfloat16", host_memory=a.host_memory,
-              policy=policy if a.ranks == 1 else Policy(), pipeline_parallel=a.ranks)
+              policy=policy if a.ranks * a.tensor == 1 else Policy(), pipeline_parallel=a.ranks,
+              tensor_parallel=a.tensor)
     load = time.perf_counter() - t
     pids = ["self"] + [p.pid for p in (llm.group.workers if llm.group else [])]
     before = sum(status(p, "read_bytes") for p in pids)
@@ -79,6 +82,7 @@ def main() -> None:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--tensor", type=int, default=1, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         print(json.dumps(child(a)))
@@ -90,17 +94,18 @@ def main() -> None:
     from tiergen.planner.calibrate import _measure_disk
 
     print(machine())
-    print(f"\n1. SmolLM2 (Q4_1 packed), weights in RAM: batch {a.batch}, 128-token prompts, "
-          "64 new tokens")
-    print("| run | decode tok/s | total tok/s | vs one process (total) |")
-    print("|---|---|---|---|")
-    base = None
-    for name, extra in [("1 process x 2 threads", []),
-                        ("2 ranks x 1 thread", ["--pipeline-parallel", "2"])]:
-        r = bench(["--batch", str(a.batch), *extra])["runs"][0]
-        base = base or r["total_tok_s"]
-        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
-              f"{r['total_tok_s'] / base:.0%} |", flush=True)
+    print("\n1. SmolLM2 (Q4_1 packed), weights in RAM: 128-token prompts, 64 new tokens")
+    print("| run | batch | decode tok/s | total tok/s | vs one process (total) |")
+    print("|---|---|---|---|---|")
+    for batch in (1, a.batch):
+        base = None
+        for name, extra in [("1 process x 2 threads", []),
+                            ("2 pipeline ranks x 1 thread", ["--pipeline-parallel", "2"]),
+                            ("2 tensor ranks x 1 thread", ["--tensor-parallel", "2"])]:
+            r = bench(["--batch", str(batch), *extra])["runs"][0]
+            base = base or r["total_tok_s"]
+            print(f"| {name} | {batch} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
+                  f"{r['total_tok_s'] / base:.0%} |", flush=True)
 
     a.dir = str(Path(a.dir).resolve())
     paths = scale_model.build(Path(a.dir) / "llama-3.2-1b", scale_model.SHAPES["llama-3.2-1b"],
@@ -115,9 +120,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for batch in a.big_batches:
         base, tokens = None, None
-        for ranks, name in [(1, "1 process, weights on disk"), (2, "2 ranks, weights in RAM")]:
+        for ranks, tensor, name in [(1, 1, "1 process, weights on disk"),
+                                    (2, 1, "2 pipeline ranks, weights in RAM"),
+                                    (1, 2, "2 tensor ranks, weights in RAM")]:
             cmd = [sys.executable, str(HERE / "bench_pipeline.py"), "--child", "--model", str(hf),
-                   "--ranks", str(ranks), "--dir", a.dir, "--host-memory", a.host_memory,
+                   "--ranks", str(ranks), "--tensor", str(tensor), "--dir", a.dir, "--host-memory", a.host_memory,
                    "--batch", str(batch), "--prompt-len", str(a.prompt_len),
                    "--gen-len", str(a.gen_len)]
             env = dict(os.environ, PYTHONPATH=str(HERE.parent))

@@ -24,13 +24,13 @@ COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--dequantize",
                   "--compress-group-size", "--attn-sparsity", "--verbose",
                   "--max-tokens", "--temperature", "--top-p", "--top-k", "--repetition-penalty",
                   "--seed", "--stop", "--ignore-eos"]
-PARALLEL_OPTIONS = ["--pipeline-parallel", "--tensor-parallel", "--parallel-timeout"]  # not on serve
+PARALLEL_OPTIONS = ["--pipeline-parallel", "--tensor-parallel", "--parallel-timeout"]
 GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
 CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
 MODEL_OPTIONS = COMMON_OPTIONS[:COMMON_OPTIONS.index("--max-tokens")]
 SERVE_OPTIONS = ["--host", "--port", "--max-queue", "--default-max-tokens", "--chat-template",
                  "--api-key", "--queue-timeout",
-                 *MODEL_OPTIONS]
+                 *MODEL_OPTIONS, *PARALLEL_OPTIONS]
 
 
 class _Tty(io.StringIO):

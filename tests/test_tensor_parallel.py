@@ -146,3 +146,39 @@ def test_the_command_line_runs_tensor_parallel(capsys):
     one = capsys.readouterr().out
     assert cli.main(args + ["--tensor-parallel", "2"]) == 0
     assert capsys.readouterr().out == one
+
+
+@pytest.mark.parametrize("pipeline,tensor", [(1, 2), (2, 1)])
+def test_the_server_scheduler_runs_over_ranks(pipeline, tensor, tmp_path):
+    """Staggered requests (admitted chunk by chunk, merged as they decode, one cancelled) get
+    the tokens one process gives them; the other ranks replay every admission, merge and
+    cancellation."""
+    import threading
+
+    from tiergen.engine.scheduler import CANCELLED, Scheduler
+
+    build("qwen2-moe", tmp_path)
+    policy = Policy(gpu_batch_size=3, num_gpu_batches=2)
+    one = LLM(tmp_path, **OPTIONS | dict(max_batch_size=3), policy=policy)
+    prompts = [[5 + i] * (1 + 4 * i) for i in range(8)]
+    lengths = [4 + (i % 4) * 3 for i in range(8)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    expected = [one.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    with LLM(tmp_path, **OPTIONS | dict(max_batch_size=3), policy=policy,
+             pipeline_parallel=pipeline, tensor_parallel=tensor) as llm:
+        sched = Scheduler(llm).start()
+        try:
+            requests = []
+            for p, q in zip(prompts, params):
+                requests.append(sched.submit(p, q))
+                time.sleep(0.01)
+            doomed = sched.submit([9] * 5, LONG)
+            threading.Timer(0.3, doomed.cancel).start()
+            for req, want in zip(requests, expected):
+                assert [e.token_id for e in req.events(timeout=60)] == want
+            assert list(doomed.events(timeout=60))[-1].finish_reason == CANCELLED
+            assert max(sched.metrics.batch_sizes) > 1
+            again = sched.submit(prompts[3], params[3])  # the ranks are still in step
+            assert [e.token_id for e in again.events(timeout=60)] == expected[3]
+        finally:
+            sched.stop()

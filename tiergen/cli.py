@@ -12,7 +12,7 @@ from tiergen._platform import on_short_lived_thread  # (first: before torch)
 from tiergen.errors import TiergenError
 
 
-def _add_model_options(p: argparse.ArgumentParser, parallel: bool = True) -> None:
+def _add_model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("-m", "--model", default="smollm2",
                    help="short name (smollm2), a Hugging Face model directory, a .gguf file, "
@@ -34,17 +34,16 @@ def _add_model_options(p: argparse.ArgumentParser, parallel: bool = True) -> Non
     g.add_argument("--max-batch-size", type=int, default=64,
                    help="most prompts run together in one batch when --gpu-batch-size is not "
                         "given (default: 64)")
-    if parallel:
-        d = p.add_argument_group("parallelism (several processes, each with its own share of "
-                                 "the cores and of the budgets)")
-        d.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
-                       help="split the layers over P processes that work at once; under "
-                            "torchrun, P defaults to its world size over T (default: 1)")
-        d.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
-                       help="split every layer's heads, MLP columns and experts over T "
-                            "processes (P x T in all; default: 1)")
-        d.add_argument("--parallel-timeout", type=float, default=60.0, metavar="SECONDS",
-                       help="stop every rank when one has not answered for SECONDS (default: 60)")
+    d = p.add_argument_group("parallelism (several processes, each with its own share of "
+                             "the cores and of the budgets)")
+    d.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
+                   help="split the layers over P processes that work at once; under "
+                        "torchrun, P defaults to its world size over T (default: 1)")
+    d.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="split every layer's heads, MLP columns and experts over T "
+                        "processes (P x T in all; default: 1)")
+    d.add_argument("--parallel-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="stop every rank when one has not answered for SECONDS (default: 60)")
     o = p.add_argument_group("offloading policy")
     o.add_argument("--policy", choices=["auto"], default=None,
                    help="auto: plan the fastest policy that fits the budgets for these prompts "
@@ -337,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--queue-timeout", type=float, metavar="SECONDS",
                    help="answer a request still waiting for a place after SECONDS with 503 "
                         "(default: wait)")
-    _add_model_options(srv, parallel=False)
+    _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 
     from tiergen import bench

@@ -83,7 +83,8 @@ class MicroBatchState:
     """The sequences of one micro-batch between steps: next input, slot validity, cache."""
 
     def __init__(self, executor: Executor, seqs: list[Sequence],
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, key: int = 0) -> None:
+        self.key = key  # the scheduler's name for it, the same on every rank
         device = executor.device
         longest = max(len(s.prompt_ids) for s in seqs)
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)

@@ -23,7 +23,7 @@ from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
 from tiergen.parallel.group import TOKENS, Group, under_torchrun
-from tiergen.parallel.pipeline import run_pipelined, stage_forward, start_ranks
+from tiergen.parallel.pipeline import Replica, run_pipelined, stage_forward, start_ranks
 from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.weights import ModelFiles, open_model
@@ -195,6 +195,10 @@ class LLM:
             return Executor(family, source, self.dtype, self.device, self.policy, model_id,
                             budgets, _expert_rates(self.device))
 
+        if compile:  # process-wide, like torch's own backend switches
+            use_compiled_gemv(True)
+        self.last_stats: RunStats | None = None
+        self._replica: Replica | None = None  # a server's micro-batches, on other ranks
         if self.group is None:
             self.executor = executor()
         else:
@@ -207,9 +211,6 @@ class LLM:
                 self.serve_ranks()
                 raise SystemExit(0)
             weakref.finalize(self, self.group.close)
-        self.last_stats: RunStats | None = None
-        if compile:  # process-wide, like torch's own backend switches
-            use_compiled_gemv(True)
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -324,6 +325,13 @@ class LLM:
             raise
         finally:
             self.last_stats = self.executor.finish_run()
+
+    def _step(self, replay: list[tuple], keys: list[int], chunk: int | None) -> None:
+        """Ranks other than 0 under a server: one step of rank 0's scheduler."""
+        if self._replica is None:
+            self._replica = Replica(self.executor, self.group, lambda ids, params: make_sequences(
+                ids, params, self.eos_token_ids, self.tokenizer), self.prefill_chunk_size)
+        self._replica.step(replay, keys, chunk)
 
     def serve_ranks(self) -> None:
         """Ranks other than 0: run what rank 0 asks until it closes the group."""

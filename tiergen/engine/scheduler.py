@@ -18,7 +18,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from tiergen.engine.generate import MicroBatchState, Sequence, capacity
+from tiergen.engine.executor import MicroBatch
+from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity
+from tiergen.parallel.pipeline import step_ranks
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError
@@ -148,6 +150,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="tiergen-scheduler", daemon=True)
         self._error: BaseException | None = None
         self._pacer = Pacer()
+        self._replay: list[tuple] = []  # over several ranks: what they replay before a step
 
     def start(self) -> Scheduler:
         self._thread.start()
@@ -231,6 +234,7 @@ class Scheduler:
                 return
             pair[1].merge(pair[0])
             self._states.remove(pair[0])
+            self._replay.append(("merge", pair[1].key, pair[0].key))
             self.metrics.merges += 1
 
     def _expire(self) -> None:
@@ -259,8 +263,11 @@ class Scheduler:
             group = [self._waiting.popleft() for _ in range(take)]
             group = [r for r in group if not self._finish_if_cancelled(r)]
             if group:
-                self._states.append(MicroBatchState(self.llm.executor, [r.seq for r in group],
-                                                    self.llm.prefill_chunk_size))
+                state = MicroBatchState(self.llm.executor, [r.seq for r in group],
+                                        self.llm.prefill_chunk_size, key=group[0].id)
+                self._states.append(state)
+                self._replay.append(("admit", state.key, [(r.id, r.seq.prompt_ids, r.seq.params)
+                                                          for r in group]))
                 running += len(group)
         self.metrics.queue_depth = len(self._waiting)
         self.metrics.running = running
@@ -269,6 +276,7 @@ class Scheduler:
         if not req._cancel.is_set() or req.seq.finish_reason is not None:
             return False
         req.seq.finish_reason = CANCELLED
+        self._replay.append(("cancel", req.id))
         self.metrics.requests_cancelled += 1
         req._emit(StreamEvent(req.id, -1, "", CANCELLED))
         del self._requests[id(req.seq)]
@@ -299,15 +307,17 @@ class Scheduler:
                     states = list(self._states)
                 decoding = sum(len(s.live) for s in states if s.decoding)
                 start = time.perf_counter()
-                logits = self.llm.executor.forward_block(self._work(states, decoding))
-                self._pacer.observe(time.perf_counter() - start,
-                                    sum(s.prompt_tokens for s in states), decoding)
+                chunk = self._chunk(states, decoding)
+                works = [s.work(chunk) for s in states]
+                prompt_tokens = sum(s.prompt_tokens for s in states)
+                rows = sum(len(s.live) for s in states)
+                events = self._step(states, works, chunk)
+                self._pacer.observe(time.perf_counter() - start, prompt_tokens, decoding)
                 with self._lock:
                     self.metrics.steps += 1
-                    self.metrics.batch_sizes[sum(len(s.live) for s in states)] += 1
-                for state, lg in zip(states, logits):
-                    for ev in state.advance(lg):
-                        self._deliver(ev.seq, ev.token_id, ev.delta)
+                    self.metrics.batch_sizes[rows] += 1
+                for ev in events:
+                    self._deliver(ev.seq, ev.token_id, ev.delta)
         except BaseException as e:  # the engine broke: fail every request, refuse new ones
             with self._lock:
                 self._error = e
@@ -317,13 +327,28 @@ class Scheduler:
                 self._requests.clear()
                 self._waiting.clear()
 
-    def _work(self, states: list[MicroBatchState], decoding: int) -> list:
-        """Each micro-batch's input for the next step; prompt chunks within the pacer's
-        budget when they share the step with decoding rows."""
+    def _chunk(self, states: list[MicroBatchState], decoding: int) -> int | None:
+        """Prompt tokens per row of the next step: within the pacer's budget when prompt
+        chunks share the step with decoding rows (None: as many as the prefill chunk)."""
         budget = self._pacer.budget(decoding)
         prefilling = sum(len(s.live) for s in states if not s.decoding)
-        chunk = None if budget is None or not prefilling else max(1, budget // prefilling)
-        return [s.work(chunk) for s in states]
+        return None if budget is None or not prefilling else max(1, budget // prefilling)
+
+    def _step(self, states: list[MicroBatchState], works: list[MicroBatch],
+              chunk: int | None) -> list[StepEvent]:
+        """Run one step of ``states``; over several ranks, every rank replays this loop's
+        admissions, merges and cancellations first, then runs the step with this one."""
+        llm = self.llm
+        if llm.group is None:
+            logits = llm.executor.forward_block(works)
+            return [ev for s, lg in zip(states, logits) for ev in s.advance(lg)]
+        replay, self._replay = self._replay, []
+        llm._command("step", replay, [s.key for s in states], chunk)
+        try:
+            return list(step_ranks(llm.executor, llm.group, states, works))
+        except BaseException:
+            llm.group.close(graceful=False)
+            raise
 
     def _deliver(self, seq: Sequence, token: int, delta: str) -> None:
         req = self._requests.get(id(seq))

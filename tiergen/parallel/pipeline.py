@@ -105,6 +105,53 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
                 s.cache.close()
 
 
+def step_ranks(executor: Executor, group: Group, states: list[MicroBatchState],
+               work: list[MicroBatch]) -> Iterator[StepEvent]:
+    """One step of a block on every rank at once (a server's step: the scheduler on rank 0
+    decides each step, so stages take turns rather than overlap)."""
+    sampling = [s for s in states if s.samples]
+    out = stage_forward(executor, group, work)
+    if out is not None:
+        tokens = [s.sampler(lg) for s, lg in zip(states, out) if s.samples]
+        for r in set(range(group.size)) - {group.sampler} if tokens else ():
+            group.send(tokens, r, TOKENS)
+    elif sampling:
+        tokens = group.recv([((len(s.live),), torch.long) for s in sampling], group.sampler,
+                            TOKENS)
+    received = iter(tokens if sampling else [])
+    for s in states:
+        yield from s.apply(next(received).to(s.valid.device) if s in sampling else None)
+    group.flush()
+
+
+class Replica:
+    """A rank other than 0 under a server: its copy of rank 0's running micro-batches,
+    kept in step by replaying what the scheduler did before each step."""
+
+    def __init__(self, executor: Executor, group: Group, make_sequences, prefill_chunk) -> None:
+        self.executor, self.group, self.prefill_chunk = executor, group, prefill_chunk
+        self.make_sequences = make_sequences  # (prompts, params) -> sequences, as rank 0's
+        self.states: dict[int, MicroBatchState] = {}
+        self.seqs: dict[int, Sequence] = {}
+
+    def step(self, replay: list[tuple], keys: list[int], chunk: int | None) -> None:
+        for op, *args in replay:
+            if op == "admit":
+                key, requests = args
+                seqs = self.make_sequences([r[1] for r in requests], [r[2] for r in requests])
+                self.seqs.update(zip((r[0] for r in requests), seqs))
+                self.states[key] = MicroBatchState(self.executor, seqs, self.prefill_chunk, key)
+            elif op == "merge":
+                self.states[args[0]].merge(self.states.pop(args[1]))
+            elif op == "cancel" and args[0] in self.seqs:
+                self.seqs[args[0]].finish_reason = "cancelled"
+        states = [self.states[k] for k in keys]
+        for _ in step_ranks(self.executor, self.group, states, [s.work(chunk) for s in states]):
+            pass
+        self.states = {k: s for k, s in self.states.items() if not s.done}
+        self.seqs = {k: q for k, q in self.seqs.items() if q.finish_reason is None}
+
+
 def start_ranks(files, stages: int, tensor: int, timeout: float, options: dict) -> Group:
     """This process's place in a grid of ``stages`` x ``tensor`` ranks: under torchrun, the
     rank it was given; otherwise rank 0, with ranks 1.. started here, the cores shared among
