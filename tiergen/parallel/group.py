@@ -77,6 +77,12 @@ class Group:
             raise self.fault(src, e) from None
         return [part.view(d).reshape(s) for part, (s, d) in zip(data.split(sizes), layouts)]
 
+    def share(self, tokens: list[torch.Tensor]) -> None:
+        """The sampler: send a step's sampled tokens (if any) to every other rank."""
+        for r in range(self.size) if tokens else ():
+            if r != self.sampler:
+                self.send(tokens, r, TOKENS)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over this stage's shards (in float32, returned in x's dtype)."""
         total = x.float().cpu().contiguous()

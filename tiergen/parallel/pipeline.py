@@ -54,7 +54,6 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
     group.agree(lambda: executor.check_block([(len(g), capacity(g)) for g in groups], longest))
     states = [MicroBatchState(executor, g, prefill_chunk) for g in groups]
     units = [states[u::group.pipeline] for u in range(min(group.pipeline, len(states)))]
-    sampler = group.sampler
     waiting: dict[int, tuple[list[MicroBatchState], bool]] = {}  # tokens on their way here
 
     def clock() -> tuple[float, float]:
@@ -76,7 +75,7 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
                     sampling, decoding = waiting.pop(u)
                     start = clock()
                     received = group.recv([((len(s.live),), torch.long) for s in sampling],
-                                          sampler, TOKENS)
+                                          group.sampler, TOKENS)
                     add_wait(start, decoding)
                     for s, tokens in zip(sampling, received):
                         yield from s.apply(tokens.to(s.valid.device))
@@ -90,9 +89,8 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
                 add_wait(start, decoding)
                 sampled = [s.sampler(lg) if s.samples else None for s, lg in zip(live, out)] \
                     if out is not None else [None] * len(live)
-                if out is not None and any(t is not None for t in sampled):
-                    for r in set(range(group.size)) - {sampler}:
-                        group.send([t for t in sampled if t is not None], r, TOKENS)
+                if out is not None:
+                    group.share([t for t in sampled if t is not None])
                 for s, tokens in zip(live, sampled):
                     if tokens is not None or not s.samples:
                         yield from s.apply(tokens)
@@ -111,14 +109,13 @@ def step_ranks(executor: Executor, group: Group, states: list[MicroBatchState],
     decides each step, so stages take turns rather than overlap)."""
     sampling = [s for s in states if s.samples]
     out = stage_forward(executor, group, work)
-    if out is not None:
-        tokens = [s.sampler(lg) for s, lg in zip(states, out) if s.samples]
-        for r in set(range(group.size)) - {group.sampler} if tokens else ():
-            group.send(tokens, r, TOKENS)
-    elif sampling:
+    if out is None:
         tokens = group.recv([((len(s.live),), torch.long) for s in sampling], group.sampler,
-                            TOKENS)
-    received = iter(tokens if sampling else [])
+                            TOKENS) if sampling else []
+    else:
+        tokens = [s.sampler(lg) for s, lg in zip(states, out) if s.samples]
+        group.share(tokens)
+    received = iter(tokens)
     for s in states:
         yield from s.apply(next(received).to(s.valid.device) if s in sampling else None)
     group.flush()

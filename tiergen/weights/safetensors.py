@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
 from pathlib import Path
 
@@ -14,6 +16,16 @@ from tiergen.errors import TiergenError
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
            "F64": torch.float64}
+
+
+_READ_CHUNK = 16 << 20  # bytes per read when cutting columns out of a matrix
+
+
+def _pread(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
+    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    if os.preadv(fd, [view], offset) != len(view):
+        raise TiergenError(f"{path} is shorter than its header says; the checkpoint is "
+                           "truncated: re-download it")
 
 
 class SafetensorsSource:
@@ -80,10 +92,32 @@ class SafetensorsSource:
         return self._read(name, lambda f: f.get_tensor(name))
 
     def get_slice(self, name: str, dim: int, rows: range) -> torch.Tensor:
-        """Rows (dim 0) or columns (dim 1) ``rows`` of a tensor, reading only those."""
-        index = (slice(rows.start, rows.stop),) if dim == 0 else \
-            (slice(None), slice(rows.start, rows.stop))
-        return self._read(name, lambda f: f.get_slice(name)[index].contiguous())
+        """Rows (dim 0) or columns (dim 1) ``rows`` of a tensor. Read with plain reads, not
+        through the mapping, so that the rest of the tensor (which columns of a row-major
+        matrix pass through) never counts in this process's memory."""
+        where = self.locate(name)
+        if where is None:  # not plain row-major data of a torch dtype
+            index = (slice(rows.start, rows.stop),) if dim == 0 else \
+                (slice(None), slice(rows.start, rows.stop))
+            return self._read(name, lambda f: f.get_slice(name)[index].contiguous())
+        path, offset, dtype, shape = where
+        row_bytes = dtype.itemsize * math.prod(shape[1:])
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if dim == 0:
+                out = torch.empty(len(rows), *shape[1:], dtype=dtype)
+                _pread(fd, out, offset + rows.start * row_bytes, path)
+                return out
+            out = torch.empty(shape[0], len(rows), *shape[2:], dtype=dtype)
+            step = max(1, _READ_CHUNK // row_bytes)  # whole rows at a time, columns kept
+            buf = torch.empty(min(step, shape[0]), *shape[1:], dtype=dtype)
+            for r in range(0, shape[0], step):
+                n = min(step, shape[0] - r)
+                _pread(fd, buf[:n], offset + r * row_bytes, path)
+                out[r:r + n] = buf[:n, rows.start:rows.stop]
+            return out
+        finally:
+            os.close(fd)
 
     def _read(self, name: str, read) -> torch.Tensor:
         if name not in self._where:
