@@ -155,6 +155,7 @@ def test_the_server_scheduler_runs_over_ranks(pipeline, tensor, tmp_path):
     cancellation."""
     import threading
 
+    from tiergen._platform import on_short_lived_thread
     from tiergen.engine.scheduler import CANCELLED, Scheduler
 
     build("qwen2-moe", tmp_path)
@@ -164,8 +165,10 @@ def test_the_server_scheduler_runs_over_ranks(pipeline, tensor, tmp_path):
     lengths = [4 + (i % 4) * 3 for i in range(8)]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     expected = [one.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
-    with LLM(tmp_path, **OPTIONS | dict(max_batch_size=3), policy=policy,
-             pipeline_parallel=pipeline, tensor_parallel=tensor) as llm:
+    # loaded as `tiergen serve` loads it, on a thread that ends (the ranks must outlive it)
+    with on_short_lived_thread(lambda: LLM(
+            tmp_path, **OPTIONS | dict(max_batch_size=3), policy=policy,
+            pipeline_parallel=pipeline, tensor_parallel=tensor)) as llm:
         sched = Scheduler(llm).start()
         try:
             requests = []

@@ -11,6 +11,7 @@ its sequences have stopped or been cancelled.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -319,6 +320,7 @@ class Scheduler:
                 for ev in events:
                     self._deliver(ev.seq, ev.token_id, ev.delta)
         except BaseException as e:  # the engine broke: fail every request, refuse new ones
+            logging.getLogger("tiergen").error("tiergen: the engine failed: %s", e, exc_info=e)
             with self._lock:
                 self._error = e
                 for r in list(self._requests.values()) + list(self._waiting):

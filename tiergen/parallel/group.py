@@ -15,12 +15,13 @@ stops answering stops the others with one error that names it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -186,12 +187,16 @@ def _stop(workers: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies, so no rank outlives rank 0."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(parent: int) -> None:
+    """Exit when rank 0's process is gone, so that no rank outlives it. (Linux's
+    PR_SET_PDEATHSIG would fire when the *thread* that started this process ends, and a
+    server loads its model on a thread that ends.)"""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tiergen-parent-watch", daemon=True).start()
 
 
 def launch(size: int, tensor: int, timeout: float, worker: Callable[[Group], None],
@@ -232,9 +237,7 @@ def join_torchrun(timeout: float, tensor: int) -> Group:
 def worker_main() -> None:
     """A rank started by :func:`launch` (``python -m tiergen.parallel``)."""
     rank, size, tensor, port, timeout, worker, threads, parent = pickle.load(sys.stdin.buffer)
-    _die_with_parent()
-    if os.getppid() != parent:  # rank 0 died before we could ask to follow it
-        sys.exit(1)
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
