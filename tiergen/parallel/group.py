@@ -120,7 +120,11 @@ class Group:
         started and that was killed or exited), else the peer it was talking to; every rank
         this process started is stopped."""
         culprit, how = peer, "stopped answering"
-        dead = [(r, p.poll()) for r, p in enumerate(self.workers, 1) if p.poll() is not None]
+        # a killed rank's sockets close a moment before its exit status can be read
+        deadline = time.monotonic() + (1.0 if self.workers else 0.0)
+        while not (dead := [(r, p.poll()) for r, p in enumerate(self.workers, 1)
+                            if p.poll() is not None]) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if dead:  # one killed by a signal died first; the others exited on losing it
             culprit, code = min(dead, key=lambda d: (d[1] >= 0, d[0]))
             how = f"was killed by signal {-code}" if code < 0 else f"exited (code {code})"
