@@ -27,7 +27,7 @@ from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.weights.packed import Packed
 
-LM_HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
 
 
 def even_ranges(n: int, parts: int, what: str, unit: int = 1) -> list[range]:
