@@ -25,10 +25,8 @@ import torch
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
+from tiergen.parallel.stage import LM_HEAD
 from tiergen.weights.packed import Packed
-
-LM_HEAD = "lm_head.weight"
-
 
 def even_ranges(n: int, parts: int, what: str, unit: int = 1) -> list[range]:
     """[0, n) cut into ``parts`` consecutive ranges as even as possible, every cut on a
