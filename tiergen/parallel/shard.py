@@ -28,6 +28,7 @@ from tiergen.models.base import ModelFamily, Weights
 from tiergen.parallel.stage import LM_HEAD
 from tiergen.weights.packed import Packed
 
+
 def even_ranges(n: int, parts: int, what: str, unit: int = 1) -> list[range]:
     """[0, n) cut into ``parts`` consecutive ranges as even as possible, every cut on a
     multiple of ``unit``."""
