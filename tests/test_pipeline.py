@@ -32,13 +32,20 @@ def disk(tmp_path) -> Policy:
     return Policy(weights=(0, 0), cache=(0, 0), offload_dir=tmp_path)
 
 
+def reference(name: str, directory) -> tuple[LLM, list, list]:
+    """A tiny model built in ``directory``, loaded in one process, with its greedy and
+    sampled tokens for PROMPTS: what the parallel runs must match."""
+    build(name, directory)
+    one = LLM(directory, **OPTIONS)
+    return one, [r.token_ids for r in one.generate(PROMPTS, GREEDY)], \
+        [r.token_ids for r in one.generate(PROMPTS, SAMPLED)]
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
-    build(request.param, directory)
-    one = LLM(directory, **OPTIONS)
-    return directory, [r.token_ids for r in one.generate(PROMPTS, GREEDY)], \
-        [r.token_ids for r in one.generate(PROMPTS, SAMPLED)], one.perplexity(TEXT)
+    one, greedy, sampled = reference(request.param, directory)
+    return directory, greedy, sampled, one.perplexity(TEXT)
 
 
 def test_two_ranks_match_one_process(case, tmp_path):

@@ -20,17 +20,16 @@ from tiergen.weights.packed import Packed, cat_rows
 from tiergen.weights.quant import GGMLType
 
 from test_packed import random_packed
-from test_pipeline import GREEDY, LONG, OPTIONS, PROMPTS, SAMPLED, TEXT, _when_running, disk
+from test_pipeline import (GREEDY, LONG, OPTIONS, PROMPTS, SAMPLED, TEXT, _when_running, disk,
+                           reference)
 from tiny_models import CASES, build
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
-    build(request.param, directory)
-    one = LLM(directory, **OPTIONS)
-    return directory, [r.token_ids for r in one.generate(PROMPTS, GREEDY)], \
-        [r.token_ids for r in one.generate(PROMPTS, SAMPLED)], one.logits(TEXT)
+    one, greedy, sampled = reference(request.param, directory)
+    return directory, greedy, sampled, one.logits(TEXT)
 
 
 def test_two_shards_match_one_process(case, tmp_path):
