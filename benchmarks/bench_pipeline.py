@@ -64,6 +64,29 @@ def child(a: argparse.Namespace) -> dict:
     return result
 
 
+def predict(model: str, dtype: str, batch: int, prompt_len: int, gen_len: int, stages: int,
+            tensor: int, policy, host_memory: str | None = None) -> float:
+    """``tiergen plan``'s predicted generated tokens/s (prefill included) of a run."""
+    import torch
+
+    from tiergen.engine.llm import _resolve_dtype
+    from tiergen.offload.memory import Budgets
+    from tiergen.offload.policy import parse_size
+    from tiergen.planner import calibrate
+    from tiergen.planner.cost import Workload
+    from tiergen.planner.parallel import plan_parallel, with_link
+    from tiergen.weights import open_model
+
+    files = open_model(model)
+    cal = with_link(calibrate.get("cpu"))
+    budgets = Budgets(None, host_memory and parse_size(host_memory))
+    e = plan_parallel(files.config, _resolve_dtype(dtype, torch.device("cpu"),
+                                                   files.default_dtype),
+                      Workload(prompt_len, gen_len, batch), cal, budgets, stages, tensor, policy,
+                      source=files.source)
+    return e.total_tok_s
+
+
 def bench(args: list[str]) -> dict:
     done = subprocess.run([sys.executable, "-m", "tiergen.cli", "bench", "--json", *args],
                           capture_output=True, text=True, check=True)
@@ -94,18 +117,24 @@ def main() -> None:
     from tiergen.planner.calibrate import _measure_disk
 
     print(machine())
+    from tiergen import Policy
+
     print("\n1. SmolLM2 (Q4_1 packed), weights in RAM: 128-token prompts, 64 new tokens")
-    print("| run | batch | decode tok/s | total tok/s | vs one process (total) |")
-    print("|---|---|---|---|---|")
+    print("| run | batch | decode tok/s | total tok/s | vs one process (total) | predicted "
+          "total tok/s | measured / predicted |")
+    print("|---|---|---|---|---|---|---|")
     for batch in (1, a.batch):
         base = None
-        for name, extra in [("1 process x 2 threads", []),
-                            ("2 pipeline ranks x 1 thread", ["--pipeline-parallel", "2"]),
-                            ("2 tensor ranks x 1 thread", ["--tensor-parallel", "2"])]:
-            r = bench(["--batch", str(batch), *extra])["runs"][0]
+        for name, stages, tensor in [("1 process x 2 threads", 1, 1),
+                                     ("2 pipeline ranks x 1 thread", 2, 1),
+                                     ("2 tensor ranks x 1 thread", 1, 2)]:
+            r = bench(["--batch", str(batch), "--pipeline-parallel", str(stages),
+                       "--tensor-parallel", str(tensor)])["runs"][0]
             base = base or r["total_tok_s"]
+            guess = predict("smollm2", "auto", batch, 128, 64, stages, tensor, Policy())
             print(f"| {name} | {batch} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
-                  f"{r['total_tok_s'] / base:.0%} |", flush=True)
+                  f"{r['total_tok_s'] / base:.0%} | {guess:.1f} | "
+                  f"{r['total_tok_s'] / guess:.2f} |", flush=True)
 
     a.dir = str(Path(a.dir).resolve())
     paths = scale_model.build(Path(a.dir) / "llama-3.2-1b", scale_model.SHAPES["llama-3.2-1b"],
@@ -116,8 +145,9 @@ def main() -> None:
     print(f"\n2. Llama-3.2-1B-shaped, bfloat16, {size / 1e9:.2f} GB; host budget {a.host_memory} "
           f"per rank; {a.prompt_len}-token prompts, {a.gen_len} new; page cache evicted; disk "
           f"read {disk / 1e9:.2f} GB/s")
-    print("| run | batch | tok/s | vs one process | GB read/step | peak RSS per rank GB | load s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | batch | tok/s | vs one process | GB read/step | peak RSS per rank GB | load s "
+          "| predicted tok/s | measured / predicted |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in a.big_batches:
         base, tokens = None, None
         for ranks, tensor, name in [(1, 1, "1 process, weights on disk"),
@@ -136,10 +166,13 @@ def main() -> None:
             r = json.loads(done.stdout.strip().splitlines()[-1])
             base, tokens = base or r["tok_s"], tokens or r["tokens"]
             same = "" if r["tokens"] == tokens else " (tokens differ!)"
+            guess = predict(str(hf), "bfloat16", batch, a.prompt_len, a.gen_len, ranks, tensor,
+                            Policy(weights=(0, 0)) if ranks * tensor == 1 else Policy(),
+                            a.host_memory)
             print(f"| {name}{same} | {batch} | {r['tok_s']:.2f} | {r['tok_s'] / base:.2f}x | "
                   f"{r['read_per_step'] / 1e9:.2f} | "
-                  f"{' + '.join(f'{x / 1e9:.2f}' for x in r['rss'])} | {r['load_s']:.1f} |",
-                  flush=True)
+                  f"{' + '.join(f'{x / 1e9:.2f}' for x in r['rss'])} | {r['load_s']:.1f} | "
+                  f"{guess:.2f} | {r['tok_s'] / guess:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,8 @@ def test_bad_settings_are_refused_before_any_rank_starts(llama):
         LLM(llama, pipeline_parallel=3)
     with pytest.raises(TiergenError, match="one per rank"):
         LLM(llama, pipeline_parallel=2, policy=[Policy()] * 3)
+    with pytest.raises(TiergenError, match="must cut the batch alike"):
+        LLM(llama, pipeline_parallel=2, policy=[Policy(), Policy(gpu_batch_size=2)])
     with pytest.raises(TiergenError, match="is for pipeline_parallel or tensor_parallel > 1"):
         LLM(llama, policy=[Policy()])
     with pytest.raises(TiergenError, match="parallel_timeout"):

@@ -168,14 +168,35 @@ def _plan(args: argparse.Namespace, files, prompts: list[str]):
     workload = Workload(max(lengths), args.max_tokens, len(lengths))
     budgets = Budgets(None if args.device_memory is None else parse_size(args.device_memory),
                       None if args.host_memory is None else parse_size(args.host_memory))
-    policy, estimate = choose_policy(files.config, dtype, workload,
-                                     calibrate.get(device, progress=True),
-                                     device.type, budgets, args.max_batch_size,
-                                     source=files.source)
-    if args.offload_dir:
-        policy.offload_dir = args.offload_dir
-    print(format_plan(estimate, files.config, dtype), file=sys.stderr)
+    cal = calibrate.get(device, progress=True)
+    stages, tensor = _ranks(args)
+    if stages * tensor > 1:
+        from tiergen.planner.parallel import format_parallel, plan_parallel, with_link
+
+        estimate = plan_parallel(files.config, dtype, workload, with_link(cal, True), budgets,
+                                 stages, tensor, max_batch_size=args.max_batch_size,
+                                 source=files.source)
+        policy = estimate.policies
+        text = format_parallel(estimate, files.config, dtype)
+    else:
+        policy, estimate = choose_policy(files.config, dtype, workload, cal, device.type,
+                                         budgets, args.max_batch_size, source=files.source)
+        text = format_plan(estimate, files.config, dtype)
+    for p in policy if isinstance(policy, list) else [policy]:
+        p.offload_dir = args.offload_dir or p.offload_dir
+    print(text, file=sys.stderr)
     return policy, estimate
+
+
+def _ranks(args: argparse.Namespace) -> tuple[int, int]:
+    """(pipeline stages, tensor shards) of the command; under torchrun the stages default to
+    its world size over the shards, as the run counts them."""
+    from tiergen.parallel.group import under_torchrun
+
+    stages, tensor = getattr(args, "pipeline_parallel", 1), getattr(args, "tensor_parallel", 1)
+    if under_torchrun() and stages == 1 and tensor > 0:
+        stages = max(1, int(os.environ["WORLD_SIZE"]) // tensor)
+    return stages, tensor
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:

@@ -23,7 +23,8 @@ from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
 from tiergen.parallel.group import TOKENS, Group, under_torchrun
-from tiergen.parallel.pipeline import Replica, run_pipelined, stage_forward, start_ranks
+from tiergen.parallel.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
+                                      start_ranks)
 from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.weights import ModelFiles, open_model
@@ -167,15 +168,19 @@ class LLM:
             span = split_layers(costs, group.pipeline, head)[group.stage]
             model_id = f"{model_id}|layers {span.start}-{span.stop}"
             if group.tensor > 1:
-                family = Shard(family, group)
+                family = Shard(family, group.tensor, group.shard, group)
                 source = family.source(source)
                 model_id = f"{model_id}|shard {group.shard} of {group.tensor}"
             family = Stage(family, span)
             if isinstance(policy, (list, tuple)):
-                if len(policy) != group.size:
+                problem = f"got {len(policy)} policies for {group.size} parallel ranks; give " \
+                    "one per rank, or one for all" if len(policy) != group.size else None
+                if len({(p.gpu_batch_size, p.num_gpu_batches) for p in policy}) > 1:
+                    problem = ("the parallel ranks' policies must cut the batch alike: give "
+                               "them the same gpu_batch_size and num_gpu_batches")
+                if problem:
                     group.close(graceful=False)
-                    raise TiergenError(f"got {len(policy)} policies for {group.size} parallel "
-                                       "ranks; give one per rank, or one for all")
+                    raise TiergenError(problem)
                 policy = policy[group.rank]
         elif isinstance(policy, (list, tuple)):
             raise TiergenError("a list of policies is for pipeline_parallel or tensor_parallel "
@@ -305,10 +310,9 @@ class LLM:
         if group.rank == 0:
             self._command("generate", [s.prompt_ids for s in seqs], [s.params for s in seqs])
         self.executor.start_run()
-        # unless told, each block is cut into enough micro-batches to keep every stage busy
-        per_block = group.pipeline * self.policy.num_gpu_batches
-        runs = (run_pipelined(self.executor, group, block, self.policy.gpu_batch_size
-                              or -(-len(block) // per_block), self.prefill_chunk_size)
+        runs = (run_pipelined(self.executor, group, block,
+                              micro_batch_size(self.policy, len(block), group.pipeline),
+                              self.prefill_chunk_size)
                 for block in self._blocks(seqs))
         run = iter(())
         try:

@@ -3,7 +3,8 @@
 On a CPU, few rows (decode) go through ``packed.c``: each weight block is decoded in
 registers and multiplied at once, so the weights are read packed. Many rows (prefill) are
 bound by arithmetic, not by reading weights: above ``ROW_THRESHOLD`` rows the matrix is
-decoded into a reused float buffer and multiplied by the BLAS. The C library is compiled on
+decoded into a reused float32 buffer and multiplied by the BLAS in float32 (bfloat16 inputs
+too: without native bfloat16 its GEMM is many times slower, and the decoder writes float32). The C library is compiled on
 first use with the machine's C compiler for its own SIMD (-march=native) and cached; without
 a compiler, or on a GPU, every product takes the decode-then-multiply path in plain torch.
 """
@@ -132,6 +133,9 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
     rows = x.shape[:-1].numel()
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
+        if x.device.type == "cpu":  # the C decoder writes float32; the BLAS multiplies it best
+            dense = dequantize_into(w, _scratch_buffer(w.shape, torch.float32, x.device))
+            return F.linear(x.float(), dense, bias if bias is None else bias.float()).to(x.dtype)
         dense = dequantize_into(w, _scratch_buffer(w.shape, x.dtype, x.device))
         return F.linear(x, dense, bias)
     xf = x.reshape(rows, -1).float().contiguous()

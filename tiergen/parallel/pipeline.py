@@ -28,6 +28,12 @@ from tiergen.parallel.shard import ShardPlan
 from tiergen.parallel.stage import Stage, split_layers
 
 
+def micro_batch_size(policy, rows: int, stages: int) -> int:
+    """Rows per micro-batch of a pipelined block of ``rows`` sequences: the policy's, or else
+    enough micro-batches (``stages`` x ``num_gpu_batches``) to keep every stage busy."""
+    return policy.gpu_batch_size or -(-rows // (stages * policy.num_gpu_batches))
+
+
 def stage_forward(executor: Executor, group: Group, block: list[MicroBatch],
                   all_positions: bool = False) -> list[torch.Tensor] | None:
     """This stage's part of a forward pass: hidden states come from the stage before

@@ -176,17 +176,19 @@ class ShardedSource:
 
 
 class Shard:
-    """A model family as rank ``group.shard`` of ``group.tensor`` computes it: the family
-    over this rank's config, its ``reduce`` summing over the ranks, its LM head over this
-    rank's vocabulary rows with the logits gathered."""
+    """A model family as shard ``rank`` of ``size`` computes it: the family over this
+    rank's config, its ``reduce`` summing over the ranks of ``group``, its LM head over this
+    rank's vocabulary rows with the logits gathered. (Without a group: the shard's weights
+    and shapes only, as the planner sees them.)"""
 
-    def __init__(self, model: ModelFamily, group) -> None:
-        self.plan = ShardPlan.make(model.cfg, group.tensor, group.shard)
+    def __init__(self, model: ModelFamily, size: int, rank: int, group=None) -> None:
+        self.plan = ShardPlan.make(model.cfg, size, rank)
         self.full, self.group = model.cfg, group
         # a family's other fields (RoPE tables, scales) depend on nothing sharding changes
         self.model = copy.copy(model)
         self.model.cfg = self.cfg = self.plan.config(model.cfg)
-        self.model.reduce = self.reduce = group.all_reduce
+        if group is not None:
+            self.model.reduce = group.all_reduce
 
     def source(self, source) -> ShardedSource:
         return ShardedSource(source, self.plan, self.full)

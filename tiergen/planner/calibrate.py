@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -46,6 +46,9 @@ from tiergen.offload.policy import parse_size
 GEMM = (256, 1024, 4096)  # (M, K, N): (M, K) @ (K, N)
 GEMV = (2048, 8192)  # (K, N): (1, K) @ (K, N)
 GEMV_BYTES = 256 * 2**20  # weights cycled per gemv run: more than any L2/L3, so it hits RAM
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of the (rows, K) @ (K, N) products timed
+LINEAR_BYTES = 64 * 2**20  # weights cycled at the few-row counts (those read weights)
+ONE_THREAD = " x1"  # suffix of linear_rows measured with one thread (a parallel rank's share)
 ATTENTION = (8, 8, 8, 2048, 64)  # (B, H, KVH, S, D): q (B, H, 1, D), K/V (B, KVH, S, D)
 ATTENTION_BYTES = 256 * 2**20  # KV caches cycled per run (one per layer, as in decode)
 COPY_BYTES = 128 * 2**20  # host memcpy and host<->device copies
@@ -83,6 +86,14 @@ class Calibration:
     dequant: dict[str, float] = field(default_factory=dict)
     cache_unpack: dict[str, float] = field(default_factory=dict)
     layer_overhead: float = 0.0  # seconds of dispatch per decoder layer call (a tiny layer)
+    # between parallel ranks (tiergen.parallel.link): seconds per message ("latency") and
+    # bytes/s ("bandwidth") of point-to-point messages, and the same of a float32 all-reduce
+    # ("reduce_latency", "reduce_bandwidth"); empty where not measured
+    link: dict[str, float] = field(default_factory=dict)
+    # weight parameters/s of tiergen's linear at each row count of LINEAR_ROWS ("1", "2",
+    # ...): by compute dtype name, and "packed-<dtype>" for GGML Q4_0 blocks multiplied packed;
+    # the same with ONE_THREAD appended, measured with one thread (on a CPU of several)
+    linear_rows: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def device_type(self) -> str:
@@ -183,11 +194,12 @@ def _matmul_dtypes(dev: torch.device) -> list[torch.dtype]:
 # ----------------------------------------------------------------------------- timing
 
 
-def _cpu_seconds(fn) -> float:
-    """Best wall time of ``fn()`` after a warm-up."""
+def _cpu_seconds(fn, quick: bool = False) -> float:
+    """Best wall time of ``fn()`` after a warm-up (``quick``: a third of the time)."""
     fn()
     best = math.inf
     n = 0
+    least, most = (MIN_TIME / 3, MAX_TIME / 3) if quick else (MIN_TIME, MAX_TIME)
     start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
@@ -195,7 +207,7 @@ def _cpu_seconds(fn) -> float:
         best = min(best, time.perf_counter() - t0)
         n += 1
         spent = time.perf_counter() - start
-        if (n >= REPEATS and spent >= MIN_TIME) or spent >= MAX_TIME:
+        if (n >= REPEATS and spent >= least) or spent >= most:
             return max(best, 1e-9)
 
 
@@ -223,8 +235,8 @@ def _cuda_seconds(fn, dev: torch.device, inner: int | None = None) -> float:
                 return max(best, 1e-9)
 
 
-def _seconds(fn, dev: torch.device) -> float:
-    return _cuda_seconds(fn, dev) if dev.type == "cuda" else _cpu_seconds(fn)
+def _seconds(fn, dev: torch.device, quick: bool = False) -> float:
+    return _cuda_seconds(fn, dev) if dev.type == "cuda" else _cpu_seconds(fn, quick)
 
 
 # ----------------------------------------------------------------------------- disk
@@ -381,6 +393,56 @@ def _measure_gemv(dev: torch.device, dtype: torch.dtype) -> float:
     return count * base.nbytes / _seconds(run, dev)
 
 
+def _random_q4_0(n: int, k: int, dev: torch.device):
+    """An (n, k) matrix of random GGML Q4_0 blocks (each: a float16 scale, 32 4-bit values)."""
+    from tiergen.weights.packed import Packed
+    from tiergen.weights.quant import GGMLType
+
+    blocks = torch.randint(0, 256, (n * k // 32, 18), dtype=torch.uint8)
+    blocks[:, :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    return Packed(blocks.reshape(-1).to(dev), (n, k), ((GGMLType.Q4_0, n),))
+
+
+def _measure_linear_rows(dev: torch.device, dtype: torch.dtype, packed: bool = False
+                         ) -> dict[str, float]:
+    """Weight parameters/s that tiergen's ``linear`` multiplies by (rows, 2048) inputs, for
+    each row count of LINEAR_ROWS: few rows read the weights (cycled through more memory
+    than the caches hold, as a model's layers are), many rows compute. Each kind of weight
+    has its own steps between the two (bfloat16 without native support, packed blocks)."""
+    from tiergen.models.layers import linear
+
+    k, n = GEMV
+    first = _random_q4_0(n, k, dev) if packed else torch.randn(n, k, device=dev).to(dtype)
+    weights = [first] + [(replace(first, data=first.data.clone()) if packed else first.clone())
+                         for _ in range(max(1, LINEAR_BYTES // first.nbytes) - 1)]
+    out = {}
+    for rows in LINEAR_ROWS:
+        x = torch.randn(rows, k, device=dev).to(dtype)
+        use = weights if rows < 32 else weights[:1]
+
+        def run() -> None:
+            for w in use:
+                linear(x, w)
+
+        out[str(rows)] = len(use) * n * k / _seconds(run, dev, quick=True)
+    return out
+
+
+def _products(dev: torch.device, dtype: torch.dtype, name: str) -> dict[str, dict[str, float]]:
+    """linear_rows's tables for ``dtype``: dense and packed, with all threads and (on a CPU
+    of several) with one."""
+    out = {}
+    threads = torch.get_num_threads()
+    for suffix, n in [("", threads)] + [(ONE_THREAD, 1)] * (dev.type == "cpu" and threads > 1):
+        torch.set_num_threads(n)
+        try:
+            out[name + suffix] = _measure_linear_rows(dev, dtype)
+            out[f"packed-{name}{suffix}"] = _measure_linear_rows(dev, dtype, packed=True)
+        finally:
+            torch.set_num_threads(threads)
+    return out
+
+
 def _measure_dequant(dev: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """Bytes/s of ``dtype`` output that unpacking 4-bit groups of 64 writes: for weight
     matrices the size of a small model's MLP, and for a KV cache's rows (a layer of 32
@@ -452,12 +514,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def calibrate(device: torch.device | str = "cpu", directory: Path | None = None,
-              size: int = 256 * 2**20, progress: bool = False) -> Calibration:
+              size: int = 256 * 2**20, progress: bool = False, link: bool = True) -> Calibration:
     """Measure this machine with ``device`` as the compute device.
 
     The disk test writes a ``size``-byte file into ``directory`` (default: the tiergen cache
     directory), drops it from the page cache and reads it back sequentially; the file is
-    always removed, also on errors and Ctrl-C.
+    always removed, also on errors and Ctrl-C. ``link``: also measure the link between two
+    parallel ranks (a second process for a few seconds; under torchrun, the ranks it started).
     """
     t_start = time.perf_counter()
     dev = _resolve_device(device)
@@ -484,20 +547,30 @@ def calibrate(device: torch.device | str = "cpu", directory: Path | None = None,
     gemv: dict[str, float] = {}
     dequant: dict[str, float] = {}
     cache_unpack: dict[str, float] = {}
+    linear_rows: dict[str, dict[str, float]] = {}
     for dtype in _matmul_dtypes(dev):
         name = _dtype_name(dtype)
         step(f"{name} matmul and batch-1 gemv on {dev}")
         matmul[name] = _measure_matmul(dev, dtype)
         gemv[name] = _measure_gemv(dev, dtype)
         dequant[name], cache_unpack[name] = _measure_dequant(dev, dtype)
+        step(f"{name} products at {', '.join(map(str, LINEAR_ROWS))} rows, dense and packed")
+        linear_rows.update(_products(dev, dtype, name))
     step("CPU decode attention")
     attention = _measure_cpu_attention()
+    links: dict[str, float] = {}
+    if link:
+        from tiergen.parallel.link import measure_link
+
+        step("the link between two parallel ranks")
+        links = measure_link(timeout=300.0) or {}
     return Calibration(
         hardware=fingerprint(dev), disk_read=disk, host_to_device=h2d, device_to_host=d2h,
         host_memcpy=memcpy, matmul=matmul, gemv=gemv, cpu_attention=attention, dequant=dequant,
         cache_unpack=cache_unpack, layer_overhead=_measure_layer_overhead(dev),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        seconds=time.perf_counter() - t_start, device=str(dev), disk_directory=str(where))
+        seconds=time.perf_counter() - t_start, device=str(dev), disk_directory=str(where),
+        link=links, linear_rows=linear_rows)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -546,6 +619,12 @@ def _from_dict(d: object) -> Calibration:
     for table in (dq, cu):
         if not (isinstance(table, dict) and all(isinstance(k, str) for k in table)):
             raise ValueError("bad dtype table")
+    rows = d.get("linear_rows", {})
+    if not (isinstance(rows, dict) and all(isinstance(t, dict) for t in rows.values())):
+        raise ValueError("bad linear_rows")
+    link = d.get("link", {})
+    if not (isinstance(link, dict) and all(isinstance(k, str) for k in link)):
+        raise ValueError("bad link")
     overhead = d.get("layer_overhead", 0.0)
     if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not (
             math.isfinite(overhead) and overhead >= 0):
@@ -554,6 +633,8 @@ def _from_dict(d: object) -> Calibration:
         hardware=dict(hw), matmul={k: _rate(v) for k, v in mm.items()},
         dequant={k: _rate(v) for k, v in dq.items()},
         cache_unpack={k: _rate(v) for k, v in cu.items()}, layer_overhead=float(overhead),
+        link={k: _rate(v) for k, v in link.items()},
+        linear_rows={k: {str(int(r)): _rate(v) for r, v in t.items()} for k, t in rows.items()},
         gemv={k: _rate(v) for k, v in gv.items()}, seconds=float(seconds),
         **{k: _rate(d[k]) for k in ("disk_read", "host_to_device", "device_to_host",
                                     "host_memcpy", "cpu_attention")})
@@ -657,6 +738,10 @@ def format_calibration(cal: Calibration) -> str:
                                      f"{k} {_gbs(v)}" for k, v in cal.cache_unpack.items())
                                      or "-") + " of KV cache rows",
         f"  layer overhead   {cal.layer_overhead * 1e6:.0f} us per decoder layer call",
+        "  rank link        " + (f"{cal.link['latency'] * 1e6:.0f} us + {_gbs(cal.link['bandwidth'])}"
+                                 f" per message, all-reduce {cal.link['reduce_latency'] * 1e6:.0f}"
+                                 f" us + {_gbs(cal.link['reduce_bandwidth'])}"
+                                 if cal.link else "not measured"),
         f"  measured {cal.measured_at} in {cal.seconds:.1f} s",
     ])
 
@@ -679,6 +764,13 @@ def _busy() -> str:
 
 def main(args: argparse.Namespace) -> int:
     """``tiergen calibrate``: measure afresh, print the result, save it to the cache."""
+    from tiergen.parallel.group import under_torchrun
+
+    if under_torchrun() and os.environ["RANK"] != "0":  # rank 0 measures, with this one
+        from tiergen.parallel.link import measure_link
+
+        measure_link(timeout=300.0)
+        return 0
     device = args.device or _default_device()
     size = parse_size(args.size)
     directory = Path(args.dir).expanduser() if args.dir else None

@@ -8,8 +8,10 @@ link that weights and cache share (disk; host-to-device). Each micro-batch pays 
 and cache traffic; a block pays each layer's weight load once.
 
 Simplifications (``benchmarks/bench_plan.py`` measures how far they hold):
-- A matmul costs FLOPs at the large-GEMM rate plus weight bytes at the batch-1 GEMV rate (they
-  add up rather than overlap: measured), plus the calibrated dispatch overhead per layer call
+- A matmul costs what calibration measured for its kind of weights (the compute dtype, or
+  packed blocks) at its number of rows, interpolated between the row counts measured; without
+  those figures, FLOPs at the large-GEMM rate plus weight bytes at the batch-1 GEMV rate (they
+  add up rather than overlap: measured). Each layer call adds the calibrated dispatch overhead
   (``LAYER_OVERHEAD_S`` without one); unmeasured dtypes use the float32 figures. Chunked
   prefill loads the weights once per chunk.
 - Attention costs max(FLOPs at the GEMM rate, cache bytes read at the CPU attention rate on a
@@ -91,6 +93,7 @@ class LayerShape:
     params: int  # parameters every token uses
     expert_params: int  # parameters of one routed expert (0: a dense layer)
     window: int | None
+    packed_params: int = 0  # of ``params``, those multiplied packed (GGML blocks)
 
 
 @dataclass
@@ -115,7 +118,8 @@ class PlacedWeights:
                 tuple(plan.layer_bytes(j, t, experts=False) for t in TIERS),
                 tuple(plan.layer_bytes(j, t, experts=True) for t in TIERS),
                 sum(v for n, v in numel.items() if not is_expert(n)),
-                sum(v for n, v in numel.items() if is_expert(n)) // experts, cfg.window(j)))
+                sum(v for n, v in numel.items() if is_expert(n)) // experts, cfg.window(j),
+                sum(v for n, v in numel.items() if not is_expert(n) and plan.packed(j, n))))
         return cls(plan, layers)
 
 
@@ -157,6 +161,7 @@ class _Env:
     cache_ratio: float  # stored / uncompressed cache bytes
 
     dtype_name: str = "float32"
+    head: int = 0  # LM head parameters (vocabulary x hidden) this model's last step runs
 
     @property
     def dequant(self) -> float:
@@ -174,6 +179,26 @@ class _Env:
     def overhead(self) -> float:
         """Seconds of dispatch per layer call: measured by calibration, else a guess."""
         return self.cal.layer_overhead or LAYER_OVERHEAD_S
+
+    def linear(self, params: float, rows: float, packed: bool = False) -> float:
+        """Seconds to multiply ``params`` weights by ``rows`` rows: from the calibrated
+        rates at each row count (interpolated; beyond the largest, compute grows with the
+        rows), or else FLOPs at the GEMM rate plus the weights' bytes at the GEMV rate (they
+        add up rather than overlap on a CPU: measured)."""
+        table = self.cal.linear_rows.get(f"packed-{self.dtype_name}" if packed
+                                         else self.dtype_name)
+        if not params:
+            return 0.0
+        if not table:
+            return 2 * params * rows / self.matmul + params * self.itemsize / self.gemv
+        points = sorted((int(r), 1 / v) for r, v in table.items())  # (rows, s per param)
+        lo = max((p for p in points if p[0] <= rows), default=points[0])
+        hi = min((p for p in points if p[0] >= rows), default=None)
+        if hi is None:  # more rows than measured: compute-bound, linear in the rows
+            return params * lo[1] * rows / lo[0]
+        if hi[0] == lo[0]:
+            return params * lo[1]
+        return params * (lo[1] + (hi[1] - lo[1]) * (rows - lo[0]) / (hi[0] - lo[0]))
 
     def picks(self, tokens: float) -> float:
         moe = self.cfg.moe
@@ -221,11 +246,11 @@ def _compute(layer: LayerShape, tier: str, rows: int, new: int, before: float,
              act_tier: str, env: _Env) -> float:
     """Seconds one micro-batch spends in a layer on the compute thread."""
     c, tokens = env.cfg, rows * new
-    flops = 2 * tokens * (layer.params + (c.moe.top_k * layer.expert_params if c.moe else 0))
-    streamed = (layer.params + env.picks(tokens) * layer.expert_params) * env.itemsize
-    # streaming the weights and the arithmetic add up rather than overlap on a CPU (measured:
-    # a (32, 576) x (576, 3072) bfloat16 matmul takes about their sum)
-    t = flops / env.matmul + streamed / env.gemv + env.overhead
+    t = env.linear(layer.params - layer.packed_params, tokens) + env.overhead \
+        + env.linear(layer.packed_params, tokens, packed=True)
+    if c.moe and layer.expert_params:  # each touched expert multiplies its share of the picks
+        touched = env.picks(tokens)
+        t += touched * env.linear(layer.expert_params, tokens * c.moe.top_k / touched)
     pairs = attention_pairs(new, before, layer.window)
     attn_flops = 4 * rows * c.num_heads * c.kv_layout()[2] * pairs
     slots = min(before + new, layer.window or before + new)
@@ -267,16 +292,18 @@ def _step(groups: Counter, rows: list[int], act_tiers: list[str], new: int, befo
         total += count * seconds
         for k, v in layer_parts.items():
             parts[k] += count * v / env.cfg.num_layers
-    head = env.cfg.vocab_size * env.cfg.hidden_size  # logits of the last position only
-    total += sum(max(2 * head * r / env.matmul, head * env.itemsize / env.gemv) for r in rows)
+    head = env.head  # logits of the last position only
+    total += sum(env.linear(head, r) for r in rows)
     return total, parts
 
 
 def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Workload,
              cal: Calibration, device_type: str = "cpu", max_batch_size: int = 64,
-             placed: PlacedWeights | None = None, prefill_chunk: int | None = 512) -> Estimate:
+             placed: PlacedWeights | None = None, prefill_chunk: int | None = 512,
+             head: int | None = None) -> Estimate:
     """Memory and speed of running ``workload`` under ``policy`` (``placed``: the policy's
-    weight placement, when the caller already made it)."""
+    weight placement, when the caller already made it; ``head``: the LM head's parameters,
+    if not the whole vocabulary's, e.g. 0 for a pipeline stage that does not end the model)."""
     placed = placed or PlacedWeights.make(cfg, dtype, policy, device_type)
     p, g, batch = workload.prompt_len, workload.gen_len, workload.batch
     name = str(dtype).removeprefix("torch.")  # unmeasured dtypes: the float32 figures
@@ -284,7 +311,8 @@ def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Wor
                cal.matmul.get(name) or cal.matmul["float32"],
                cal.gemv.get(name) or cal.gemv["float32"],
                cfg.kv_bytes_per_token(dtype.itemsize) // cfg.num_layers,
-               _cache_ratio(cfg, dtype, policy), name)
+               _cache_ratio(cfg, dtype, policy), name,
+               cfg.vocab_size * cfg.hidden_size if head is None else head)
     groups = Counter(zip(placed.layers, tiers_for(cfg.num_layers, policy.cache_split)))
     cut = blocks(policy, batch, max_batch_size)
     prefill = decode = 0.0

@@ -245,7 +245,8 @@ def available_ram() -> int | None:
 def main(args: argparse.Namespace) -> int:
     """``tiergen plan``: the fastest policy for a workload under the memory budgets, for the
     model and machine here, or on paper (``--config``, ``--machine``)."""
-    for name in ("prompt_len", "gen_len", "batch", "top"):
+    for name in ("prompt_len", "gen_len", "batch", "top", "pipeline_parallel",
+                 "tensor_parallel"):
         if getattr(args, name) < 1:
             raise TiergenError(f"--{name.replace('_', '-')} must be a positive integer, "
                                f"got {getattr(args, name)}")
@@ -264,6 +265,16 @@ def main(args: argparse.Namespace) -> int:
     cal, budgets, dtype = _machine(args, checkpoint_dtype)
     device_type = cal.device_type
     compress = not args.no_compression
+    stages, tensor = args.pipeline_parallel, args.tensor_parallel
+    if stages * tensor > 1:
+        from tiergen.planner.parallel import format_parallel, plan_parallel, with_link
+
+        if args.host_memory is None and budgets.host is not None:  # ranks share the RAM
+            budgets = Budgets(budgets.device, budgets.host // (stages * tensor))
+        e = plan_parallel(cfg, dtype, workload, cal if args.machine else with_link(cal, True),
+                          budgets, stages, tensor, allow_compression=compress, source=source)
+        print(format_parallel(e, cfg, dtype))
+        return 0
     found = _search(cfg, dtype, workload, cal, device_type, budgets, 64, compress, (4,), None,
                     source)
     if not found.fits:
@@ -342,6 +353,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
     p.add_argument("--no-compression", action="store_true",
                    help="consider only uncompressed weights and KV cache")
+    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
+                   help="plan P pipeline stages, each a process with its span of layers, its "
+                        "share of the cores and its own budgets (default: 1)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="plan T tensor-parallel shards per stage (default: 1)")
     p.add_argument("--top", type=int, default=1, metavar="N",
                    help="also show the next best plans, N in all (default: 1)")
     p.set_defaults(func=main)
