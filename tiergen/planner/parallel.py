@@ -40,6 +40,7 @@ from tiergen.planner.calibrate import ONE_THREAD, Calibration
 from tiergen.planner.cost import Estimate, PlacedWeights, Workload, estimate
 from tiergen.planner.search import _nothing_fits, _search, fmt, policy_flags
 
+CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size, the estimate's default)
 # the link where it was never measured: gloo over loopback on a 2-core VM (bench_link.py)
 DEFAULT_LINK = dict(latency=3e-4, bandwidth=1.5e9, reduce_latency=1e-3, reduce_bandwidth=1.5e9)
 
@@ -151,7 +152,7 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
                            "per rank, or one for all")
     rank_cal = rank_calibration(cal, size)
     device_type = cal.device_type
-    plans: list[tuple[int, range, int, Stage, PlacedWeights | None, Estimate]] = []
+    plans: list[tuple[int, range, int, Stage, object, Estimate]] = []
     for rank, span, shard, model, src in _ranks(cfg, stages, tensor, source):
         mine = policy[rank] if isinstance(policy, (list, tuple)) else policy
         if mine is None:
@@ -170,6 +171,7 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
     # every rank must cut the batch alike: the smallest block any rank holds
     shape = min((e.policy for *_, e in plans),
                 key=lambda p: (p.gpu_batch_size or max_batch_size) * p.num_gpu_batches)
+    cut = units(shape, workload.batch, max_batch_size, stages)
     link = cal.link or DEFAULT_LINK
     prefill = decode = 0.0
     ranks = []
@@ -186,18 +188,18 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
         timing[rank] = [[_unit_seconds(model, placed, p, rows, workload, rank_cal, dtype,
                                        max_batch_size, head, tensor, link)
                          for rows in block]
-                        for block in units(p, workload.batch, max_batch_size, stages)]
+                        for block in cut]
     w = workload
     hop = link["latency"]  # the tokens' way back; hidden states add their bytes
-    for b, block in enumerate(timing[0]):
+    for b, block in enumerate(cut):
         for part in (0, 1):  # prefill, decode
             # a stage goes at its slowest shard
             per = [[max(timing[s * tensor + t][b][u][part] for t in range(tensor))
                     for u in range(len(block))] for s in range(stages)]
-            steps = w.gen_len - 1 if part else -(-w.prompt_len // 512)
+            steps = w.gen_len - 1 if part else -(-w.prompt_len // CHUNK)
             trips = []
             for u, rows in enumerate(block):
-                new = 1 if part else min(w.prompt_len, 512)
+                new = 1 if part else min(w.prompt_len, CHUNK)
                 message = hop + sum(rows) * new * cfg.hidden_size * 4 / link["bandwidth"]
                 trips.append(sum(per[s][u] for s in range(stages))
                              + steps * ((stages - 1) * message + hop) * (stages > 1))
@@ -227,10 +229,9 @@ def _unit_seconds(model: Stage, placed: PlacedWeights, policy: Policy, rows: lis
             hidden = 2 * model.cfg.num_layers * one(tokens * model.cfg.hidden_size * 4)
             return hidden + (one(rows * model.cfg.vocab_size * 4) if head else 0.0)
 
-        chunk = 512
         for r in rows:
-            prefill += sum(reduces(r, r * min(chunk, workload.prompt_len - start))
-                           for start in range(0, workload.prompt_len, chunk))
+            prefill += sum(reduces(r, r * min(CHUNK, workload.prompt_len - start))
+                           for start in range(0, workload.prompt_len, CHUNK))
             decode += (workload.gen_len - 1) * reduces(r, r)
     return prefill, decode
 
