@@ -710,6 +710,14 @@ def _gbs(x: float) -> str:
     return f"{x / 1e9:.2f} GB/s"
 
 
+def _link_line(link: dict[str, float]) -> str:
+    if not link:
+        return "not measured"
+    return (f"{link['latency'] * 1e6:.0f} us + {_gbs(link['bandwidth'])} per message, "
+            f"all-reduce {link['reduce_latency'] * 1e6:.0f} us + "
+            f"{_gbs(link['reduce_bandwidth'])}")
+
+
 def format_calibration(cal: Calibration) -> str:
     """A few human-readable lines (GB/s = 1e9 bytes/s, GFLOP/s)."""
     hw = cal.hardware
@@ -738,10 +746,11 @@ def format_calibration(cal: Calibration) -> str:
                                      f"{k} {_gbs(v)}" for k, v in cal.cache_unpack.items())
                                      or "-") + " of KV cache rows",
         f"  layer overhead   {cal.layer_overhead * 1e6:.0f} us per decoder layer call",
-        "  rank link        " + (f"{cal.link['latency'] * 1e6:.0f} us + {_gbs(cal.link['bandwidth'])}"
-                                 f" per message, all-reduce {cal.link['reduce_latency'] * 1e6:.0f}"
-                                 f" us + {_gbs(cal.link['reduce_bandwidth'])}"
-                                 if cal.link else "not measured"),
+        "  products         " + (", ".join(
+            f"{k} " + "/".join(f"{t[r] / 1e9:.2f}" for r in ("1", "8", "256") if r in t)
+            for k, t in cal.linear_rows.items() if not k.endswith(ONE_THREAD)) or "-")
+        + " G weights/s at 1/8/256 rows",
+        "  rank link        " + _link_line(cal.link),
         f"  measured {cal.measured_at} in {cal.seconds:.1f} s",
     ])
 
@@ -790,9 +799,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate", help="measure disk, memory, transfer and compute speeds of this machine",
         description="Measure disk read, host memory and host<->device copy bandwidth, matmul "
-                    "and batch-1 matmul speed and CPU decode attention, print them and save "
+                    "speed at large and few-row shapes (dense and packed), CPU decode "
+                    "attention and the link between two parallel ranks, print them and save "
                     "them to ~/.cache/tiergen/calibration.json for the offload planner. "
-                    "Always measures afresh (a few seconds to tens of seconds).")
+                    "Always measures afresh (tens of seconds).")
     p.add_argument("--device", default=None,
                    help="compute device to measure, e.g. cpu, cuda or cuda:1 "
                         "(default: cuda if present, else cpu)")
