@@ -35,7 +35,12 @@ def fast(monkeypatch):
     monkeypatch.setattr(cb, "MAX_TIME", 0.0)
     monkeypatch.setattr(cb, "COPY_BYTES", 8 * MiB)
     monkeypatch.setattr(cb, "GEMV_BYTES", 0)
+    monkeypatch.setattr(cb, "LINEAR_BYTES", 0)
     monkeypatch.setattr(cb, "ATTENTION_BYTES", 0)
+    # the link takes a second process (tests/test_parallel_plan.py measures it for real)
+    from tiergen.parallel import link
+    monkeypatch.setattr(link, "measure_link", lambda timeout=60.0: dict(
+        latency=1e-4, bandwidth=1e9, reduce_latency=1e-3, reduce_bandwidth=1e9))
 
 
 @pytest.fixture
@@ -87,6 +92,13 @@ def test_calibrate_cpu_gives_positive_finite_numbers(fast, disk):
     assert cal.device == "cpu" and cal.disk_directory == str(disk)
     assert datetime.fromisoformat(cal.measured_at).tzinfo is not None
     assert list(disk.iterdir()) == []  # the test file is gone
+    threads = ("", " x1") if torch.get_num_threads() > 1 else ("",)
+    assert set(cal.linear_rows) == {f"{p}{d}{t}" for p in ("", "packed-")
+                                    for d in ("float32", "bfloat16") for t in threads}
+    for table in cal.linear_rows.values():
+        assert list(table) == [str(r) for r in cb.LINEAR_ROWS]
+        assert all(_positive(v) for v in table.values())
+    assert cal.link["reduce_latency"] == 1e-3
 
 
 def test_default_directory_is_the_tiergen_cache(fast, cache_home, monkeypatch):
