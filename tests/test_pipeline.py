@@ -168,3 +168,20 @@ def test_the_command_line_runs_a_pipeline(capsys):
     one = capsys.readouterr().out
     assert cli.main(args + ["--pipeline-parallel", "2"]) == 0
     assert capsys.readouterr().out == one
+
+
+def test_prefill_is_cut_so_that_stages_overlap(llama):
+    """A pipelined block prefills in chunks small enough that later chunks go through the
+    first stage while earlier ones are in the last; the tokens stay those of one process
+    prefilling whole prompts."""
+    from tiergen.parallel.pipeline import pipeline_chunk
+
+    assert pipeline_chunk(512, 128, 1) == 512 and pipeline_chunk(None, 128, 1) is None
+    assert pipeline_chunk(512, 128, 2) == 32 and pipeline_chunk(None, 128, 2) == 32
+    assert pipeline_chunk(512, 20, 2) == 16  # never below MIN_CHUNK
+    assert pipeline_chunk(8, 128, 2) == 8  # never above the run's own chunk
+    long = [list(range(3, 90)), list(range(10, 50)), [5, 6, 7]]
+    one = LLM(llama, dtype="float32", prefill_chunk_size=512)
+    expected = [r.token_ids for r in one.generate(long, GREEDY)]
+    with LLM(llama, dtype="float32", prefill_chunk_size=512, pipeline_parallel=2) as llm:
+        assert [r.token_ids for r in llm.generate(long, GREEDY)] == expected

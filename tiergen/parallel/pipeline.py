@@ -34,6 +34,21 @@ def micro_batch_size(policy, rows: int, stages: int) -> int:
     return policy.gpu_batch_size or -(-rows // (stages * policy.num_gpu_batches))
 
 
+PIPELINE_CHUNKS = 2  # prompt chunks per unit and stage at least, so prefill overlaps too
+MIN_CHUNK = 16  # tokens: smaller chunks would cost more in calls than the overlap saves
+
+
+def pipeline_chunk(prefill_chunk: int | None, longest: int, stages: int) -> int | None:
+    """Prompt tokens per prefill step of a pipelined block. A prompt in one chunk leaves
+    stages idle while the first units fill the pipeline and the last drain it (with 2 units
+    over 2 stages, a third of the time); cut into a few chunks, the later ones go through the
+    first stages while earlier ones are in the last."""
+    if stages == 1:
+        return prefill_chunk
+    short = max(MIN_CHUNK, -(-longest // (PIPELINE_CHUNKS * stages)))
+    return min(prefill_chunk or longest, short)
+
+
 def stage_forward(executor: Executor, group: Group, block: list[MicroBatch],
                   all_positions: bool = False) -> list[torch.Tensor] | None:
     """This stage's part of a forward pass: hidden states come from the stage before
@@ -58,7 +73,8 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
     groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
     longest = max(len(s.prompt_ids) for s in seqs)
     group.agree(lambda: executor.check_block([(len(g), capacity(g)) for g in groups], longest))
-    states = [MicroBatchState(executor, g, prefill_chunk) for g in groups]
+    chunk = pipeline_chunk(prefill_chunk, longest, group.pipeline)
+    states = [MicroBatchState(executor, g, chunk) for g in groups]
     units = [states[u::group.pipeline] for u in range(min(group.pipeline, len(states)))]
     waiting: dict[int, tuple[list[MicroBatchState], bool]] = {}  # tokens on their way here
 

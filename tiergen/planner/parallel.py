@@ -33,7 +33,7 @@ from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
-from tiergen.parallel.pipeline import micro_batch_size
+from tiergen.parallel.pipeline import micro_batch_size, pipeline_chunk
 from tiergen.parallel.shard import Shard, ShardedSource
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.planner.calibrate import ONE_THREAD, Calibration
@@ -172,6 +172,7 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
     shape = min((e.policy for *_, e in plans),
                 key=lambda p: (p.gpu_batch_size or max_batch_size) * p.num_gpu_batches)
     cut = units(shape, workload.batch, max_batch_size, stages)
+    chunk = pipeline_chunk(CHUNK, workload.prompt_len, stages)
     link = cal.link or DEFAULT_LINK
     prefill = decode = 0.0
     ranks = []
@@ -186,7 +187,7 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
         ranks.append(RankPlan(rank, span, shard, e))
         head = cfg.vocab_size * cfg.hidden_size // tensor if model.last else 0
         timing[rank] = [[_unit_seconds(model, placed, p, rows, workload, rank_cal, dtype,
-                                       max_batch_size, head, tensor, link)
+                                       max_batch_size, head, tensor, link, chunk)
                          for rows in block]
                         for block in cut]
     w = workload
@@ -196,10 +197,10 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
             # a stage goes at its slowest shard
             per = [[max(timing[s * tensor + t][b][u][part] for t in range(tensor))
                     for u in range(len(block))] for s in range(stages)]
-            steps = w.gen_len - 1 if part else -(-w.prompt_len // CHUNK)
+            steps = w.gen_len - 1 if part else -(-w.prompt_len // chunk)
             trips = []
             for u, rows in enumerate(block):
-                new = 1 if part else min(w.prompt_len, CHUNK)
+                new = 1 if part else min(w.prompt_len, chunk)
                 message = hop + sum(rows) * new * cfg.hidden_size * 4 / link["bandwidth"]
                 trips.append(sum(per[s][u] for s in range(stages))
                              + steps * ((stages - 1) * message + hop) * (stages > 1))
@@ -213,13 +214,14 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
 
 def _unit_seconds(model: Stage, placed: PlacedWeights, policy: Policy, rows: list[int],
                   workload: Workload, cal: Calibration, dtype: torch.dtype,
-                  max_batch_size: int, head: int, tensor: int, link: dict[str, float]
-                  ) -> tuple[float, float]:
-    """Seconds of prefill and of decode (the whole generation) of one unit on one rank."""
+                  max_batch_size: int, head: int, tensor: int, link: dict[str, float],
+                  chunk: int) -> tuple[float, float]:
+    """Seconds of prefill (in ``chunk``-token steps) and of decode (the whole generation)
+    of one unit on one rank."""
     p = replace(policy, gpu_batch_size=max(rows), num_gpu_batches=len(rows))
     w = replace(workload, batch=sum(rows))
     e = estimate(model.cfg, dtype, p, w, cal, cal.device_type, max_batch_size, placed,
-                 head=head)
+                 prefill_chunk=chunk, head=head)
     prefill, decode = e.prefill_seconds, e.decode_seconds
     if tensor > 1:  # two all-reduces per layer per micro-batch, and the logits' gather
         def reduces(rows: int, tokens: int) -> float:
@@ -230,8 +232,8 @@ def _unit_seconds(model: Stage, placed: PlacedWeights, policy: Policy, rows: lis
             return hidden + (one(rows * model.cfg.vocab_size * 4) if head else 0.0)
 
         for r in rows:
-            prefill += sum(reduces(r, r * min(CHUNK, workload.prompt_len - start))
-                           for start in range(0, workload.prompt_len, CHUNK))
+            prefill += sum(reduces(r, r * min(chunk, workload.prompt_len - start))
+                           for start in range(0, workload.prompt_len, chunk))
             decode += (workload.gen_len - 1) * reduces(r, r)
     return prefill, decode
 
