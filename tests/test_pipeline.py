@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from tiergen import LLM, SamplingParams
 from tiergen.errors import TiergenError
@@ -41,16 +40,18 @@ def reference(name: str, directory) -> tuple[LLM, list, list]:
         [r.token_ids for r in one.generate(PROMPTS, SAMPLED)]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="session", params=sorted(CASES))
 def case(request, tmp_path_factory):
+    """Every tiny architecture with its one-process reference (shared with the
+    tensor-parallel tests, which import this fixture)."""
     directory = tmp_path_factory.mktemp(request.param)
-    one, greedy, sampled = reference(request.param, directory)
-    return directory, greedy, sampled, one.perplexity(TEXT)
+    return directory, *reference(request.param, directory)
 
 
 def test_two_ranks_match_one_process(case, tmp_path):
     """Rank 1 holds its weights and cache on disk; rank 0 everything in memory."""
-    directory, greedy, sampled, perplexity = case
+    directory, one, greedy, sampled = case
+    perplexity = one.perplexity(TEXT)
     with LLM(directory, **OPTIONS, pipeline_parallel=2, policy=[Policy(), disk(tmp_path)]) as llm:
         assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == greedy
         assert [r.token_ids for r in llm.generate(PROMPTS, SAMPLED)] == sampled

@@ -20,21 +20,15 @@ from tiergen.weights.packed import Packed, cat_rows
 from tiergen.weights.quant import GGMLType
 
 from test_packed import random_packed
-from test_pipeline import (GREEDY, LONG, OPTIONS, PROMPTS, SAMPLED, TEXT, _when_running, disk,
-                           reference)
-from tiny_models import CASES, build
-
-
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    one, greedy, sampled = reference(request.param, directory)
-    return directory, greedy, sampled, one.logits(TEXT)
+from test_pipeline import case  # noqa: F401,F811  (the fixture: each architecture, its reference)
+from test_pipeline import GREEDY, LONG, OPTIONS, PROMPTS, SAMPLED, TEXT, _when_running, disk
+from tiny_models import build
 
 
 def test_two_shards_match_one_process(case, tmp_path):
     """Shard 1 holds its weights and cache on disk; shard 0 everything in memory."""
-    directory, greedy, sampled, logits = case
+    directory, one, greedy, sampled = case
+    logits = one.logits(TEXT)
     with LLM(directory, **OPTIONS, tensor_parallel=2, policy=[Policy(), disk(tmp_path)]) as llm:
         assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == greedy
         assert [r.token_ids for r in llm.generate(PROMPTS, SAMPLED)] == sampled

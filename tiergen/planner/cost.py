@@ -185,10 +185,10 @@ class _Env:
         rates at each row count (interpolated; beyond the largest, compute grows with the
         rows), or else FLOPs at the GEMM rate plus the weights' bytes at the GEMV rate (they
         add up rather than overlap on a CPU: measured)."""
-        table = self.cal.linear_rows.get(f"packed-{self.dtype_name}" if packed
-                                         else self.dtype_name)
         if not params:
             return 0.0
+        table = self.cal.linear_rows.get(f"packed-{self.dtype_name}" if packed
+                                         else self.dtype_name)
         if not table:
             return 2 * params * rows / self.matmul + params * self.itemsize / self.gemv
         points = sorted((int(r), 1 / v) for r, v in table.items())  # (rows, s per param)

@@ -37,7 +37,7 @@ from tiergen.parallel.pipeline import micro_batch_size, pipeline_chunk
 from tiergen.parallel.shard import Shard, ShardedSource
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.planner.calibrate import ONE_THREAD, Calibration
-from tiergen.planner.cost import Estimate, PlacedWeights, Workload, estimate
+from tiergen.planner.cost import Estimate, PlacedWeights, Workload, blocks, estimate
 from tiergen.planner.search import _nothing_fits, _search, fmt, policy_flags
 
 CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size, the estimate's default)
@@ -117,9 +117,7 @@ def rank_calibration(cal: Calibration, ranks: int) -> Calibration:
 def units(policy: Policy, batch: int, max_batch_size: int, stages: int) -> list[list[list[int]]]:
     """Rows of each micro-batch of each unit of each block, as a pipelined run deals them."""
     out = []
-    size = (policy.gpu_batch_size or max_batch_size) * policy.num_gpu_batches
-    for start in range(0, batch, size):
-        rows = min(size, batch - start)
+    for rows in map(sum, blocks(policy, batch, max_batch_size)):
         micro = micro_batch_size(policy, rows, stages)
         cut = [min(micro, rows - i) for i in range(0, rows, micro)]
         out.append([cut[u::stages] for u in range(min(stages, len(cut)))])
@@ -152,8 +150,9 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
                            "per rank, or one for all")
     rank_cal = rank_calibration(cal, size)
     device_type = cal.device_type
-    plans: list[tuple[int, range, int, Stage, object, Estimate]] = []
-    for rank, span, shard, model, src in _ranks(cfg, stages, tensor, source):
+    ranks = list(_ranks(cfg, stages, tensor, source))
+    chosen = []  # each rank's policy before they agree on the batch's cut
+    for rank, span, shard, model, src in ranks:
         mine = policy[rank] if isinstance(policy, (list, tuple)) else policy
         if mine is None:
             found = _search(model.cfg, dtype, workload, rank_cal, device_type, budgets,
@@ -162,29 +161,23 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
                 e = _nothing_fits(found, workload, budgets, device_type, allow_compression)
                 raise TiergenError(f"parallel rank {rank} (layers {span.start}-{span.stop - 1}"
                                    f"{f', shard {shard}' if tensor > 1 else ''}): {e}")
-            e = found.fits[0]
-        else:
-            e = estimate(model.cfg, dtype, mine, workload, rank_cal, device_type,
-                         max_batch_size, PlacedWeights.make(model.cfg, dtype, mine, device_type,
-                                                            model, src))
-        plans.append((rank, span, shard, model, src, e))
-    # every rank must cut the batch alike: the smallest block any rank holds
-    shape = min((e.policy for *_, e in plans),
-                key=lambda p: (p.gpu_batch_size or max_batch_size) * p.num_gpu_batches)
+            mine = found.fits[0].policy
+        chosen.append(mine)
+    # every rank must cut the batch alike: the smallest block any rank holds (smaller blocks
+    # need less memory, so every rank still fits)
+    shape = min(chosen, key=lambda p: (p.gpu_batch_size or max_batch_size) * p.num_gpu_batches)
     cut = units(shape, workload.batch, max_batch_size, stages)
     chunk = pipeline_chunk(CHUNK, workload.prompt_len, stages)
     link = cal.link or DEFAULT_LINK
     prefill = decode = 0.0
-    ranks = []
+    plans = []
     timing: dict[int, list[list[tuple[float, float]]]] = {}  # rank -> block -> unit
-    for rank, span, shard, model, src, e in plans:
-        p = replace(e.policy, gpu_batch_size=shape.gpu_batch_size,
+    for (rank, span, shard, model, src), mine in zip(ranks, chosen):
+        p = replace(mine, gpu_batch_size=shape.gpu_batch_size,
                     num_gpu_batches=shape.num_gpu_batches)
         placed = PlacedWeights.make(model.cfg, dtype, p, device_type, model, src)
-        if p != e.policy:
-            e = estimate(model.cfg, dtype, p, workload, rank_cal, device_type, max_batch_size,
-                         placed)
-        ranks.append(RankPlan(rank, span, shard, e))
+        e = estimate(model.cfg, dtype, p, workload, rank_cal, device_type, max_batch_size, placed)
+        plans.append(RankPlan(rank, span, shard, e))
         head = cfg.vocab_size * cfg.hidden_size // tensor if model.last else 0
         timing[rank] = [[_unit_seconds(model, placed, p, rows, workload, rank_cal, dtype,
                                        max_batch_size, head, tensor, link, chunk)
@@ -209,7 +202,7 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
                 decode += seconds
             else:
                 prefill += seconds
-    return ParallelEstimate(stages, tensor, ranks, workload, prefill, decode, link)
+    return ParallelEstimate(stages, tensor, plans, workload, prefill, decode, link)
 
 
 def _unit_seconds(model: Stage, placed: PlacedWeights, policy: Policy, rows: list[int],
