@@ -58,11 +58,16 @@ def kernel_path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
-@pytest.mark.parametrize("rows", [1, 3, 5, 9, 17, 40])  # below, at and above the row threshold
-def test_packed_matmul_equals_dequantise_then_matmul(ggml_type, rows, kernel_path):
+# rows: the in-register kernel (1-3), the tiled one (4-row tiles, with a remainder or not, up
+# to kernels.ROW_THRESHOLD = 32), and decode-then-BLAS above it
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 17, 32, 40])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_packed_matmul_equals_dequantise_then_matmul(ggml_type, rows, wide, kernel_path):
     block = ggml_type_sizes(ggml_type)[0]
-    # 67 output rows and 11 blocks per row (or 3 K-blocks): no tile divides them evenly
-    w = random_packed(ggml_type, 67, block * (11 if block == 32 else 3), seed=ggml_type)
+    # 67 output rows (odd: the tiles take 2) and 11 blocks per row (or 3 K-blocks); wide rows
+    # run past the kernel's 1024-value tile and stop inside the second
+    cols = 1280 if wide else block * (11 if block == 32 else 3)
+    w = random_packed(ggml_type, 67, cols, seed=ggml_type)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
     assert_close_relative(kernels.packed_linear(x, w), reference(x, w))
     bias = torch.randn(67)

@@ -1,12 +1,13 @@
 """Matrix products on packed weights (:class:`tiergen.weights.packed.Packed`).
 
-On a CPU, few rows (decode) go through ``packed.c``: each weight block is decoded in
-registers and multiplied at once, so the weights are read packed. Many rows (prefill) are
-bound by arithmetic, not by reading weights: above ``ROW_THRESHOLD`` rows the matrix is
-decoded into a reused float32 buffer and multiplied by the BLAS in float32 (bfloat16 inputs
-too: without native bfloat16 its GEMM is many times slower, and the decoder writes float32). The C library is compiled on
-first use with the machine's C compiler for its own SIMD (-march=native) and cached; without
-a compiler, or on a GPU, every product takes the decode-then-multiply path in plain torch.
+On a CPU, up to ``ROW_THRESHOLD`` rows go through ``packed.c``: the blocks are decoded to
+float32 on the fly (in registers for a few rows, a cache-sized tile at a time for more) and
+multiplied there, so the weights are read packed and never inflated in memory. Many rows
+(prefill) are bound by arithmetic: the matrix is decoded into a reused float32 buffer and
+multiplied by the BLAS in float32 (bfloat16 inputs too: without native bfloat16 its GEMM is
+many times slower, and the decoder writes float32). The C library is compiled on first use
+with the machine's C compiler for its own SIMD (-march=native) and cached; without a
+compiler, or on a GPU, every product takes the decode-then-multiply path in plain torch.
 """
 
 from __future__ import annotations
@@ -31,11 +32,18 @@ from tiergen.weights.quant import ggml_type_sizes
 log = logging.getLogger("tiergen")
 
 SOURCE = Path(__file__).with_name("packed.c")
-ROW_THRESHOLD = 8  # more rows than this: decode the matrix, then the BLAS (crossover 5-6 rows
-# with 1 thread, 8-12 with 2, on an AVX2 EPYC: benchmarks/bench_threshold.py)
+ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
+# rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
+# benchmarks/bench_threshold.py)
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
+
+
+# -ffast-math is avoided: in a shared library it would switch the whole process to flushing
+# denormals. The kernels are written with explicit vectors, so nothing needs reassociation.
+FLAGS = ["-O3", "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native",
+         "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-std=gnu11"]
 
 
 def _compile(target: Path) -> None:
@@ -46,17 +54,12 @@ def _compile(target: Path) -> None:
     # The OpenMP runtime torch ships, so that both share one thread pool.
     torch_lib = Path(torch.__file__).parent / "lib"
     gomp = next(iter(sorted(torch_lib.glob("libgomp*.so*"))), None)
-    # -ffast-math is avoided: in a shared library it would switch the whole process to
-    # flushing denormals. Reassociation alone lets dot products vectorise.
-    flags = ["-O3", "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native",
-             "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fassociative-math",
-             "-fno-signed-zeros", "-fno-trapping-math", "-std=c11"]
     libs = [f"-L{torch_lib}", f"-l:{gomp.name}", f"-Wl,-rpath,{torch_lib}"] if gomp else []
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, *libs], check=True,
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, *libs], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
@@ -70,7 +73,8 @@ def _library_path() -> Path:
     from tiergen._platform import cpu_flags
     from tiergen.weights import cache_dir
 
-    ident = SOURCE.read_bytes() + platform.machine().encode() + " ".join(sorted(cpu_flags())).encode()
+    ident = (SOURCE.read_bytes() + platform.machine().encode() + " ".join(FLAGS).encode()
+             + " ".join(sorted(cpu_flags())).encode())
     return cache_dir() / "kernels" / f"packed-{hashlib.sha256(ident).hexdigest()[:16]}.so"
 
 

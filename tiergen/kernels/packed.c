@@ -1,21 +1,22 @@
 /* Matrix products on packed (GGML block) weights, for the CPU.
  *
- * Each block of a weight row is decoded into float32 registers (a small stack buffer) and
- * multiplied with up to MAX_ROWS activation rows at once, so the weights are read once per
- * call and never inflated in memory. Plain C written for the compiler's auto-vectoriser:
- * built on the user's machine with -march=native, it uses AVX2, AVX-512 or NEON, whatever
- * the CPU has. Block layouts follow tiergen/weights/quant.py (and so llama.cpp's files).
- * Rows are shared among threads with OpenMP; linked against the OpenMP runtime torch has
- * already loaded, it shares torch's thread pool.
+ * The weights are read in their blocks and decoded to float32 vectors on the fly, never
+ * written out whole; the products are float32 (within rounding of decode-then-multiply).
+ * Plain C with the compiler's vector extensions: built on the user's machine with
+ * -march=native, it uses AVX2, AVX-512 or NEON, whatever the CPU has (sign extension by
+ * x86 intrinsics where present). Block layouts follow tiergen/weights/quant.py (and so
+ * llama.cpp's files). Rows are shared among threads with OpenMP; linked against the OpenMP
+ * runtime torch has already loaded, it shares torch's thread pool.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ROWS 4
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #if defined(__F16C__)
-#include <immintrin.h>
 static inline float half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -158,85 +159,162 @@ static inline void un_q6_k(const uint8_t *R b, int8_t *R q, float *R a, float *R
     }
 }
 
-/* ---- y[i, r] = sum_k W[r, k] x[i, k] -------------------------------------------------- */
+/* ---- y[i, r] = sum_k W[r, k] x[i, k] --------------------------------------------------
+ * Blocks are decoded to float32 vectors (a * q + c) by widen(). Few activation rows (decode):
+ * each decoded vector is multiplied at once with every row, in registers, so the weights
+ * are read packed and never written out. More rows: a chunk of KC values of NR weight rows
+ * is decoded once into a stack buffer (L1), then every activation row multiplies it, MR rows
+ * at a time with MR x NR vector accumulators (MR fused multiply-adds per weight vector
+ * loaded). Either way the weights are decoded once per call, whatever the number of rows. */
 
-#define LANES 16 /* accumulators per activation row: one AVX-512 or two AVX2 registers */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+#define FEW 3   /* up to this many rows: the in-register kernel (benchmarks/bench_threshold.py) */
+#define MR 4
+#define NR 2
+#define KC 1024 /* a multiple of every block size (32, 256) */
 
-/* acc[t] += a * q[j] * x[j] for j = t (mod LANES): no horizontal sum inside the row. */
-static inline void axpy_q(float *R acc, float a, const int8_t *R q, const float *R x, int n) {
-    for (int j0 = 0; j0 < n; j0 += LANES)
-        for (int t = 0; t < LANES; t++) acc[t] += a * (float)q[j0 + t] * x[j0 + t];
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* sums[i * (k / L) + s]: the sum of x row i over sub-block s (the "b" term's factor). */
-static void sub_sums(const float *x, int64_t m, int64_t k, int L, float *sums) {
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t s = 0; s < k / L; s++) {
-            float t = 0.0f;
-            for (int j = 0; j < L; j++) t += x[i * k + s * L + j];
-            sums[i * (k / L) + s] = t;
+static inline float hsum(vf v) {
+    float t = 0.0f;
+    for (int l = 0; l < VL; l++) t += v[l];
+    return t;
+}
+
+/* a * q[0..VL) + c. Sign extension by intrinsics where there are some: GCC's generic vector
+ * conversion extracts the bytes one at a time. */
+static inline vf widen(const int8_t *R q, float a, float c) {
+#if defined(__AVX512F__)
+    const vf v = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)q)));
+#elif defined(__AVX2__)
+    const vf v = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)q)));
+#else
+    vf v;
+    for (int l = 0; l < VL; l++) v[l] = (float)q[l];
+#endif
+    return v * a + c;
+}
+
+/* acc[i][*] += block * x[i * k + j] over one decoded block (QK values in sub-blocks of L),
+ * spread over CH accumulators per row: one chain of dependent additions would wait on the
+ * FMA latency at every vector. */
+#define CH 4
+static inline __attribute__((always_inline)) void
+few(const int ROWS, const int QK, const int L, const int8_t *R q, const float *R a,
+    const float *R c, const float *R x, int64_t k, vf acc[][CH]) {
+    _Pragma("GCC unroll 32")
+    for (int v = 0; v < QK / VL; v++) {
+        const vf wv = widen(q + v * VL, a[v * VL / L], c[v * VL / L]);
+        for (int i = 0; i < ROWS; i++) acc[i][v % (CH / ROWS + (ROWS == 3))] += wv * loadv(x + i * k + v * VL);
+    }
+}
+
+/* y[i, c] (+)= sum_j w_c[j] x[i, j] for i < ROWS, c < ncols <= NR, j < len. */
+static inline __attribute__((always_inline)) void
+micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, int64_t k,
+      int64_t len, float *R y, int64_t ldy, int ncols, int add) {
+    vf acc[MR][NR];
+    for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = (vf){0};
+    for (int64_t j = 0; j < len; j += VL) {
+        const vf a = loadv(w0 + j), b = loadv(w1 + j);
+        for (int i = 0; i < ROWS; i++) {
+            const vf xv = loadv(x + i * k + j);
+            acc[i][0] += a * xv;
+            acc[i][1] += b * xv;
+        }
+    }
+    for (int i = 0; i < ROWS; i++)
+        for (int c = 0; c < ncols; c++) {
+            const float t = hsum(acc[i][c]);
+            y[i * ldy + c] = add ? y[i * ldy + c] + t : t;
         }
 }
 
-/* Blocks are unpacked G at a time (up to 256 values), so that short blocks (32 values)
- * share the per-block loop overhead the way one 256-value K-quant block does. */
-#define MATMUL(NAME, QK, L, BYTES, UNPACK)                                                    \
-    static void NAME(const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,      \
-                     float *y, int64_t ldy) {                                                 \
-        enum { G = 256 / QK, S = QK / L };                                                    \
-        const int64_t nb = k / QK, row_bytes = nb * BYTES, ns = k / L;                        \
-        float *sums = malloc(sizeof(float) * (size_t)(m * ns));                               \
-        sub_sums(x, m, k, L, sums);                                                           \
+#define KERNELS(NAME, QK, L, BYTES, UNPACK)                                                   \
+    static inline __attribute__((always_inline)) void                                      \
+    NAME##_row(const int ROWS, const uint8_t *wr, int64_t nb, const float *x, int64_t k,      \
+               float *y, int64_t ldy) {                                                       \
+        int8_t q[QK] __attribute__((aligned(32)));                                            \
+        float a[QK / L], c[QK / L];                                                           \
+        vf acc[FEW][CH] = {{{0}}};                                                            \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            UNPACK(wr + b * BYTES, q, a, c);                                                  \
+            few(ROWS, QK, L, q, a, c, x + b * QK, k, acc);                                    \
+        }                                                                                     \
+        for (int i = 0; i < ROWS; i++)                                                        \
+            y[i * ldy] = hsum(acc[i][0] + acc[i][1] + acc[i][2] + acc[i][3]);                 \
+    }                                                                                         \
+    static void NAME##_few(const uint8_t *w, int64_t n, int64_t k, const float *x,            \
+                           int64_t m, float *y, int64_t ldy) {                                \
+        const int64_t nb = k / QK;                                                            \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r = 0; r < n; r++) {                                                     \
-            int8_t q[G * QK] __attribute__((aligned(64)));                                    \
-            float a[G * S], c[G * S];                                                         \
-            const uint8_t *wr = w + r * row_bytes;                                            \
-            for (int64_t i0 = 0; i0 < m; i0 += MAX_ROWS) {                                    \
-                const int rows = m - i0 < MAX_ROWS ? (int)(m - i0) : MAX_ROWS;                \
-                float acc[MAX_ROWS][LANES] __attribute__((aligned(64))) = {{0}};              \
-                float bias[MAX_ROWS] = {0};                                                   \
-                for (int64_t bl = 0; bl < nb;) {                                              \
-                    const int g = nb - bl >= G ? G : 1;                                       \
-                    for (int u = 0; u < g; u++)                                               \
-                        UNPACK(wr + (bl + u) * BYTES, q + u * QK, a + u * S, c + u * S);      \
-                    for (int i = 0; i < rows; i++) {                                          \
-                        const float *xb = x + (i0 + i) * k + bl * QK;                         \
-                        const float *sb = sums + (i0 + i) * ns + bl * S;                      \
-                        for (int s = 0; s < g * S; s++) {                                     \
-                            axpy_q(acc[i], a[s], q + s * L, xb + s * L, L);                   \
-                            bias[i] += c[s] * sb[s];                                          \
+            const uint8_t *wr = w + r * nb * BYTES;                                           \
+            if (m == 1) NAME##_row(1, wr, nb, x, k, y + r, ldy);                              \
+            else if (m == 2) NAME##_row(2, wr, nb, x, k, y + r, ldy);                         \
+            else NAME##_row(3, wr, nb, x, k, y + r, ldy);                                     \
+        }                                                                                     \
+    }                                                                                         \
+    static void NAME##_tiled(const uint8_t *w, int64_t n, int64_t k, const float *x,          \
+                             int64_t m, float *y, int64_t ldy) {                              \
+        const int64_t nb = k / QK;                                                            \
+        _Pragma("omp parallel for schedule(static)")                                          \
+        for (int64_t r0 = 0; r0 < n; r0 += NR) {                                              \
+            float wf[NR][KC] __attribute__((aligned(64)));                                    \
+            int8_t q[QK] __attribute__((aligned(32)));                                        \
+            float a[QK / L], c[QK / L];                                                       \
+            const int ncols = n - r0 < NR ? (int)(n - r0) : NR;                               \
+            for (int64_t k0 = 0; k0 < k; k0 += KC) {                                          \
+                const int64_t len = k - k0 < KC ? k - k0 : KC;                                \
+                for (int col = 0; col < ncols; col++)                                         \
+                    for (int64_t b = 0; b < len / QK; b++) {                                  \
+                        UNPACK(w + ((r0 + col) * nb + k0 / QK + b) * BYTES, q, a, c);         \
+                        for (int j = 0; j < QK; j += VL) {                                    \
+                            const vf v = widen(q + j, a[j / L], c[j / L]);                    \
+                            memcpy(wf[col] + b * QK + j, &v, sizeof v);                       \
                         }                                                                     \
                     }                                                                         \
-                    bl += g;                                                                  \
-                }                                                                             \
-                for (int i = 0; i < rows; i++) {                                              \
-                    float t = bias[i];                                                        \
-                    for (int l = 0; l < LANES; l++) t += acc[i][l];                           \
-                    y[(i0 + i) * ldy + r] = t;                                                \
-                }                                                                             \
+                const float *w1 = ncols > 1 ? wf[1] : wf[0];                                  \
+                int64_t i = 0;                                                                \
+                for (; i + MR <= m; i += MR)                                                  \
+                    micro(MR, wf[0], w1, x + i * k + k0, k, len, y + i * ldy + r0, ldy,       \
+                          ncols, k0 > 0);                                                     \
+                for (; i < m; i++)                                                            \
+                    micro(1, wf[0], w1, x + i * k + k0, k, len, y + i * ldy + r0, ldy, ncols, \
+                          k0 > 0);                                                            \
             }                                                                                 \
         }                                                                                     \
-        free(sums);                                                                           \
     }                                                                                         \
     static void NAME##_dequant(const uint8_t *w, int64_t nblocks, float *out) {               \
         _Pragma("omp parallel for schedule(static)")                                          \
-        for (int64_t bl = 0; bl < nblocks; bl++) {                                            \
-            int8_t q[QK];                                                                     \
-            float a[QK / L], c[QK / L], *o = out + bl * QK;                                   \
-            UNPACK(w + bl * BYTES, q, a, c);                                                  \
-            for (int j = 0; j < QK; j++) o[j] = a[j / L] * (float)q[j] + c[j / L];            \
+        for (int64_t b = 0; b < nblocks; b++) {                                               \
+            int8_t q[QK] __attribute__((aligned(32)));                                        \
+            float a[QK / L], c[QK / L];                                                       \
+            UNPACK(w + b * BYTES, q, a, c);                                                   \
+            for (int j = 0; j < QK; j += VL) {                                                \
+                const vf v = widen(q + j, a[j / L], c[j / L]);                                \
+                memcpy(out + b * QK + j, &v, sizeof v);                                       \
+            }                                                                                 \
         }                                                                                     \
     }
 
-MATMUL(mm_q4_0, 32, 32, 18, un_q4_0)
-MATMUL(mm_q4_1, 32, 32, 20, un_q4_1)
-MATMUL(mm_q5_0, 32, 32, 22, un_q5_0)
-MATMUL(mm_q5_1, 32, 32, 24, un_q5_1)
-MATMUL(mm_q8_0, 32, 32, 34, un_q8_0)
-MATMUL(mm_q4_k, 256, 32, 144, un_q4_k)
-MATMUL(mm_q5_k, 256, 32, 176, un_q5_k)
-MATMUL(mm_q6_k, 256, 16, 210, un_q6_k)
+KERNELS(mm_q4_0, 32, 32, 18, un_q4_0)
+KERNELS(mm_q4_1, 32, 32, 20, un_q4_1)
+KERNELS(mm_q5_0, 32, 32, 22, un_q5_0)
+KERNELS(mm_q5_1, 32, 32, 24, un_q5_1)
+KERNELS(mm_q8_0, 32, 32, 34, un_q8_0)
+KERNELS(mm_q4_k, 256, 32, 144, un_q4_k)
+KERNELS(mm_q5_k, 256, 32, 176, un_q5_k)
+KERNELS(mm_q6_k, 256, 16, 210, un_q6_k)
 
 /* GGML type ids (ggml.h): Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14. */
 #define DISPATCH(TYPE, SUFFIX, ARGS)                                                          \
@@ -255,7 +333,8 @@ MATMUL(mm_q6_k, 256, 16, 210, un_q6_k)
 /* y (m rows, row stride ldy) = x (m, k) @ W(n, k)^T; W's rows are k / QK blocks each. */
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy) {
-    DISPATCH(type, , (w, n, k, x, m, y, ldy))
+    if (m <= FEW) DISPATCH(type, _few, (w, n, k, x, m, y, ldy))
+    DISPATCH(type, _tiled, (w, n, k, x, m, y, ldy))
 }
 
 /* out (nblocks * QK floats) = the values of nblocks consecutive blocks. */
