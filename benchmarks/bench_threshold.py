@@ -1,7 +1,7 @@
 """Where the packed kernels stop paying: milliseconds per product of SmolLM2's packed matrices
-with x of 2..24 rows, through packed.c (decode each block in registers, row by row) and
-through decode-into-a-buffer then the BLAS; tiergen.kernels.ROW_THRESHOLD should sit at the
-crossover.
+(three of a layer's, and the 49152-row LM head) with x of 1..128 rows, through packed.c
+(blocks decoded on the fly, in registers or a tile at a time) and through
+decode-into-a-buffer then the BLAS; tiergen.kernels.ROW_THRESHOLD should sit at the crossover.
 
     python benchmarks/bench_threshold.py [--threads 1 2]
 """
@@ -18,10 +18,10 @@ from tiergen.bench import cpu_description
 from tiergen.weights import open_model
 
 MATRICES = ["model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.gate_proj.weight",
-            "model.layers.3.mlp.down_proj.weight"]
+            "model.layers.3.mlp.down_proj.weight", "model.embed_tokens.weight"]
 
 
-def per_product(x: torch.Tensor, w, threshold: int, repeat: int = 20) -> float:
+def per_product(x: torch.Tensor, w, threshold: int, repeat: int = 10) -> float:
     K.ROW_THRESHOLD = threshold
     K.packed_linear(x, w)
     t = time.perf_counter()
@@ -44,7 +44,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for name in MATRICES:
             w = files.source.get(name)
-            for rows in (2, 4, 6, 8, 12, 16, 24):
+            for rows in (1, 2, 4, 8, 16, 32, 64, 128):
                 x = torch.randn(rows, w.shape[1])
                 kernel, blas = per_product(x, w, 1 << 30), per_product(x, w, 0)
                 print(f"| {threads} | {name.split('.')[-2]} {tuple(w.shape)} | {rows} | "

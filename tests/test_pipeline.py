@@ -186,3 +186,25 @@ def test_prefill_is_cut_so_that_stages_overlap(llama):
     expected = [r.token_ids for r in one.generate(long, GREEDY)]
     with LLM(llama, dtype="float32", prefill_chunk_size=512, pipeline_parallel=2) as llm:
         assert [r.token_ids for r in llm.generate(long, GREEDY)] == expected
+
+
+def test_a_rank_that_fails_to_start_is_reported_at_once(monkeypatch):
+    """A worker function the new interpreter cannot import: the rank exits while unpickling
+    its arguments, and rank 0 says so without waiting out the timeout."""
+    import sys
+    import types
+
+    from tiergen.parallel.group import launch
+
+    module = types.ModuleType("tiergen_test_absent_module")
+
+    def work(group) -> None:
+        pass
+
+    work.__module__, work.__qualname__ = module.__name__, "work"
+    module.work = work
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    started = time.monotonic()
+    with pytest.raises(TiergenError, match="parallel rank 1 .* failed to start"):
+        launch(2, 1, timeout=120, worker=work, threads=1)
+    assert time.monotonic() - started < 30

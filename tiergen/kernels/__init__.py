@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tiergen.weights.packed import Packed
+from tiergen.weights.packed import Packed, layout
 from tiergen.weights.quant import ggml_type_sizes
 
 log = logging.getLogger("tiergen")
@@ -142,11 +142,14 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
             return F.linear(x.float(), dense, bias if bias is None else bias.float()).to(x.dtype)
         dense = dequantize_into(w, _scratch_buffer(w.shape, x.dtype, x.device))
         return F.linear(x, dense, bias)
-    xf = x.reshape(rows, -1).float().contiguous()
+    xf = x.reshape(rows, -1)
+    if xf.dtype != torch.float32 or not xf.is_contiguous():
+        xf = xf.float().contiguous()
     y = torch.empty(rows, w.shape[0], dtype=torch.float32)
-    for ggml_type, row, n, raw in w.segments():
-        if lib.tg_matmul(ggml_type, raw.data_ptr(), n, w.shape[1], xf.data_ptr(), rows,
-                         y[:, row:].data_ptr(), w.shape[0]):
+    base, xp, yp = w.data.data_ptr(), xf.data_ptr(), y.data_ptr()
+    for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
+        if lib.tg_matmul(ggml_type, base + start, n, w.shape[1], xp, rows, yp + 4 * row,
+                         w.shape[0]):
             raise ValueError(f"no packed kernel for GGML type {ggml_type}")
     if bias is not None:
         y += bias

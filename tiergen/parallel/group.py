@@ -218,6 +218,7 @@ def launch(size: int, tensor: int, timeout: float, worker: Callable[[Group], Non
         p.stdin.close()
         workers.append(p)
     try:
+        _wait_started(store, workers, timeout)
         dist.init_process_group("gloo", store=store, rank=0, world_size=size,
                                 timeout=timedelta(seconds=timeout))
     except BaseException as e:
@@ -229,6 +230,21 @@ def launch(size: int, tensor: int, timeout: float, worker: Callable[[Group], Non
                                "says why") from None
         raise TiergenError(f"the parallel ranks did not join within {timeout:g} s ({e})") from None
     return Group(0, size, timeout, tensor, workers)
+
+
+def _wait_started(store: dist.TCPStore, workers: list[subprocess.Popen], timeout: float) -> None:
+    """Until every started rank has said so through the store; a rank that exits first (its
+    arguments could not be unpickled, its interpreter failed) ends the wait at once, where
+    joining the process group would wait out the whole timeout."""
+    deadline = time.monotonic() + timeout
+    waiting = set(range(1, len(workers) + 1))
+    while waiting:
+        if any(p.poll() is not None for p in workers):
+            raise RuntimeError("a rank exited")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"ranks {sorted(waiting)} did not start")
+        waiting = {r for r in waiting if not store.check([f"tiergen/started/{r}"])}
+        time.sleep(0.02)
 
 
 def join_torchrun(timeout: float, tensor: int) -> Group:
@@ -246,6 +262,7 @@ def worker_main() -> None:
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
                           timeout=timedelta(seconds=timeout))
+    store.set(f"tiergen/started/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout))
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 
@@ -71,11 +72,8 @@ class Packed:
 
     def segments(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
         """(ggml type, first row, rows, that part's bytes) of each part."""
-        row = byte = 0
-        for ggml_type, rows in self.parts:
-            n = tensor_nbytes(ggml_type, rows * self.shape[1])
-            yield ggml_type, row, rows, self.data[byte:byte + n]
-            row, byte = row + rows, byte + n
+        for ggml_type, row, rows, start, stop in layout(self.shape, self.parts):
+            yield ggml_type, row, rows, self.data[start:stop]
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
@@ -125,6 +123,18 @@ class Packed:
         if len(self.parts) != 1:
             raise TiergenError("only a single-type packed matrix can have its rows permuted")
         return replace(self, data=self.data.view(self.shape[0], -1)[perm].reshape(-1))
+
+
+@lru_cache(maxsize=4096)
+def layout(shape: tuple[int, int], parts: Parts) -> tuple[tuple[int, int, int, int, int], ...]:
+    """(ggml type, first row, rows, first byte, end byte) of each part (cached: the kernels
+    ask for it at every product)."""
+    out, row, byte = [], 0, 0
+    for ggml_type, rows in parts:
+        n = tensor_nbytes(ggml_type, rows * shape[1])
+        out.append((ggml_type, row, rows, byte, byte + n))
+        row, byte = row + rows, byte + n
+    return tuple(out)
 
 
 def packed_nbytes(shape: Sequence[int], parts: Parts) -> int:
