@@ -14,7 +14,7 @@ Each configuration runs in a fresh process; the table gives generated tokens/s (
 included), decode tokens/s, the ratio to the one-process run, and peak RSS per rank.
 
     python benchmarks/bench_pipeline.py [--dir /var/tmp/tiergen-scale] [--host-memory 2G]
-        [--batch 32] [--big-batches 4 32]
+        [--batch 32] [--big-batches 4 32] [--parts 1 2]
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ def main() -> None:
     p.add_argument("--host-memory", default="2G")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--big-batches", type=int, nargs="+", default=[4, 32])
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                   help="which of the two measurements above to run (default: both)")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=16)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -111,19 +113,23 @@ def main() -> None:
         print(json.dumps(child(a)))
         return
 
-    import scale_model
-    from bench_plan import PageCacheEvictor
     from bench_scale import machine
-    from tiergen.planner.calibrate import _measure_disk
 
     print(machine())
+    if 1 in a.parts:
+        efficiency(a.batch)
+    if 2 in a.parts:
+        over_budget(a)
+
+
+def efficiency(big_batch: int) -> None:
     from tiergen import Policy
 
     print("\n1. SmolLM2 (Q4_1 packed), weights in RAM: 128-token prompts, 64 new tokens")
     print("| run | batch | decode tok/s | total tok/s | vs one process (total) | predicted "
           "total tok/s | measured / predicted |")
     print("|---|---|---|---|---|---|---|")
-    for batch in (1, a.batch):
+    for batch in (1, big_batch):
         base = None
         for name, stages, tensor in [("1 process x 2 threads", 1, 1),
                                      ("2 pipeline ranks x 1 thread", 2, 1),
@@ -135,6 +141,13 @@ def main() -> None:
             print(f"| {name} | {batch} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
                   f"{r['total_tok_s'] / base:.0%} | {guess:.1f} | "
                   f"{r['total_tok_s'] / guess:.2f} |", flush=True)
+
+
+def over_budget(a: argparse.Namespace) -> None:
+    import scale_model
+    from bench_plan import PageCacheEvictor
+    from tiergen import Policy
+    from tiergen.planner.calibrate import _measure_disk
 
     a.dir = str(Path(a.dir).resolve())
     paths = scale_model.build(Path(a.dir) / "llama-3.2-1b", scale_model.SHAPES["llama-3.2-1b"],
