@@ -44,6 +44,17 @@ def test_a_rank_gets_its_share_of_the_cores_and_the_disk():
     assert rank_calibration(CAL, 1) is CAL
 
 
+def test_a_rank_s_products_share_what_all_threads_reach():
+    """Interpolated between one thread and four for two threads of four, unless that is more
+    than half of what all four reach together (memory-bound rows: the ranks share it)."""
+    tables = {"float32": {"1": 8.0, "16": 4.0}, "float32 x1": {"1": 6.0, "16": 1.0}}
+    cal = rank_calibration(dataclasses.replace(CAL, linear_rows=tables), 2)
+    assert cal.linear_rows == {"float32": {"1": 4.0, "16": 2.0}}  # min(6 + 2/3 * 2, 8 / 2), ...
+    tables["float32 x1"]["1"] = 1.0  # threads scale: the interpolation is below the share
+    cal = rank_calibration(dataclasses.replace(CAL, linear_rows=tables), 2)
+    assert cal.linear_rows["float32"]["1"] == pytest.approx(1 + 7 / 3)
+
+
 def test_one_rank_is_the_one_process_estimate():
     e = plan_parallel(SMOL, BF16, WORK, CAL, Budgets(), 1, 1, Policy())
     one = estimate(SMOL, BF16, Policy(), WORK, CAL)

@@ -90,7 +90,13 @@ class ParallelEstimate:
 def rank_calibration(cal: Calibration, ranks: int) -> Calibration:
     """What one of ``ranks`` ranks on the calibrated machine gets: on a CPU, its share of
     the threads (compute rates scaled to it; the products' rates interpolated between those
-    measured with one thread and with all) and of the disk."""
+    measured with one thread and with all) and of the disk.
+
+    A product's rate is also at most the rank's share of what all threads together reach:
+    ranks multiply at the same time, and where a product is bound by memory (few rows;
+    bfloat16 widened on a CPU without it) one thread alone gets more of the bandwidth than
+    it does beside the other ranks (a 1B-shaped bfloat16 pipeline stage at 16 rows took 1.7x
+    the one-thread figure)."""
     if cal.device_type != "cpu" or ranks == 1:
         return cal
     threads = int(cal.hardware.get("torch_threads") or 1)
@@ -105,7 +111,8 @@ def rank_calibration(cal: Calibration, ranks: int) -> Calibration:
         if one is None or threads == 1:
             return scaled(table)
         f = (mine - 1) / (threads - 1)
-        return {r: one[r] + (v - one[r]) * f for r, v in table.items() if r in one}
+        return {r: min(one[r] + (v - one[r]) * f, v * share) for r, v in table.items()
+                if r in one}
 
     return replace(cal, matmul=scaled(cal.matmul), gemv=scaled(cal.gemv),
                    linear_rows={k: products(k) for k in cal.linear_rows
