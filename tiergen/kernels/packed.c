@@ -214,7 +214,7 @@ few(const int ROWS, const int QK, const int L, const int8_t *R q, const float *R
     _Pragma("GCC unroll 32")
     for (int v = 0; v < QK / VL; v++) {
         const vf wv = widen(q + v * VL, a[v * VL / L], c[v * VL / L]);
-        for (int i = 0; i < ROWS; i++) acc[i][v % (CH / ROWS + (ROWS == 3))] += wv * loadv(x + i * k + v * VL);
+        for (int i = 0; i < ROWS; i++) acc[i][v % CH] += wv * loadv(x + i * k + v * VL);
     }
 }
 
