@@ -142,7 +142,7 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
             return F.linear(x.float(), dense, bias if bias is None else bias.float()).to(x.dtype)
         dense = dequantize_into(w, _scratch_buffer(w.shape, x.dtype, x.device))
         return F.linear(x, dense, bias)
-    xf = x.reshape(rows, -1)
+    xf = x.reshape(rows, x.shape[-1])
     if xf.dtype != torch.float32 or not xf.is_contiguous():
         xf = xf.float().contiguous()
     y = torch.empty(rows, w.shape[0], dtype=torch.float32)

@@ -333,6 +333,7 @@ KERNELS(mm_q6_k, 256, 16, 210, un_q6_k)
 /* y (m rows, row stride ldy) = x (m, k) @ W(n, k)^T; W's rows are k / QK blocks each. */
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy) {
+    if (m <= 0) return 0;
     if (m <= FEW) DISPATCH(type, _few, (w, n, k, x, m, y, ldy))
     DISPATCH(type, _tiled, (w, n, k, x, m, y, ldy))
 }
