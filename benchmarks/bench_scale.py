@@ -220,6 +220,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=8)
     p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--qtypes", default="Q8_0,Q4_0",
+                   help="GGUF files to build beside the checkpoint (the runs use Q4_0)")
     p.add_argument("--llamacpp-python", default=".peers/llamacpp-venv/bin/python")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--paths", help=argparse.SUPPRESS)
@@ -238,14 +240,15 @@ def main() -> None:
 
     a.dir = str(Path(a.dir).resolve())
     t = time.perf_counter()
-    paths = scale_model.build(Path(a.dir) / a.shape, scale_model.SHAPES[a.shape])
+    qtypes = tuple(a.qtypes.split(","))
+    paths = scale_model.build(Path(a.dir) / a.shape, scale_model.SHAPES[a.shape], qtypes=qtypes)
     print(f"checkpoint ready in {time.perf_counter() - t:.0f} s", file=sys.stderr)
     disk = _measure_disk(Path(a.dir), 2**30)
     hf_bytes = sum(f.stat().st_size for f in paths["hf"].glob("*.safetensors"))
     print(f"{machine()}; disk read {disk / 1e9:.2f} GB/s; host budget {a.host_memory}; "
           f"{a.batch} prompts x {a.prompt_len} tokens, {a.gen_len} new; page cache evicted")
     print(f"checkpoint: {hf_bytes / 1e9:.1f} GB bfloat16 safetensors, "
-          + ", ".join(f"{q} {paths[q].stat().st_size / 1e9:.1f} GB" for q in ("Q8_0", "Q4_0")))
+          + ", ".join(f"{q} {paths[q].stat().st_size / 1e9:.1f} GB" for q in qtypes))
     print("| run | batch | tok/s | s/decode step | GB read/step | bound s/step (bytes/disk) "
           "| step vs bound | peak RSS GB | load s |")
     print("|---|---|---|---|---|---|---|---|---|")
