@@ -189,14 +189,11 @@ def _plan(args: argparse.Namespace, files, prompts: list[str]):
 
 
 def _ranks(args: argparse.Namespace) -> tuple[int, int]:
-    """(pipeline stages, tensor shards) of the command; under torchrun the stages default to
-    its world size over the shards, as the run counts them."""
-    from tiergen.parallel.group import under_torchrun
+    """(pipeline stages, tensor shards) of the command, counted as the run counts them."""
+    from tiergen.parallel.group import run_stages
 
-    stages, tensor = getattr(args, "pipeline_parallel", 1), getattr(args, "tensor_parallel", 1)
-    if under_torchrun() and stages == 1 and tensor > 0:
-        stages = max(1, int(os.environ["WORLD_SIZE"]) // tensor)
-    return stages, tensor
+    tensor = getattr(args, "tensor_parallel", 1)
+    return run_stages(getattr(args, "pipeline_parallel", 1), tensor), tensor
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:

@@ -173,7 +173,7 @@ static inline void un_q6_k(const uint8_t *R b, int8_t *R q, float *R a, float *R
 #define VL 8
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
-#define FEW 3   /* up to this many rows: the in-register kernel (benchmarks/bench_threshold.py) */
+#define FEW 3   /* up to this many rows the in-register kernel (at 4 both are as fast) */
 #define MR 4
 #define NR 2
 #define KC 1024 /* a multiple of every block size (32, 256) */
@@ -202,6 +202,16 @@ static inline vf widen(const int8_t *R q, float a, float c) {
     for (int l = 0; l < VL; l++) v[l] = (float)q[l];
 #endif
     return v * a + c;
+}
+
+/* out[0..QK) = a block's values, decoded (q, a, c as UNPACK gives them). */
+static inline __attribute__((always_inline)) void
+widen_block(const int QK, const int L, const int8_t *R q, const float *R a, const float *R c,
+            float *R out) {
+    for (int j = 0; j < QK; j += VL) {
+        const vf v = widen(q + j, a[j / L], c[j / L]);
+        memcpy(out + j, &v, sizeof v);
+    }
 }
 
 /* acc[i][*] += block * x[i * k + j] over one decoded block (QK values in sub-blocks of L),
@@ -278,10 +288,7 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
                 for (int col = 0; col < ncols; col++)                                         \
                     for (int64_t b = 0; b < len / QK; b++) {                                  \
                         UNPACK(w + ((r0 + col) * nb + k0 / QK + b) * BYTES, q, a, c);         \
-                        for (int j = 0; j < QK; j += VL) {                                    \
-                            const vf v = widen(q + j, a[j / L], c[j / L]);                    \
-                            memcpy(wf[col] + b * QK + j, &v, sizeof v);                       \
-                        }                                                                     \
+                        widen_block(QK, L, q, a, c, wf[col] + b * QK);                        \
                     }                                                                         \
                 const float *w1 = ncols > 1 ? wf[1] : wf[0];                                  \
                 int64_t i = 0;                                                                \
@@ -300,10 +307,7 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
             int8_t q[QK] __attribute__((aligned(32)));                                        \
             float a[QK / L], c[QK / L];                                                       \
             UNPACK(w + b * BYTES, q, a, c);                                                   \
-            for (int j = 0; j < QK; j += VL) {                                                \
-                const vf v = widen(q + j, a[j / L], c[j / L]);                                \
-                memcpy(out + b * QK + j, &v, sizeof v);                                       \
-            }                                                                                 \
+            widen_block(QK, L, q, a, c, out + b * QK);                                        \
         }                                                                                     \
     }
 

@@ -38,6 +38,16 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def run_stages(stages: int, tensor: int) -> int:
+    """A run's pipeline stages: as asked, except that under torchrun one stage means the
+    ranks torchrun started, over the tensor shards."""
+    if under_torchrun() and stages == 1 and isinstance(tensor, int) and tensor > 0:
+        size = int(os.environ["WORLD_SIZE"])
+        if size % tensor == 0:
+            return size // tensor
+    return stages
+
+
 class Group:
     """This process's place in the grid of ranks and its links to the others."""
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from tiergen.engine.executor import Executor, MicroBatch
 from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity
 from tiergen.errors import TiergenError
-from tiergen.parallel.group import HIDDEN, TOKENS, Group, join_torchrun, launch, under_torchrun
+from tiergen.parallel.group import (HIDDEN, TOKENS, Group, join_torchrun, launch, run_stages,
+                                    under_torchrun)
 from tiergen.parallel.shard import ShardPlan
 from tiergen.parallel.stage import Stage, split_layers
 
@@ -180,9 +181,7 @@ def start_ranks(files, stages: int, tensor: int, timeout: float, options: dict) 
     for r in range(tensor if isinstance(tensor, int) and tensor > 0 else 1):
         ShardPlan.make(files.config, tensor, r)
     if under_torchrun():
-        size = int(os.environ["WORLD_SIZE"])
-        if stages == 1 and size % tensor == 0:
-            stages = size // tensor  # the ranks torchrun started, as pipeline stages
+        size, stages = int(os.environ["WORLD_SIZE"]), run_stages(stages, tensor)
         if stages * tensor != size:
             raise TiergenError(f"pipeline_parallel={stages} x tensor_parallel={tensor} ranks, but "
                                f"torchrun started {size}; make them equal")

@@ -710,7 +710,8 @@ def _gbs(x: float) -> str:
     return f"{x / 1e9:.2f} GB/s"
 
 
-def _link_line(link: dict[str, float]) -> str:
+def link_line(link: dict[str, float]) -> str:
+    """The link between ranks as a user reads it."""
     if not link:
         return "not measured"
     return (f"{link['latency'] * 1e6:.0f} us + {_gbs(link['bandwidth'])} per message, "
@@ -750,7 +751,7 @@ def format_calibration(cal: Calibration) -> str:
             f"{k} " + "/".join(f"{t[r] / 1e9:.2f}" for r in ("1", "8", "256") if r in t)
             for k, t in cal.linear_rows.items() if not k.endswith(ONE_THREAD)) or "-")
         + " G weights/s at 1/8/256 rows",
-        "  rank link        " + _link_line(cal.link),
+        "  rank link        " + link_line(cal.link),
         f"  measured {cal.measured_at} in {cal.seconds:.1f} s",
     ])
 

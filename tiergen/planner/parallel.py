@@ -16,9 +16,10 @@ smallest block any rank can hold). The run's speed follows from the ranks' and t
   goes at its slowest shard.
 
 Simplifications: ranks on one machine divide its cores evenly and compute at the calibrated
-rates scaled by their share of the threads (the disk's rate divided among all ranks, as
-if all read at once); the link's cost per message is its measured median with nothing else
-running; stages do not overlap a message with compute.
+rates for their share of the threads, at most their share of what all threads reach
+together (see :func:`rank_calibration`; the disk's rate divided among all ranks, as if all
+read at once); a message costs the link's calibrated mean; stages do not overlap a message
+with compute.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from tiergen.models import build_model
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
 from tiergen.parallel.pipeline import micro_batch_size, pipeline_chunk
-from tiergen.parallel.shard import Shard, ShardedSource
+from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
-from tiergen.planner.calibrate import ONE_THREAD, Calibration
+from tiergen.planner.calibrate import ONE_THREAD, Calibration, link_line
 from tiergen.planner.cost import Estimate, PlacedWeights, Workload, blocks, estimate
 from tiergen.planner.search import _nothing_fits, _search, fmt, policy_flags
 
@@ -141,7 +142,7 @@ def _ranks(cfg: ModelConfig, stages: int, tensor: int, source):
         part, src = family, source
         if tensor > 1:
             part = Shard(family, tensor, shard)
-            src = source and ShardedSource(source, part.plan, cfg)
+            src = source and part.source(source)
         yield rank, span, shard, Stage(part, span), src
 
 
@@ -223,19 +224,24 @@ def _unit_seconds(model: Stage, placed: PlacedWeights, policy: Policy, rows: lis
     e = estimate(model.cfg, dtype, p, w, cal, cal.device_type, max_batch_size, placed,
                  prefill_chunk=chunk, head=head)
     prefill, decode = e.prefill_seconds, e.decode_seconds
-    if tensor > 1:  # two all-reduces per layer per micro-batch, and the logits' gather
-        def reduces(rows: int, tokens: int) -> float:
-            def one(nbytes: int) -> float:
-                return link["reduce_latency"] + nbytes / link["reduce_bandwidth"]
-
-            hidden = 2 * model.cfg.num_layers * one(tokens * model.cfg.hidden_size * 4)
-            return hidden + (one(rows * model.cfg.vocab_size * 4) if head else 0.0)
-
+    if tensor > 1:
+        c, p = model.cfg, workload.prompt_len
         for r in rows:
-            prefill += sum(reduces(r, r * min(chunk, workload.prompt_len - start))
-                           for start in range(0, workload.prompt_len, chunk))
-            decode += (workload.gen_len - 1) * reduces(r, r)
+            prefill += sum(_reduces(link, c, r, r * min(chunk, p - start), head)
+                           for start in range(0, p, chunk))
+            decode += (workload.gen_len - 1) * _reduces(link, c, r, r, head)
     return prefill, decode
+
+
+def _reduces(link: dict[str, float], cfg: ModelConfig, rows: int, tokens: int, head: int
+             ) -> float:
+    """A micro-batch step's tensor-parallel messages: two all-reduces per layer of its
+    ``tokens`` hidden rows, and (``head``) the gather of its ``rows`` logits."""
+    def one(nbytes: int) -> float:
+        return link["reduce_latency"] + nbytes / link["reduce_bandwidth"]
+
+    hidden = 2 * cfg.num_layers * one(tokens * cfg.hidden_size * 4)
+    return hidden + (one(rows * cfg.vocab_size * 4) if head else 0.0)
 
 
 def format_parallel(e: ParallelEstimate, cfg: ModelConfig, dtype: torch.dtype) -> str:
@@ -251,11 +257,8 @@ def format_parallel(e: ParallelEstimate, cfg: ModelConfig, dtype: torch.dtype) -
             where += f", shard {r.shard}"
         memory = ", ".join(f"{t} {fmt(n)}" for t, n in r.estimate.memory.items())
         lines.append(f"  rank {r.rank:<4} {where}: {policy_flags(r.estimate.policy)}; {memory}")
-    link = e.link
     lines += [
-        f"  link       {link['latency'] * 1e6:.0f} us + {link['bandwidth'] / 1e9:.2f} GB/s per "
-        f"message, all-reduce {link['reduce_latency'] * 1e6:.0f} us + "
-        f"{link['reduce_bandwidth'] / 1e9:.2f} GB/s",
+        f"  link       {link_line(e.link)}",
         (f"  predicted  prefill {e.prefill_tok_s:.1f} tok/s, decode {e.decode_tok_s:.1f} "
          f"tok/s, total {e.total_tok_s:.1f} generated tok/s")]
     return "\n".join(lines)

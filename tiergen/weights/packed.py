@@ -138,7 +138,8 @@ def layout(shape: tuple[int, int], parts: Parts) -> tuple[tuple[int, int, int, i
 
 
 def packed_nbytes(shape: Sequence[int], parts: Parts) -> int:
-    return sum(tensor_nbytes(t, rows * shape[1]) for t, rows in parts)
+    spans = layout(tuple(shape), parts)
+    return spans[-1][4] if spans else 0
 
 
 def cat_rows(matrices: Sequence[torch.Tensor | Packed]) -> torch.Tensor | Packed:
