@@ -1,0 +1,66 @@
+"""Where a generate call's time goes: the packed products (timed around each call) and the
+torch operations (torch's profiler), for one batch of random prompts.
+
+    python benchmarks/profile_generate.py                          # batch 1 decode: 128 + 64
+    python benchmarks/profile_generate.py --prompt-len 4096 --gen-len 1   # a long prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import tiergen.kernels as K
+from tiergen import LLM, SamplingParams
+from tiergen.bench import cpu_description
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=64)
+    a = p.parse_args()
+    cpu = cpu_description()
+    print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
+    llm = LLM(a.model)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, llm.config.vocab_size, (a.batch, a.prompt_len), generator=g).tolist()
+    params = SamplingParams(max_tokens=a.gen_len, temperature=0, ignore_eos=True)
+    llm.generate(ids, params)  # warm-up
+
+    spent = {"prefill": 0.0, "decode": 0.0}
+    packed_linear = K.packed_linear
+
+    def timed(x, *args, **kw):
+        t = time.perf_counter()
+        try:
+            return packed_linear(x, *args, **kw)
+        finally:  # x is (batch, new tokens, features): one new token is a decode step
+            spent["decode" if x.dim() == 3 and x.shape[1] == 1 else "prefill"] += \
+                time.perf_counter() - t
+
+    K.packed_linear = timed
+    t = time.perf_counter()
+    llm.generate(ids, params)
+    total = time.perf_counter() - t
+    s = llm.last_stats
+    print(f"generate: {total:.3f} s, of which packed products with more than one new token "
+          f"(prompts) {spent['prefill']:.3f} s")
+    if a.gen_len > 1:
+        steps = a.gen_len - 1
+        print(f"per decode step: {s.decode_seconds / steps * 1e3:.1f} ms, of which packed "
+              f"products {spent['decode'] / steps * 1e3:.1f} ms")
+    K.packed_linear = packed_linear
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(ids, params)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+
+
+if __name__ == "__main__":
+    main()
