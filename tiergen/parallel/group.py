@@ -32,6 +32,9 @@ from tiergen.errors import TiergenError
 
 HIDDEN, TOKENS = 0, 1  # message tags: hidden states stage to stage, sampled tokens to all
 IDLE = timedelta(days=365)  # the control group waits for the user's next command
+# A new rank's interpreter imports torch before it can check in, which on a loaded machine
+# takes longer than a short answer timeout; a rank that exits instead is reported at once.
+START_TIMEOUT = 120.0
 
 
 def under_torchrun() -> bool:
@@ -238,7 +241,7 @@ def launch(size: int, tensor: int, timeout: float, worker: Callable[[Group], Non
         if failed:
             raise TiergenError(f"parallel {', '.join(failed)} failed to start; its output above "
                                "says why") from None
-        raise TiergenError(f"the parallel ranks did not join within {timeout:g} s ({e})") from None
+        raise TiergenError(f"the parallel ranks did not join ({e})") from None
     return Group(0, size, timeout, tensor, workers)
 
 
@@ -246,13 +249,14 @@ def _wait_started(store: dist.TCPStore, workers: list[subprocess.Popen], timeout
     """Until every started rank has said so through the store; a rank that exits first (its
     arguments could not be unpickled, its interpreter failed) ends the wait at once, where
     joining the process group would wait out the whole timeout."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + max(timeout, START_TIMEOUT)
     waiting = set(range(1, len(workers) + 1))
     while waiting:
         if any(p.poll() is not None for p in workers):
             raise RuntimeError("a rank exited")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"ranks {sorted(waiting)} did not start")
+            raise RuntimeError(f"ranks {sorted(waiting)} did not start within "
+                               f"{max(timeout, START_TIMEOUT):g} s")
         waiting = {r for r in waiting if not store.check([f"tiergen/started/{r}"])}
         time.sleep(0.02)
 
