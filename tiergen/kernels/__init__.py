@@ -1,4 +1,5 @@
-"""Matrix products on packed weights (:class:`tiergen.weights.packed.Packed`).
+"""Matrix products on packed weights (:class:`tiergen.weights.packed.Packed`), and the small
+operations of a decode step.
 
 On a CPU, up to ``ROW_THRESHOLD`` rows go through ``packed.c``: the blocks are decoded to
 float32 on the fly (in registers for a few rows, a cache-sized tile at a time for more) and
@@ -8,6 +9,11 @@ multiplied by the BLAS in float32 (bfloat16 inputs too: without native bfloat16 
 many times slower, and the decoder writes float32). The C library is compiled on first use
 with the machine's C compiler for its own SIMD (-march=native) and cached; without a
 compiler, or on a GPU, every product takes the decode-then-multiply path in plain torch.
+
+``decode.c``, in the same library, does a float32 RMSNorm, a rotary embedding and one new
+token's attention over the cache in one call each (:func:`rms_norm`, :func:`rope`,
+:func:`decode_attention`): at batch 1, torch's
+dispatch of the several operations they otherwise take is most of a step outside the products.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from tiergen.weights.quant import ggml_type_sizes
 
 log = logging.getLogger("tiergen")
 
-SOURCE = Path(__file__).with_name("packed.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "decode.c")]
 ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
 # rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
 # benchmarks/bench_threshold.py)
@@ -47,7 +53,7 @@ FLAGS = ["-O3", "-march=native" if platform.machine() in ("x86_64", "AMD64") els
 
 
 def _compile(target: Path) -> None:
-    """Build packed.c into ``target`` (written beside it, then renamed into place)."""
+    """Build the C sources into ``target`` (written beside it, then renamed into place)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise OSError("no C compiler (cc, gcc or clang) found")
@@ -55,11 +61,12 @@ def _compile(target: Path) -> None:
     torch_lib = Path(torch.__file__).parent / "lib"
     gomp = next(iter(sorted(torch_lib.glob("libgomp*.so*"))), None)
     libs = [f"-L{torch_lib}", f"-l:{gomp.name}", f"-Wl,-rpath,{torch_lib}"] if gomp else []
+    libs.append("-lm")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, *libs], check=True,
+        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, *libs], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
@@ -73,7 +80,7 @@ def _library_path() -> Path:
     from tiergen._platform import cpu_flags
     from tiergen.weights import cache_dir
 
-    ident = (SOURCE.read_bytes() + platform.machine().encode() + " ".join(FLAGS).encode()
+    ident = (b"".join(s.read_bytes() for s in SOURCES) + platform.machine().encode() + " ".join(FLAGS).encode()
              + " ".join(sorted(cpu_flags())).encode())
     return cache_dir() / "kernels" / f"packed-{hashlib.sha256(ident).hexdigest()[:16]}.so"
 
@@ -104,6 +111,13 @@ def _load() -> ctypes.CDLL | bool:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tg_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64]
     lib.tg_dequant.argtypes = [ctypes.c_int, ptr, i64, ptr]
+    f32 = ctypes.c_float
+    lib.tg_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, f32, ptr]
+    lib.tg_rms_norm.restype = None
+    lib.tg_rope.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.tg_rope.restype = None
+    lib.tg_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                        ptr, ptr, f32, ptr]
     return lib
 
 
@@ -154,3 +168,65 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def _cpu_float32(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: float = 0.0
+             ) -> torch.Tensor | None:
+    """``F.rms_norm(x, eps=eps) * (weight + shift)`` in one call for contiguous float32 CPU
+    tensors (``weight`` None: no weight); None where the library cannot take them."""
+    ts = (x,) if weight is None else (x, weight)
+    lib = library() if _cpu_float32(*ts) and x.is_contiguous() else None
+    if lib is None or (weight is not None and not weight.is_contiguous()):
+        return None
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    lib.tg_rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), shift,
+                    x.numel() // n, n, eps, out.data_ptr())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding of x (B, H, T, D) in the half-split layout, cos and sin (B, 1, T, D),
+    in one call for float32 CPU tensors; None where the library cannot take them."""
+    B, H, T, D = x.shape
+    if (not _cpu_float32(x, cos, sin) or x.stride(-1) != 1 or D % 2
+            or cos.shape != (B, 1, T, D) or sin.shape != cos.shape):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(B, H, T, D)
+    strides = (ctypes.c_int64 * 3)(*x.stride()[:3])
+    lib.tg_rope(x.data_ptr(), strides, B, H, T, D, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Attention of one query token per row, q (B, H, 1, D), over k (B, KVH, S, D) and
+    v (B, KVH, S, Dv) where ``mask`` (B, 1, 1, S) allows, scaled by D**-0.5, in one call
+    for float32 CPU tensors; None where the library cannot take them."""
+    B, H, T, D = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    if (not _cpu_float32(q, k, v) or T != 1 or k.shape[0] != B or v.shape[:3] != k.shape[:3]
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or H % kvh or (mask is not None and mask.shape != (B, 1, 1, S))):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q = q.contiguous()
+    if mask is not None:
+        mask = mask.contiguous()
+    out = torch.empty(B, H, 1, v.shape[-1])
+    strides = (ctypes.c_int64 * 6)(*k.stride()[:3], *v.stride()[:3])
+    if lib.tg_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                               None if mask is None else mask.data_ptr(), B, H, kvh, S, D,
+                               v.shape[-1], strides, ctypes.byref(strides, 24), D**-0.5,
+                               out.data_ptr()):
+        raise MemoryError("decode attention: out of memory for its score buffer")
+    return out

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tiergen import kernels
 from tiergen._platform import cpu_has_fast_bfloat16
 from tiergen.config import RopeConfig
 from tiergen.weights.packed import Packed, cat_rows  # noqa: F401  (cat_rows: for the families)
@@ -21,11 +22,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     In half precision the residual stream stays float32 and only the matmuls run in the
     weights' dtype: a small model's near-tied logits otherwise flip with the batch shape.
     """
+    out = kernels.rms_norm(x, weight, eps)  # float32 on a CPU: one call
+    if out is not None:
+        return out
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(weight.dtype)
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm, x * (1 + w): float32 throughout, returned in the weights' dtype."""
+    out = kernels.rms_norm(x, weight, eps, shift=1.0)
+    if out is not None:
+        return out
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return (normed * (1.0 + weight.float())).to(weight.dtype)
 
@@ -176,6 +183,9 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, heads, T, D) in the half-split layout Hugging Face uses."""
+    out = kernels.rope(x, cos, sin)  # float32 on a CPU: one call
+    if out is not None:
+        return out
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -204,6 +214,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """
     B, H, T, D = q.shape
     kvh = k.shape[1]
+    if T == 1 and sparsity == 1 and (out := kernels.decode_attention(q, k, v, mask)) is not None:
+        return out  # float32 on a CPU: one call
     if T == 1:
         # Decode: fold the query heads of a group into rows of one batched matmul
         # (B, KVH, G, D) @ (B, KVH, D, S); much faster on CPU than SDPA's kernels.

@@ -1,0 +1,79 @@
+"""The C decode-step operations (RMSNorm, rotary embedding, one token's attention) against
+the torch code they replace on a CPU in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tiergen import kernels
+from tiergen.models import layers
+
+
+@pytest.fixture(autouse=True)
+def native():
+    assert kernels.library() is not None, "the C kernels did not build on this machine"
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Run a layers function on its torch path (the library disabled) for the reference."""
+    def call(fn, *args, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "_lib", False)
+            return fn(*args, **kw)
+    return call
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert ((got - want).abs().max() / want.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 7, 64), (2, 5, 13)])
+def test_rms_norm(shape, torch_path):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(shape, generator=g), torch.randn(shape[-1], generator=g)
+    close(layers.rms_norm(x, w, 1e-6), torch_path(layers.rms_norm, x, w, 1e-6))
+    close(layers.gemma_rms_norm(x, w, 1e-6), torch_path(layers.gemma_rms_norm, x, w, 1e-6))
+    assert kernels.rms_norm(x, w, 1e-6) is not None  # the kernel did run
+    assert kernels.rms_norm(x.bfloat16(), w, 1e-6) is None  # not float32: torch's path
+
+
+@pytest.mark.parametrize("B,H,T,D", [(1, 9, 1, 64), (2, 3, 5, 64), (3, 2, 4, 6)])
+def test_rope(B, H, T, D, torch_path):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # strided, as a layer has it
+    cos, sin = torch.randn(2, B, 1, T, D, generator=g)
+    assert kernels.rope(x, cos, sin) is not None
+    close(layers.apply_rope(x, cos, sin), torch_path(layers.apply_rope, x, cos, sin))
+
+
+@pytest.mark.parametrize("H,KVH,D,Dv", [(9, 3, 64, 64), (4, 1, 72, 40), (2, 2, 16, 16),
+                                        (8, 2, 128, 128)],
+                         ids=["gqa", "mqa-latent-like", "mha", "gqa-128"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention(H, KVH, D, Dv, masked, torch_path):
+    g = torch.Generator().manual_seed(2)
+    B, S, capacity = 3, 37, 50
+    q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2)
+    cache = torch.randn(2, B, KVH, capacity, max(D, Dv), generator=g)  # views into a buffer
+    k, v = cache[0, :, :, :S, :D], cache[1, :, :, :S, :Dv]
+    mask = None
+    if masked:  # every row keeps its own slot, as the engine's masks do
+        mask = torch.rand(B, 1, 1, S, generator=g) > 0.4
+        mask[..., S - 1] = True
+        mask[1, ..., : S - 1] = False  # a row that sees only itself
+    assert kernels.decode_attention(q, k, v, mask) is not None
+    close(layers.attention(q, k, v, mask), torch_path(layers.attention, q, k, v, mask))
+
+
+def test_decode_attention_leaves_other_cases_to_torch():
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 6, 8)
+    assert kernels.decode_attention(q, k, k, None) is None  # more than one query token
+    assert kernels.decode_attention(q[:, :, :1].double(), k.double(), k.double(), None) is None
+    assert kernels.decode_attention(q[:, :3, :1], k, k, None) is None  # heads not a multiple
+    want = F.scaled_dot_product_attention(q[:, :, :1], k.repeat_interleave(2, 1),
+                                          k.repeat_interleave(2, 1))
+    close(kernels.decode_attention(q[:, :, :1], k, k, None), want)

@@ -1,0 +1,141 @@
+/* The small operations of a decode step, for the CPU, in float32: RMSNorm and one new
+ * token's attention over the cache. Each is a few microseconds of arithmetic, where the
+ * several torch operations they otherwise take cost tens (each dispatch is microseconds);
+ * at batch 1 that dispatch is most of a step outside the matrix products. Built into the
+ * same library as packed.c.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Two accumulators and a pairwise sum of the lanes: short dependency chains. */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    v8 u = {0}, w = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        u += load8(a + i) * load8(b + i);
+        w += load8(a + i + 8) * load8(b + i + 8);
+    }
+    for (; i + 8 <= n; i += 8) u += load8(a + i) * load8(b + i);
+    u += w;
+    float t = ((u[0] + u[4]) + (u[1] + u[5])) + ((u[2] + u[6]) + (u[3] + u[7]));
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * (w + shift) for m rows of n values (w NULL: no
+ * weight). shift is 1 for Gemma's x * (1 + w). */
+void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t n, float eps,
+                 float *out) {
+#pragma omp parallel for schedule(static) if (m * n >= (1 << 16))
+    for (int64_t r = 0; r < m; r++) {
+        const float *restrict xr = x + r * n;
+        float *restrict o = out + r * n;
+        const float s = 1.0f / sqrtf(dot(xr, xr, n) / (float)n + eps);
+        if (w == NULL)
+            for (int64_t i = 0; i < n; i++) o[i] = xr[i] * s;
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = xr[i] * s * (w[i] + shift);
+    }
+}
+
+/* Rotary embedding in the half-split layout: out[b, h, t] = x * cos + rot(x) * sin with
+ * rot(x) = (-x[D/2:], x[:D/2]); cos, sin (B, T, D) contiguous, out (B, H, T, D) contiguous, and
+ * x's row (b, h, t) at x + b * xs[0] + h * xs[1] + t * xs[2] (floats). */
+void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T, int64_t D,
+             const float *cos, const float *sin, float *out) {
+    const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (B * H * T * D >= (1 << 16))
+    for (int64_t r = 0; r < B * H * T; r++) {
+        const int64_t b = r / (H * T), h = r / T % H, t = r % T;
+        const float *restrict xr = x + b * xs[0] + h * xs[1] + t * xs[2];
+        const float *restrict c = cos + (b * T + t) * D, *restrict sn = sin + (b * T + t) * D;
+        float *restrict o = out + r * D;
+        for (int64_t i = 0; i < half; i++) o[i] = xr[i] * c[i] + -xr[i + half] * sn[i];
+        for (int64_t i = half; i < D; i++) o[i] = xr[i] * c[i] + xr[i - half] * sn[i];
+    }
+}
+
+/* One query token per row: out[b, h] = softmax_s(scale * q[b, h] . k[b, g, s]) v[b, g, s]
+ * over the slots s < S that mask[b, s] allows (every slot when mask is NULL), where the query
+ * heads h of a group share the K/V head g = h / (H / KVH). q (B, H, D) and out (B, H, Dv) are
+ * contiguous; a K (V) row starts at k + b * ks[0] + g * ks[1] + s * ks[2] (floats). The heads
+ * of a group are scored together, so every K and V row is read once per group. A row with no
+ * allowed slot gets zeros. Returns nonzero when out of memory. */
+int tg_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask,
+                        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
+                        const int64_t *ks, const int64_t *vs, float scale, float *out) {
+    const int64_t G = H / KVH;
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (B * H * S * (D + Dv) >= (1 << 18))
+    for (int64_t task = 0; task < B * KVH; task++) {
+        const int64_t b = task / KVH, g = task % KVH;
+        const float *kb = k + b * ks[0] + g * ks[1], *vb = v + b * vs[0] + g * vs[1];
+        const float *qg = q + (b * H + g * G) * D;
+        float *og = out + (b * H + g * G) * Dv;
+        const uint8_t *mb = mask ? mask + b * S : NULL;
+        float *p = malloc(sizeof(float) * G * S);
+        if (p == NULL) {
+            failed = 1;
+            continue;
+        }
+        float best[G], total[G];
+        for (int64_t j = 0; j < G; j++) best[j] = -INFINITY, total[j] = 0.0f;
+        for (int64_t s = 0; s < S; s++) {
+            if (mb && !mb[s]) continue;
+            for (int64_t j = 0; j < G; j++) {
+                const float e = dot(qg + j * D, kb + s * ks[2], D) * scale;
+                p[j * S + s] = e;
+                if (e > best[j]) best[j] = e;
+            }
+        }
+        for (int64_t j = 0; j < G; j++)
+            for (int64_t s = 0; s < S; s++)
+                if (!mb || mb[s]) total[j] += p[j * S + s] = expf(p[j * S + s] - best[j]);
+        /* out = sum_s p[s] v[s] / total, in registers: 32 outputs of up to 3 heads at a time,
+         * so that a V row is read once per 3 heads */
+        for (int64_t j0 = 0; j0 < G; j0 += 3) {
+            const int64_t n = G - j0 < 3 ? G - j0 : 3;
+            int64_t c = 0;
+            for (; c + 32 <= Dv; c += 32) {
+                v8 acc[3][4] = {{{0}}};
+                for (int64_t s = 0; s < S; s++) {
+                    if (mb && !mb[s]) continue;
+                    const float *vr = vb + s * vs[2] + c;
+                    const v8 x0 = load8(vr), x1 = load8(vr + 8), x2 = load8(vr + 16),
+                             x3 = load8(vr + 24);
+                    for (int64_t j = 0; j < n; j++) {
+                        const float e = p[(j0 + j) * S + s];
+                        acc[j][0] += e * x0, acc[j][1] += e * x1;
+                        acc[j][2] += e * x2, acc[j][3] += e * x3;
+                    }
+                }
+                for (int64_t j = 0; j < n; j++) {
+                    const float inv = total[j0 + j] > 0.0f ? 1.0f / total[j0 + j] : 0.0f;
+                    for (int u = 0; u < 4; u++) {
+                        const v8 r = acc[j][u] * inv;
+                        memcpy(og + (j0 + j) * Dv + c + 8 * u, &r, sizeof r);
+                    }
+                }
+            }
+            for (; c < Dv; c++)
+                for (int64_t j = j0; j < j0 + n; j++) {
+                    float t = 0.0f;
+                    for (int64_t s = 0; s < S; s++)
+                        if (!mb || mb[s]) t += p[j * S + s] * vb[s * vs[2] + c];
+                    og[j * Dv + c] = t * (total[j] > 0.0f ? 1.0f / total[j] : 0.0f);
+                }
+        }
+        free(p);
+    }
+    return failed;
+}
