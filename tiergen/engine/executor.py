@@ -205,7 +205,7 @@ class Executor:
                 loading = self._load_cache(block, 0, j)
                 for k, mb in enumerate(block):
                     t0 = time.perf_counter()
-                    kv = loading.result()
+                    kv = loading.result() if isinstance(loading, Future) else loading
                     if k + 1 < len(block):
                         loading = self._load_cache(block, k + 1, j)
                     t1 = time.perf_counter()
@@ -242,13 +242,12 @@ class Executor:
         finally:
             acts.close()
 
-    def _load_cache(self, block: list[MicroBatch], k: int, j: int) -> Future[KVView]:
-        """Start loading micro-batch k's cache of layer j (queued after its previous store)."""
+    def _load_cache(self, block: list[MicroBatch], k: int, j: int) -> Future[KVView] | KVView:
+        """Micro-batch k's cache of layer j: loaded here, or its load started on the cache
+        thread (queued after its previous store)."""
         mb = block[k]
         if not mb.cache.moves(j) or self._inline(mb.cache, j):
-            f: Future[KVView] = Future()
-            f.set_result(mb.cache.load(j, mb.meta.start))
-            return f
+            return mb.cache.load(j, mb.meta.start)
         return self._cache_io.submit(mb.cache.load, j, mb.meta.start)
 
     def _inline(self, cache: TieredKV, j: int) -> bool:

@@ -101,6 +101,9 @@ class TieredKV:
                                                device="cpu" if host else device,
                                                pin_memory=host and pin))
         self._work: dict[int, torch.Tensor] = {}  # device working buffers by slot count
+        self._moves = [cache_moves(t, device.type, self.compress is not None, cpu_attention)
+                       for t in tiers]
+        self._resident: dict[int, KVView] = {}  # views of the layers used where they live
 
     def shape(self, j: int) -> tuple[int, ...]:
         """Layer j's cache as the layer sees it."""
@@ -121,8 +124,7 @@ class TieredKV:
 
     def moves(self, j: int) -> bool:
         """Whether layer j's K/V must travel to and from the device around its use."""
-        return cache_moves(self.tiers[j], self.device.type, self.compress is not None,
-                           self.cpu_attention)
+        return self._moves[j]
 
     def _view(self, j: int, kv: torch.Tensor) -> KVView:
         ring, sparsity = self.rings[j], self.sparsity
@@ -142,8 +144,11 @@ class TieredKV:
         slots are written by the layer itself)."""
         store = self.layers[j]
         used = min(end, self.slots[j])  # a ring fills indices 0.. in order, then wraps
-        if not self.moves(j):
-            return self._view(j, store)
+        if not self._moves[j]:
+            view = self._resident.get(j)
+            if view is None:
+                view = self._resident[j] = self._view(j, store)
+            return view
         work = self._working(j)
         if not used:
             return self._view(j, work)
@@ -199,6 +204,7 @@ class TieredKV:
             store.write(stored.permute(3, 0, 1, 2, 4).contiguous().cpu())
         else:
             self.layers[j] = stored.to(store.device)
+            self._resident.pop(j, None)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop finished sequences (rows of the batch) on every tier."""

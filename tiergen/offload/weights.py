@@ -233,6 +233,7 @@ class TieredWeights:
         self._expert_buffers = {n: torch.empty(s, dtype=d or dtype, pin_memory=pin)
                                 for n, (s, d) in plan.buffer_shapes("disk", experts=True).items()}
         self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are unpacked
+        self._views: dict[int, tuple[Weights, Weights]] = {}  # in-place packed layers, viewed
         self.expert_rates = expert_rates or HostRates()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -267,6 +268,8 @@ class TieredWeights:
         give packed ones their layout (they are multiplied packed)."""
         if self.plan.compress is None and not self.plan.blocks[j]:
             return stored
+        if self.plan.compress is None and j in self._views and self._views[j][0] is stored:
+            return self._views[j][1]  # a layer read where it lives: the same tensors each step
         weights = dict(stored)
         for n, shape in self.plan.shapes[j].items():
             if self.plan.packed(j, n):
@@ -277,6 +280,8 @@ class TieredWeights:
                 if out is None or tuple(out.shape) != shape:
                     out = self._dense[n] = torch.empty(shape, dtype=self.dtype, device=self.device)
                 weights[n] = dequantize(q, out)
+        if self.plan.compress is None and self._in_place[j]:
+            self._views[j] = (stored, weights)
         return weights
 
     def _with_experts(self, j: int, weights: Weights) -> Weights:
