@@ -88,30 +88,35 @@ def test_packed_specs_describe_pack_layer(model_dir):
 
 # Dense layers of the Llama and Gemma 3 families are row ranges of checkpoint tensors (fused
 # q/k/v and gate/up are rows one after the other): read in place. Experts are stacked, and
-# DeepSeek's latent projections are split: converted.
+# DeepSeek's latent projections are split: converted, while the rest of their layers is read
+# in place.
 IN_PLACE = {"llama-mha", "llama-gqa-tied", "llama-mqa-headdim", "llama3-rope", "mistral",
             "mistral-window", "qwen2", "qwen2-window", "qwen3", "gemma3-window4",
             "gemma3-window8-linear"}
 
 
 def test_weights_on_disk_are_read_in_place_where_they_lie(model_dir, tmp_path, request):
-    """Weights on disk come straight from the checkpoint's files when every packed tensor is
-    row ranges of checkpoint tensors in the compute dtype (nothing converted or copied), and
-    are then exactly what packing makes; other families are converted."""
+    """Weights on disk come straight from the checkpoint's files where a packed tensor is
+    row ranges of checkpoint tensors in the compute dtype (nothing converted or copied); only
+    the others are converted. Either way they are exactly what packing makes."""
     from tiergen.offload.disk import CheckpointWeights
 
     resident = LLM(model_dir, dtype="float32").executor.weights.resident
     llm = LLM(model_dir, dtype="float32", policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     disk = llm.executor.weights.disk
     case = request.node.callspec.params["model_dir"]
-    assert isinstance(disk, CheckpointWeights) == (case in IN_PLACE), case
-    if isinstance(disk, CheckpointWeights):
+    assert isinstance(disk, CheckpointWeights), "some tensors are read in place"
+    assert (disk.converted is None) == (case in IN_PLACE), case
+    if disk.converted is None:
         assert not list(tmp_path.iterdir()), "nothing is written to the offload directory"
-        for j, layer in enumerate(resident):
-            for name, want in layer.items():
-                shape, dtype = disk.shape(j, name)
-                got = disk.read_into(j, name, torch.empty(shape, dtype=dtype))
-                assert torch.equal(got, want), (j, name)
+    else:
+        converted = {k.split("/")[1] for k in disk.converted.entries}
+        assert converted and not converted & {k.split("/")[1] for k in disk.entries}
+    for j, layer in enumerate(resident):
+        for name, want in layer.items():
+            shape, dtype = disk.shape(j, name)
+            got = disk.read_into(j, name, torch.empty(shape, dtype=dtype))
+            assert torch.equal(got, want), (j, name)
 
 
 def test_a_dtype_other_than_the_checkpoints_is_converted(model_dir, tmp_path):
@@ -133,4 +138,4 @@ def test_a_tensor_packing_changes_is_not_read_in_place(change):
     assert layer_segments(lambda r: {"n": r["n"].flip(0)}, {"n": (3,)}) == {
         "n": [("n", 2, 1), ("n", 1, 1), ("n", 0, 1)]}
     assert layer_segments(lambda r: {"ab": torch.cat([r["a"], r["b"]]), "n": change(r["n"])},
-                          specs) is None
+                          specs) == {"ab": [("a", 0, 6), ("b", 0, 3)]}

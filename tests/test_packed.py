@@ -151,6 +151,25 @@ def test_packed_model_equals_decoded_model(packed_gguf, policy, device, tmp_path
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_packed_weights_on_disk_are_read_from_the_gguf(packed_gguf, tmp_path):
+    """On the disk tier a GGUF's blocks are read where they lie in the file; only the fused
+    q/k/v, whose Q and K rows llama.cpp permuted, is converted."""
+    path, tokens, _ = packed_gguf
+    llm = LLM(path, dtype="float32", policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    disk = llm.executor.weights.disk
+    assert {k.split("/")[1] for k in disk.converted.entries} == {"qkv"}
+    assert {k.split("/")[1] for k in disk.entries} == {"input_norm", "post_norm", "o", "gate_up",
+                                                      "down"}
+    converted = sum(f.stat().st_size for f in tmp_path.rglob("*.bin"))
+    assert converted == sum(e["nbytes"] for e in disk.converted.entries.values())
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+    resident = LLM(path, dtype="float32").executor.weights.resident
+    for j, layer in enumerate(resident):
+        for name, want in layer.items():
+            shape, dtype = disk.shape(j, name)
+            assert torch.equal(disk.read_into(j, name, torch.empty(shape, dtype=dtype)), want)
+
+
 def test_packed_plan_counts_packed_bytes(packed_gguf, tmp_path):
     path, _, decoded = packed_gguf
     packed = LLM(path, dtype="float32", device="cpu").executor.weight_plan.needs()["device"]

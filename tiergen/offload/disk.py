@@ -3,9 +3,11 @@ lie there as they are used, else from a converted copy; and spill files for KV c
 activations.
 
 Read in place (``CheckpointWeights``): a packed tensor that is a concatenation of row ranges of
-checkpoint tensors stored in the compute dtype (a Llama layer's fused q/k/v is q, k and v one
-after the other) is read range by range from the checkpoint's files into the buffer, so there
-is nothing to convert and no second copy on disk.
+checkpoint tensors stored as it is used (a Llama layer's fused q/k/v is q, k and v one after
+the other; in the compute dtype, or in a GGUF file's quantised blocks kept packed) is read
+range by range from the checkpoint's files into the buffer, so there is nothing to convert
+and no second copy on disk. Only the other tensors (llama.cpp's permuted Q/K rows, stacked
+experts, ...) are converted.
 
 Weights are converted once into ``<offload_dir>/<key>/``: one raw file per tensor (read in one
 large sequential ``preadv`` straight into a reusable buffer, no parsing) and a manifest with
@@ -193,53 +195,115 @@ _MARK = 0.5  # scaling or shifting a code moves it off the mark
 
 
 def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
-                   specs: Mapping[str, tuple[int, ...]]) -> dict[str, Segments] | None:
+                   specs: Mapping[str, tuple[int, ...]]) -> dict[str, Segments]:
     """For each tensor ``pack`` makes of a layer's checkpoint tensors (``specs``: their names
     and shapes), the row ranges of checkpoint tensors that, one after the other, are its rows;
-    None when one of them is anything else (scaled, transposed, stacked, cast).
+    a tensor that is anything else (scaled, transposed, stacked, cast) is left out.
 
     Found by packing probe tensors of one column whose rows hold codes naming (tensor, row):
     exact in float64, and spaced so that any arithmetic on them shows."""
     names = list(specs)
-    if any(len(s) not in (1, 2) for s in specs.values()):
-        return None
     probe = {}
     for i, (name, shape) in enumerate(specs.items()):
         rows = torch.arange(shape[0], dtype=torch.float64) * _ROW + i * _CODE + _MARK
-        probe[name] = rows if len(shape) == 1 else rows[:, None]
+        probe[name] = rows.reshape(-1, *[1] * (len(shape) - 1))
     try:
         packed = pack(probe)
     except Exception:  # a family whose packing needs real shapes: convert instead
-        return None
+        return {}
     out = {}
     for name, t in packed.items():
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float64 or t.dim() > 2 or (
                 t.dim() == 2 and t.shape[1] != 1):
-            return None
-        runs: list[list] = []
-        for code in t.reshape(-1).tolist():
-            i, rest = divmod(code, _CODE)
-            row, off = divmod(rest, _ROW)
-            if off != _MARK or not 0 <= i < len(names):
-                return None
-            raw, row = names[int(i)], int(row)
-            if row >= specs[raw][0] or len(specs[raw]) != t.dim():
-                return None
-            if runs and runs[-1][0] == raw and sum(runs[-1][1:]) == row:
-                runs[-1][2] += 1
-            else:
-                runs.append([raw, row, 1])
-        out[name] = [tuple(r) for r in runs]
+            continue
+        runs = _runs(t, names, specs)
+        if runs is not None:
+            out[name] = runs
     return out
+
+
+def _runs(t: torch.Tensor, names: list[str], specs: Mapping[str, tuple[int, ...]]
+          ) -> Segments | None:
+    runs: list[list] = []
+    for code in t.reshape(-1).tolist():
+        i, rest = divmod(code, _CODE)
+        row, off = divmod(rest, _ROW)
+        if off != _MARK or not 0 <= i < len(names):
+            return None
+        raw, row = names[int(i)], int(row)
+        if row >= specs[raw][0] or len(specs[raw]) != t.dim():
+            return None
+        if runs and runs[-1][0] == raw and sum(runs[-1][1:]) == row:
+            runs[-1][2] += 1
+        else:
+            runs.append([raw, row, 1])
+    return [tuple(r) for r in runs]
+
+
+Entry = tuple[tuple[int, ...], torch.dtype, list[tuple[Path, int, int]]]  # shape, dtype, ranges
+
+
+def in_place_entries(source, layer_specs: list[dict[str, tuple[int, ...]]],
+                     pack: Callable[[int, dict], Mapping[str, torch.Tensor]], dtype: torch.dtype,
+                     blocks: list[dict[str, tuple[tuple[int, int], ...]]]) -> dict[str, Entry]:
+    """The packed layer tensors that are row ranges of checkpoint tensors stored as packing
+    leaves them: in ``dtype``, or (those in ``blocks``, kept in GGML blocks) in the blocks'
+    types. Keyed as ``OffloadedWeights.key``; a tensor that is anything else is left out."""
+    entries: dict[str, Entry] = {}
+    if not hasattr(source, "locate"):
+        return entries
+    for j, specs in enumerate(layer_specs):
+        segments = layer_segments(lambda raw: pack(j, raw), specs)
+        for name, runs in segments.items():
+            entry = _entry(source, specs, runs, dtype, blocks[j].get(name))
+            if entry is not None:
+                entries[OffloadedWeights.key(j, name)] = entry
+    return entries
+
+
+def _entry(source, specs: dict[str, tuple[int, ...]], runs: Segments, dtype: torch.dtype,
+           parts_wanted: tuple[tuple[int, int], ...] | None) -> Entry | None:
+    from tiergen.weights.quant import ggml_type_sizes
+
+    ranges, rows, width, parts = [], 0, None, []
+    for raw, first, count in runs:
+        where = source.locate(raw)
+        if where is None or where[3] != specs[raw]:
+            return None
+        path, offset, stored, shape = where
+        if parts_wanted is None:  # plain rows in the compute dtype
+            if stored != dtype:
+                return None
+            row_bytes = dtype.itemsize * math.prod(shape[1:])
+        else:  # GGML blocks (stored is their type)
+            if isinstance(stored, torch.dtype) or len(shape) != 2:
+                return None
+            block, size = ggml_type_sizes(stored)
+            row_bytes = shape[1] // block * size
+            if parts and parts[-1][0] == stored:
+                parts[-1] = (stored, parts[-1][1] + count)
+            else:
+                parts.append((stored, count))
+        if width not in (None, shape[1:]):
+            return None
+        width, rows = shape[1:], rows + count
+        ranges.append((path, offset + first * row_bytes, count * row_bytes))
+    if parts_wanted is None:
+        return (rows, *width), dtype, ranges
+    if tuple(parts) != tuple(parts_wanted):
+        return None
+    return (sum(n for _, _, n in ranges),), torch.uint8, ranges
 
 
 class CheckpointWeights:
     """Packed layer tensors read range by range from the checkpoint's own files (see the
-    module docstring): the same reads as ``OffloadedWeights`` without a converted copy."""
+    module docstring): the same reads as ``OffloadedWeights`` without a converted copy.
+    Tensors that are not in the checkpoint as they are used come from ``converted``."""
 
-    def __init__(self, entries: dict[str, tuple[tuple[int, ...], torch.dtype,
-                                                list[tuple[Path, int, int]]]]) -> None:
+    def __init__(self, entries: dict[str, Entry], converted: OffloadedWeights | None = None
+                 ) -> None:
         self.entries = entries  # key -> (shape, dtype, [(file, offset, bytes)])
+        self.converted = converted
         self._fds: dict[Path, int] = {}
         ends: dict[Path, int] = {}
         for _, _, parts in entries.values():
@@ -252,40 +316,18 @@ class CheckpointWeights:
                 raise TiergenError(f"{path} is shorter than its header says; the "
                                    "checkpoint is truncated: re-download it")
 
-    @classmethod
-    def make(cls, source, layer_specs: list[dict[str, tuple[int, ...]]],
-             pack: Callable[[int, dict], Mapping[str, torch.Tensor]],
-             dtype: torch.dtype) -> CheckpointWeights | None:
-        """Read in place if every layer's packed tensors are row ranges of checkpoint tensors
-        stored in ``dtype``; else None."""
-        if not hasattr(source, "locate"):
-            return None
-        entries = {}
-        for j, specs in enumerate(layer_specs):
-            segments = layer_segments(lambda raw: pack(j, raw), specs)
-            if segments is None:
-                return None
-            for name, runs in segments.items():
-                parts, rows, width = [], 0, None
-                for raw, first, count in runs:
-                    where = source.locate(raw)
-                    if where is None or where[2] != dtype or where[3] != specs[raw]:
-                        return None
-                    path, offset, _, shape = where
-                    row_bytes = dtype.itemsize * math.prod(shape[1:])
-                    if width not in (None, shape[1:]):
-                        return None
-                    width, rows = shape[1:], rows + count
-                    parts.append((path, offset + first * row_bytes, count * row_bytes))
-                entries[OffloadedWeights.key(j, name)] = ((rows, *width), dtype, parts)
-        return cls(entries)
-
     def shape(self, layer: int, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        shape, dtype, _ = self.entries[OffloadedWeights.key(layer, name)]
+        key = OffloadedWeights.key(layer, name)
+        if key not in self.entries:
+            return self.converted.shape(layer, name)
+        shape, dtype, _ = self.entries[key]
         return shape, dtype
 
     def read_into(self, layer: int, name: str, out: torch.Tensor) -> torch.Tensor:
-        _, _, parts = self.entries[OffloadedWeights.key(layer, name)]
+        key = OffloadedWeights.key(layer, name)
+        if key not in self.entries:
+            return self.converted.read_into(layer, name, out)
+        _, _, parts = self.entries[key]
         buf, pos = _as_bytes(out), 0
         for path, offset, nbytes in parts:
             read_exact(self._fds[path], buf[pos:pos + nbytes], offset, f"checkpoint file {path}")
@@ -293,6 +335,9 @@ class CheckpointWeights:
         if pos != len(buf):
             raise ValueError(f"buffer of {len(buf)} bytes for {layer}/{name} of {pos}")
         return out
+
+    def read_row(self, layer: int, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
+        return self.converted.read_row(layer, name, row, out)  # stacked: always converted
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -14,7 +14,8 @@ from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
 from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
-from tiergen.offload.disk import FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights
+from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights,
+                                  in_place_entries)
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
 from tiergen.weights.packed import Packed, Parts, packed_nbytes
@@ -202,11 +203,19 @@ class TieredWeights:
             root = offload_root(policy)
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
                                  .encode()).hexdigest()[:16]
-            in_place = None if plan.compress else CheckpointWeights.make(
+            found = {} if plan.compress else in_place_entries(
                 source, [model.layer_specs(j) for j in range(cfg.num_layers)],
-                model.pack_layer, dtype)
-            self.disk = in_place or OffloadedWeights.open_or_convert(root, key, cfg.num_layers,
-                                                                     produce)
+                model.pack_layer, dtype, plan.blocks)
+            rest = [[n for n in plan.shapes[j] if OffloadedWeights.key(j, n) not in found]
+                    for j in range(cfg.num_layers)]
+            converted = None
+            if any(rest):  # what the checkpoint does not hold as it is used is converted
+                if found:
+                    key += "-" + hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
+                converted = OffloadedWeights.open_or_convert(
+                    root, key, cfg.num_layers,
+                    lambda j: {n: t for n, t in produce(j).items() if n in rest[j]})
+            self.disk = CheckpointWeights(found, converted) if found else converted
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
         for j, tiers in enumerate(self.tiers):

@@ -14,7 +14,7 @@ from tiergen.config import ModelConfig, RopeConfig
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf import GGUFFile
 from tiergen.weights.packed import PACKED_TYPES, Packed, packed_like
-from tiergen.weights.quant import FLOAT_TYPES
+from tiergen.weights.quant import FLOAT_TYPES, GGMLType
 
 # general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
@@ -27,6 +27,7 @@ GGUF_ARCHITECTURES = {
 
 # llama.cpp RoPE is interleaved for these: their converter permuted q/k rows.
 PERMUTED_QK = {"llama", "mistral"}
+_PLAIN = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -197,6 +198,23 @@ class GGUFSource:
         info = self.file.tensors[self._names[name]]
         return packed_like(info.shape, info.ggml_type)
 
+    def _changed(self, name: str) -> bool:
+        """Whether :meth:`get` changes the file's values (llama.cpp's conventions undone)."""
+        return ((self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"))
+                or (self._arch in PERMUTED_QK
+                    and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)))
+
+    def locate(self, name: str) -> tuple[Path, int, torch.dtype | int, tuple[int, ...]] | None:
+        """Where a tensor's bytes lie as :meth:`get` gives them: (file, offset, stored, shape),
+        ``stored`` the GGML type of a tensor kept packed or the torch dtype of plain data;
+        None when get() changes or decodes them."""
+        if name not in self._names or self._changed(name):
+            return None
+        info = self.file.tensors[self._names[name]]
+        stored = (info.ggml_type if self._keeps_packed(name) else
+                  _PLAIN.get(info.ggml_type))
+        return None if stored is None else (self.file.path, info.offset, stored, info.shape)
+
     def get(self, name: str) -> torch.Tensor | Packed:
         if name not in self._names:
             raise TiergenError(f"the GGUF file has no tensor for {name!r}; it may be incomplete")
@@ -207,11 +225,10 @@ class GGUFSource:
                        ((info.ggml_type, info.shape[0]),))
         else:
             t = self.file.read(gguf_name)
-        if self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
-            t = t - 1
-        if self._arch in PERMUTED_QK:
-            if ".self_attn.q_proj." in name:
-                t = unpermute_qk(t, self.config.num_heads)
-            elif ".self_attn.k_proj." in name:
-                t = unpermute_qk(t, self.config.num_kv_heads)
+        if self._changed(name):
+            if name.endswith("norm.weight"):
+                t = t - 1
+            else:
+                heads = self.config.num_heads if ".q_proj." in name else self.config.num_kv_heads
+                t = unpermute_qk(t, heads)
         return t
