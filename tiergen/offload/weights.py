@@ -15,10 +15,10 @@ from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
 from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
 from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights,
-                                  in_place_entries)
+                                  in_place_entries, layer_segments)
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
-from tiergen.weights.packed import Packed, Parts, packed_nbytes
+from tiergen.weights.packed import Packed, Parts, cat_rows, packed_nbytes
 
 Specs = dict[str, tuple[int, ...]]
 
@@ -190,13 +190,29 @@ class TieredWeights:
         self.tiers = plan.tiers
         self.globals = model.pack_globals(load_tensors(source, model.global_specs(), dtype, device))
 
+        def stored(j: int, n: str, t: torch.Tensor | Packed) -> torch.Tensor:
+            """A tensor in stored form (compressed ones quantised, and packed ones their
+            blocks, as flat bytes)."""
+            return (t.data if isinstance(t, Packed) else
+                    quantize(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t)
+
         def produce(j: int) -> Weights:
-            """Layer j's tensors in stored form (compressed ones quantised, and packed ones
-            their blocks, as flat bytes)."""
+            """Layer j's tensors in stored form."""
             packed = model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
-            return {n: t.data if isinstance(t, Packed) else
-                    quantize(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t
-                    for n, t in packed.items()}
+            return {n: stored(j, n, t) for n, t in packed.items()}
+
+        def produce_some(j: int, names: list[str]) -> Weights:
+            """Layer j's tensors ``names`` in stored form, reading only the checkpoint tensors
+            they are made of where each is whole checkpoint tensors one after the other (the
+            rest of the layer is read in place)."""
+            specs = model.layer_specs(j)
+            runs = layer_segments(lambda raw: model.pack_layer(j, raw), specs)
+            if not all(n in runs and all(first == 0 and count == specs[raw][0]
+                                         for raw, first, count in runs[n]) for n in names):
+                return {n: t for n, t in produce(j).items() if n in names}
+            raw = load_tensors(source, {r: specs[r] for n in names for r, _, _ in runs[n]},
+                               dtype, "cpu")
+            return {n: stored(j, n, cat_rows([raw[r] for r, _, _ in runs[n]])) for n in names}
 
         self.disk: OffloadedWeights | CheckpointWeights | None = None
         if any("disk" in layer.values() for layer in self.tiers):
@@ -214,7 +230,7 @@ class TieredWeights:
                     key += "-" + hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
                 converted = OffloadedWeights.open_or_convert(
                     root, key, cfg.num_layers,
-                    lambda j: {n: t for n, t in produce(j).items() if n in rest[j]})
+                    lambda j: produce_some(j, rest[j]))
             self.disk = CheckpointWeights(found, converted) if found else converted
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
