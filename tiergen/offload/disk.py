@@ -224,20 +224,24 @@ def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
 
 def _runs(t: torch.Tensor, names: list[str], specs: Mapping[str, tuple[int, ...]]
           ) -> Segments | None:
-    runs: list[list] = []
-    for code in t.reshape(-1).tolist():
-        i, rest = divmod(code, _CODE)
-        row, off = divmod(rest, _ROW)
-        if off != _MARK or not 0 <= i < len(names):
-            return None
-        raw, row = names[int(i)], int(row)
-        if row >= specs[raw][0] or len(specs[raw]) != t.dim():
-            return None
-        if runs and runs[-1][0] == raw and sum(runs[-1][1:]) == row:
-            runs[-1][2] += 1
-        else:
-            runs.append([raw, row, 1])
-    return [tuple(r) for r in runs]
+    """Decode a packed probe's row codes into runs (tensor, first row, rows); None when a code
+    is off its mark (the rows were changed) or names no row of a tensor of t's rank."""
+    codes = t.reshape(-1)
+    index = torch.floor(codes / _CODE)  # exact: powers of two, codes well under 2**53
+    rest = codes - index * _CODE
+    row = torch.floor(rest / _ROW)
+    if codes.numel() == 0 or not bool(((rest - row * _ROW) == _MARK).all()):
+        return None
+    if not bool(((index >= 0) & (index < len(names))).all()):
+        return None
+    index, row = index.long(), row.long()
+    limits = torch.tensor([specs[n][0] if len(specs[n]) == t.dim() else 0 for n in names])
+    if not bool((row < limits[index]).all()):
+        return None
+    starts = torch.ones_like(row, dtype=torch.bool)
+    starts[1:] = (index[1:] != index[:-1]) | (row[1:] != row[:-1] + 1)
+    first = starts.nonzero().flatten().tolist() + [len(row)]
+    return [(names[int(index[a])], int(row[a]), b - a) for a, b in zip(first, first[1:])]
 
 
 Entry = tuple[tuple[int, ...], torch.dtype, list[tuple[Path, int, int]]]  # shape, dtype, ranges
