@@ -12,8 +12,8 @@ compiler, or on a GPU, every product takes the decode-then-multiply path in plai
 
 ``decode.c``, in the same library, does a float32 RMSNorm, a rotary embedding and one new
 token's attention over the cache in one call each (:func:`rms_norm`, :func:`rope`,
-:func:`decode_attention`): at batch 1, torch's
-dispatch of the several operations they otherwise take is most of a step outside the products.
+:func:`decode_attention`): at batch 1, torch's dispatch of the several operations they
+otherwise take is most of a step outside the products.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def _library_path() -> Path:
     from tiergen._platform import cpu_flags
     from tiergen.weights import cache_dir
 
-    ident = (b"".join(s.read_bytes() for s in SOURCES) + platform.machine().encode() + " ".join(FLAGS).encode()
-             + " ".join(sorted(cpu_flags())).encode())
+    ident = (b"".join(s.read_bytes() for s in SOURCES) + platform.machine().encode()
+             + " ".join(FLAGS).encode() + " ".join(sorted(cpu_flags())).encode())
     return cache_dir() / "kernels" / f"packed-{hashlib.sha256(ident).hexdigest()[:16]}.so"
 
 
@@ -214,7 +214,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     B, H, T, D = q.shape
     kvh, S = k.shape[1], k.shape[2]
     if (not _cpu_float32(q, k, v) or T != 1 or k.shape[0] != B or v.shape[:3] != k.shape[:3]
-            or k.stride(-1) != 1 or v.stride(-1) != 1 or H % kvh or (mask is not None and mask.shape != (B, 1, 1, S))):
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or H % kvh
+            or (mask is not None and mask.shape != (B, 1, 1, S))):
         return None
     lib = library()
     if lib is None:

@@ -1,5 +1,5 @@
-/* The small operations of a decode step, for the CPU, in float32: RMSNorm and one new
- * token's attention over the cache. Each is a few microseconds of arithmetic, where the
+/* The small operations of a decode step, for the CPU, in float32: RMSNorm, the rotary
+ * embedding and one new token's attention over the cache. Each is a few microseconds of arithmetic, where the
  * several torch operations they otherwise take cost tens (each dispatch is microseconds);
  * at batch 1 that dispatch is most of a step outside the matrix products. Built into the
  * same library as packed.c.

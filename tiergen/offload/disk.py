@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen.errors import TiergenError
+from tiergen.weights.quant import ggml_type_sizes
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -267,8 +268,6 @@ def in_place_entries(source, layer_specs: list[dict[str, tuple[int, ...]]],
 
 def _entry(source, specs: dict[str, tuple[int, ...]], runs: Segments, dtype: torch.dtype,
            parts_wanted: tuple[tuple[int, int], ...] | None) -> Entry | None:
-    from tiergen.weights.quant import ggml_type_sizes
-
     ranges, rows, width, parts = [], 0, None, []
     for raw, first, count in runs:
         where = source.locate(raw)
