@@ -105,8 +105,9 @@ def _load() -> ctypes.CDLL | bool:
             _compile(path)
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        log.warning("tiergen: packed-weight kernels unavailable (%s); packed matrices are "
-                    "decoded and multiplied by torch instead, which is slower", e)
+        log.warning("tiergen: C kernels unavailable (%s); packed matrices are decoded and "
+                    "multiplied by torch instead, and decode steps run in torch alone, which "
+                    "is slower", e)
         return False
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tg_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64]
@@ -171,7 +172,10 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
 
 
 def _cpu_float32(*ts: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts)
+    for t in ts:  # a plain loop: this runs several times a layer at batch 1
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: float = 0.0
