@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen.errors import TiergenError
-from tiergen.weights.quant import ggml_type_sizes
+from tiergen.weights.quant import tensor_nbytes
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -249,17 +249,17 @@ Entry = tuple[tuple[int, ...], torch.dtype, list[tuple[Path, int, int]]]  # shap
 
 
 def in_place_entries(source, layer_specs: list[dict[str, tuple[int, ...]]],
-                     pack: Callable[[int, dict], Mapping[str, torch.Tensor]], dtype: torch.dtype,
+                     segments: list[dict[str, Segments]], dtype: torch.dtype,
                      blocks: list[dict[str, tuple[tuple[int, int], ...]]]) -> dict[str, Entry]:
-    """The packed layer tensors that are row ranges of checkpoint tensors stored as packing
-    leaves them: in ``dtype``, or (those in ``blocks``, kept in GGML blocks) in the blocks'
-    types. Keyed as ``OffloadedWeights.key``; a tensor that is anything else is left out."""
+    """The packed layer tensors (``segments``: each layer's, from :func:`layer_segments`)
+    that are row ranges of checkpoint tensors stored as packing leaves them: in ``dtype``, or
+    (those in ``blocks``, kept in GGML blocks) in the blocks' types. Keyed as
+    ``OffloadedWeights.key``; a tensor that is anything else is left out."""
     entries: dict[str, Entry] = {}
     if not hasattr(source, "locate"):
         return entries
-    for j, specs in enumerate(layer_specs):
-        segments = layer_segments(lambda raw: pack(j, raw), specs)
-        for name, runs in segments.items():
+    for j, (specs, layer) in enumerate(zip(layer_specs, segments)):
+        for name, runs in layer.items():
             entry = _entry(source, specs, runs, dtype, blocks[j].get(name))
             if entry is not None:
                 entries[OffloadedWeights.key(j, name)] = entry
@@ -281,8 +281,7 @@ def _entry(source, specs: dict[str, tuple[int, ...]], runs: Segments, dtype: tor
         else:  # GGML blocks (stored is their type)
             if isinstance(stored, torch.dtype) or len(shape) != 2:
                 return None
-            block, size = ggml_type_sizes(stored)
-            row_bytes = shape[1] // block * size
+            row_bytes = tensor_nbytes(stored, shape[1])
             if parts and parts[-1][0] == stored:
                 parts[-1] = (stored, parts[-1][1] + count)
             else:

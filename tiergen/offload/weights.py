@@ -15,7 +15,7 @@ from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
 from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
 from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights,
-                                  in_place_entries, layer_segments)
+                                  Segments, in_place_entries, layer_segments)
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
 from tiergen.weights.packed import Packed, Parts, cat_rows, packed_nbytes
@@ -201,12 +201,11 @@ class TieredWeights:
             packed = model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
             return {n: stored(j, n, t) for n, t in packed.items()}
 
-        def produce_some(j: int, names: list[str]) -> Weights:
+        def produce_some(j: int, names: list[str], runs: dict[str, Segments]) -> Weights:
             """Layer j's tensors ``names`` in stored form, reading only the checkpoint tensors
-            they are made of where each is whole checkpoint tensors one after the other (the
-            rest of the layer is read in place)."""
+            they are made of where each is whole checkpoint tensors one after the other
+            (``runs``: see layer_segments; the rest of the layer is read in place)."""
             specs = model.layer_specs(j)
-            runs = layer_segments(lambda raw: model.pack_layer(j, raw), specs)
             if not all(n in runs and all(first == 0 and count == specs[raw][0]
                                          for raw, first, count in runs[n]) for n in names):
                 return {n: t for n, t in produce(j).items() if n in names}
@@ -219,9 +218,11 @@ class TieredWeights:
             root = offload_root(policy)
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
                                  .encode()).hexdigest()[:16]
-            found = {} if plan.compress else in_place_entries(
-                source, [model.layer_specs(j) for j in range(cfg.num_layers)],
-                model.pack_layer, dtype, plan.blocks)
+            specs = [model.layer_specs(j) for j in range(cfg.num_layers)]
+            segments = [layer_segments(lambda raw, j=j: model.pack_layer(j, raw), specs[j])
+                        for j in range(cfg.num_layers)]
+            found = {} if plan.compress else in_place_entries(source, specs, segments, dtype,
+                                                              plan.blocks)
             rest = [[n for n in plan.shapes[j] if OffloadedWeights.key(j, n) not in found]
                     for j in range(cfg.num_layers)]
             converted = None
@@ -230,7 +231,7 @@ class TieredWeights:
                     key += "-" + hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
                 converted = OffloadedWeights.open_or_convert(
                     root, key, cfg.num_layers,
-                    lambda j: produce_some(j, rest[j]))
+                    lambda j: produce_some(j, rest[j], segments[j]))
             self.disk = CheckpointWeights(found, converted) if found else converted
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
@@ -258,7 +259,7 @@ class TieredWeights:
         self._expert_buffers = {n: torch.empty(s, dtype=d or dtype, pin_memory=pin)
                                 for n, (s, d) in plan.buffer_shapes("disk", experts=True).items()}
         self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are unpacked
-        self._views: dict[int, tuple[Weights, Weights]] = {}  # in-place packed layers, viewed
+        self._views: dict[int, Weights] = {}  # layers read where they live, as handed out
         self.expert_rates = expert_rates or HostRates()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -293,8 +294,8 @@ class TieredWeights:
         give packed ones their layout (they are multiplied packed)."""
         if self.plan.compress is None and not self.plan.blocks[j]:
             return stored
-        if self.plan.compress is None and j in self._views and self._views[j][0] is stored:
-            return self._views[j][1]  # a layer read where it lives: the same tensors each step
+        if j in self._views:  # a layer read where it lives: the same tensors each step
+            return self._views[j]
         weights = dict(stored)
         for n, shape in self.plan.shapes[j].items():
             if self.plan.packed(j, n):
@@ -305,8 +306,8 @@ class TieredWeights:
                 if out is None or tuple(out.shape) != shape:
                     out = self._dense[n] = torch.empty(shape, dtype=self.dtype, device=self.device)
                 weights[n] = dequantize(q, out)
-        if self.plan.compress is None and self._in_place[j]:
-            self._views[j] = (stored, weights)
+        if self.plan.compress is None and self._in_place[j]:  # (compressed: shared buffers)
+            self._views[j] = weights
         return weights
 
     def _with_experts(self, j: int, weights: Weights) -> Weights:

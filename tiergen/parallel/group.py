@@ -249,14 +249,14 @@ def _wait_started(store: dist.TCPStore, workers: list[subprocess.Popen], timeout
     """Until every started rank has said so through the store; a rank that exits first (its
     arguments could not be unpickled, its interpreter failed) ends the wait at once, where
     joining the process group would wait out the whole timeout."""
-    deadline = time.monotonic() + max(timeout, START_TIMEOUT)
+    limit = max(timeout, START_TIMEOUT)
+    deadline = time.monotonic() + limit
     waiting = set(range(1, len(workers) + 1))
     while waiting:
         if any(p.poll() is not None for p in workers):
             raise RuntimeError("a rank exited")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"ranks {sorted(waiting)} did not start within "
-                               f"{max(timeout, START_TIMEOUT):g} s")
+            raise RuntimeError(f"ranks {sorted(waiting)} did not start within {limit:g} s")
         waiting = {r for r in waiting if not store.check([f"tiergen/started/{r}"])}
         time.sleep(0.02)
 
