@@ -151,6 +151,17 @@ def test_streamed_completion_equals_generate(client, expected):
     assert chunks[-1].usage.completion_tokens >= 1
 
 
+def test_continuous_usage_counts_every_token_as_it_streams(client, expected):
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=PARIS, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[0] >= 1
+    assert counts[-1] == chunks[-1].usage.completion_tokens  # the last chunk: the total
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["paris"]
+
+
 def test_chat_streamed_and_not(client, expected):
     messages = [{"role": "user", "content": CHATS[0]}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)

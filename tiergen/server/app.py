@@ -18,7 +18,7 @@ from tiergen.server.bridge import DONE, Generation, sse
 from tiergen.server.errors import APIError, bad_request, install_handlers
 from tiergen.server.metrics import CONTENT_TYPE, ServerMetrics
 from tiergen.server.protocol import (ChatCompletionRequest, CompletionRequest, Envelope,
-                                     GenerationRequest, parse)
+                                     GenerationRequest, StreamOptions, parse)
 
 MAX_BODY_BYTES = 1 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -148,7 +148,7 @@ class Server:
             raise bad_request(str(e), param) from None
         prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options or StreamOptions()
             # the status line waits for the first event: a request that times out in the
             # queue or is cancelled before it starts still gets its own status code
             events = generation.events()
@@ -161,7 +161,7 @@ class Server:
                 generation.cancel()
                 raise self._failure(first[1].finish_reason)
             return StreamingResponse(self._stream(generation, envelope, prompt_tokens,
-                                                  include_usage, first, events),
+                                                  options, first, events),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         return JSONResponse(await self._collect(request, generation, envelope, prompt_tokens))
 
@@ -178,26 +178,33 @@ class Server:
                         code="engine_failed")
 
     async def _stream(self, generation: Generation, envelope: Envelope, prompt_tokens: int,
-                      include_usage: bool, first: tuple[int, StreamEvent],
+                      options: StreamOptions, first: tuple[int, StreamEvent],
                       rest: AsyncIterator[tuple[int, StreamEvent]]) -> AsyncIterator[str]:
         async def events() -> AsyncIterator[tuple[int, StreamEvent]]:
             yield first
             async for item in rest:
                 yield item
 
+        generated = 0  # tokens delivered so far, every choice together
+
+        def usage_so_far() -> tuple[int, int] | None:
+            return (prompt_tokens, generated) if options.continuous_usage_stats else None
+
         try:
             if envelope.chat:
                 for i in range(len(generation.requests)):
-                    yield sse(envelope.chunk(i, "", role="assistant"))
+                    yield sse(envelope.chunk(i, "", role="assistant", usage_so_far=usage_so_far()))
             async for choice, ev in events():
                 if ev.finish_reason in FAILED:
                     yield sse(self._failure(ev.finish_reason).body())
                     return
+                generated += ev.token_id >= 0
                 if ev.text:
-                    yield sse(envelope.chunk(choice, ev.text))
+                    yield sse(envelope.chunk(choice, ev.text, usage_so_far=usage_so_far()))
                 if ev.finish_reason is not None:
-                    yield sse(envelope.chunk(choice, "", ev.finish_reason))
-            if include_usage:
+                    yield sse(envelope.chunk(choice, "", ev.finish_reason,
+                                             usage_so_far=usage_so_far()))
+            if options.include_usage:
                 yield sse(envelope.usage_chunk(prompt_tokens, generation.completion_tokens))
             yield DONE
         finally:  # also when the client went away mid-stream

@@ -39,6 +39,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class GenerationRequest(_Strict):
@@ -244,15 +245,20 @@ class Envelope:
         return body
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None,
-              role: Literal["assistant"] | None = None) -> dict:
-        """One streamed piece of one choice."""
+              role: Literal["assistant"] | None = None,
+              usage_so_far: tuple[int, int] | None = None) -> dict:
+        """One streamed piece of one choice; with ``usage_so_far`` (prompt tokens, tokens
+        generated so far) it carries a usage object too."""
         if self.chat:
             delta = {"role": role, "content": text} if role else {"content": text} if text else {}
             choice = {"index": index, "delta": delta, "logprobs": None,
                       "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        body = self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        if usage_so_far is not None:
+            body["usage"] = usage(*usage_so_far)
+        return body
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         """The last chunk when the client asked for ``stream_options.include_usage``."""
