@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
@@ -22,6 +24,41 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+class Courier:
+    """Carries events from the scheduler thread to one event loop, a step's worth at a time:
+    one wake-up of the loop per step instead of one per stream (the loop and the engine share
+    the cores)."""
+
+    _of: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Courier] = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Courier:
+        return cls._of.setdefault(loop, cls(loop))
+
+    def send(self, queue: asyncio.Queue, item: object) -> None:
+        """Called on any thread: ``queue.put_nowait(item)`` on the loop, soon."""
+        with self._lock:
+            self._pending.append((queue, item))
+            if len(self._pending) > 1:  # a hand-over is already on its way
+                return
+        try:
+            self._loop.call_soon_threadsafe(self._hand_over)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            with self._lock:
+                self._pending.clear()
+
+    def _hand_over(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class Generation:
     """The scheduler requests behind one HTTP request, one per choice.
 
@@ -31,7 +68,7 @@ class Generation:
     def __init__(self, scheduler: Scheduler, on_finish: Callable[[Request], None]) -> None:
         self._scheduler = scheduler
         self._on_finish = on_finish
-        self._loop = asyncio.get_running_loop()
+        self._courier = Courier.of(asyncio.get_running_loop())
         self._queue: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
         self.requests: list[Request] = []
 
@@ -46,10 +83,7 @@ class Generation:
 
     def _deliver(self, choice: int, ev: StreamEvent) -> None:
         """Called on the scheduler thread: hand the event to the event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, (choice, ev))
-        except RuntimeError:  # the loop has closed: nobody is listening any more
-            pass
+        self._courier.send(self._queue, (choice, ev))
 
     async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
         """Every choice's events, as they come, until all choices have finished."""
