@@ -38,7 +38,11 @@ class Courier:
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> Courier:
-        return cls._of.setdefault(loop, cls(loop))
+        """The courier of ``loop`` (called on the loop's thread)."""
+        courier = cls._of.get(loop)
+        if courier is None:
+            courier = cls._of[loop] = cls(loop)
+        return courier
 
     def send(self, queue: asyncio.Queue, item: object) -> None:
         """Called on any thread: ``queue.put_nowait(item)`` on the loop, soon."""
