@@ -182,9 +182,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: fl
              ) -> torch.Tensor | None:
     """``F.rms_norm(x, eps=eps) * (weight + shift)`` in one call for contiguous float32 CPU
     tensors (``weight`` None: no weight); None where the library cannot take them."""
-    ts = (x,) if weight is None else (x, weight)
-    lib = library() if _cpu_float32(*ts) and x.is_contiguous() else None
-    if lib is None or (weight is not None and not weight.is_contiguous()):
+    if not (_cpu_float32(x) and x.is_contiguous()) or (
+            weight is not None and not (_cpu_float32(weight) and weight.is_contiguous())):
+        return None
+    lib = library()
+    if lib is None:
         return None
     n = x.shape[-1]
     out = torch.empty_like(x)

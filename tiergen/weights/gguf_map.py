@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -198,17 +199,22 @@ class GGUFSource:
         info = self.file.tensors[self._names[name]]
         return packed_like(info.shape, info.ggml_type)
 
-    def _changed(self, name: str) -> bool:
-        """Whether :meth:`get` changes the file's values (llama.cpp's conventions undone)."""
-        return ((self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"))
-                or (self._arch in PERMUTED_QK
-                    and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)))
+    def _change(self, name: str) -> Callable | None:
+        """How :meth:`get` changes the file's values (llama.cpp's conventions undone); None
+        when it gives them as they are."""
+        if self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
+            return lambda t: t - 1
+        if self._arch in PERMUTED_QK and ".self_attn.q_proj." in name:
+            return lambda t: unpermute_qk(t, self.config.num_heads)
+        if self._arch in PERMUTED_QK and ".self_attn.k_proj." in name:
+            return lambda t: unpermute_qk(t, self.config.num_kv_heads)
+        return None
 
     def locate(self, name: str) -> tuple[Path, int, torch.dtype | int, tuple[int, ...]] | None:
         """Where a tensor's bytes lie as :meth:`get` gives them: (file, offset, stored, shape),
         ``stored`` the GGML type of a tensor kept packed or the torch dtype of plain data;
         None when get() changes or decodes them."""
-        if name not in self._names or self._changed(name):
+        if name not in self._names or self._change(name) is not None:
             return None
         info = self.file.tensors[self._names[name]]
         stored = (info.ggml_type if self._keeps_packed(name) else
@@ -225,10 +231,5 @@ class GGUFSource:
                        ((info.ggml_type, info.shape[0]),))
         else:
             t = self.file.read(gguf_name)
-        if self._changed(name):
-            if name.endswith("norm.weight"):
-                t = t - 1
-            else:
-                heads = self.config.num_heads if ".q_proj." in name else self.config.num_kv_heads
-                t = unpermute_qk(t, heads)
-        return t
+        change = self._change(name)
+        return t if change is None else change(t)
