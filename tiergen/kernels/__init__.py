@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,13 +38,16 @@ from tiergen.weights.quant import ggml_type_sizes
 
 log = logging.getLogger("tiergen")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "decode.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "decode.c", "int8.c")]
+HEADERS = [Path(__file__).with_name("blocks.h")]
 ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
 # rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
 # benchmarks/bench_threshold.py)
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
+_arith = threading.local()  # .int8: this thread's packed products take the integer kernels
+QA = 16  # activation values per int8 scale (int8.c)
 
 
 # -ffast-math is avoided: in a shared library it would switch the whole process to flushing
@@ -80,7 +84,7 @@ def _library_path() -> Path:
     from tiergen._platform import cpu_flags
     from tiergen.weights import cache_dir
 
-    ident = (b"".join(s.read_bytes() for s in SOURCES) + platform.machine().encode()
+    ident = (b"".join(s.read_bytes() for s in SOURCES + HEADERS) + platform.machine().encode()
              + " ".join(FLAGS).encode() + " ".join(sorted(cpu_flags())).encode())
     return cache_dir() / "kernels" / f"packed-{hashlib.sha256(ident).hexdigest()[:16]}.so"
 
@@ -112,6 +116,9 @@ def _load() -> ctypes.CDLL | bool:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tg_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64]
     lib.tg_dequant.argtypes = [ctypes.c_int, ptr, i64, ptr]
+    lib.tg_quantize_act.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+    lib.tg_quantize_act.restype = None
+    lib.tg_qmatmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
     f32 = ctypes.c_float
     lib.tg_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, f32, ptr]
     lib.tg_rms_norm.restype = None
@@ -147,9 +154,65 @@ def dequantize_into(w: Packed, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w.dequantize(), bias)`` without inflating ``w`` when few rows multiply it."""
+@dataclass
+class Int8Rows:
+    """Activation rows quantised for ``int8.c``: int8 values in blocks of ``QA``, each block's
+    scale (max |x| / 127) written four times over, and each block's sum times its scale."""
+
+    q: torch.Tensor  # (m, k) int8
+    scales: torch.Tensor  # (m, k // 4) float32
+    sums: torch.Tensor  # (m, k // QA) float32
+
+
+def quantize_activations(x: torch.Tensor) -> Int8Rows:
+    """``x`` (m, k), float32 CPU, k a multiple of 32, as :class:`Int8Rows` (C library)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the C kernels are unavailable")
+    m, k = x.shape
+    x = x.float().contiguous()
+    rows = Int8Rows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 4),
+                    torch.empty(m, k // QA))
+    lib.tg_quantize_act(x.data_ptr(), m, k, rows.q.data_ptr(), rows.scales.data_ptr(),
+                        rows.sums.data_ptr())
+    return rows
+
+
+def set_int8_activations(enabled: bool) -> None:
+    """Whether packed products on this thread quantise their activations to 8 bits and run
+    the integer kernels (an LLM sets it for its compute; off unless set)."""
+    _arith.int8 = enabled
+
+
+def int8_activations() -> bool:
+    return getattr(_arith, "int8", False)
+
+
+def _int8_linear(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
     rows = x.shape[:-1].numel()
+    a = quantize_activations(x.reshape(rows, x.shape[-1]))
+    y = torch.empty(rows, w.shape[0], dtype=torch.float32)
+    base, yp = w.data.data_ptr(), y.data_ptr()
+    qp, sp, mp = a.q.data_ptr(), a.scales.data_ptr(), a.sums.data_ptr()
+    for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
+        if lib.tg_qmatmul(ggml_type, base + start, n, w.shape[1], qp, sp, mp, rows,
+                          yp + 4 * row, w.shape[0]):
+            raise ValueError(f"no integer kernel for GGML type {ggml_type}")
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w.dequantize(), bias)`` without inflating ``w`` when few rows multiply it;
+    with :func:`set_int8_activations` on, the integer kernels' product with ``x`` quantised to
+    8 bits instead."""
+    rows = x.shape[:-1].numel()
+    if x.device.type == "cpu" and getattr(_arith, "int8", False) and w.shape[1] % 32 == 0:
+        lib = library()
+        if lib is not None:
+            return _int8_linear(lib, x, w, bias)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
         if x.device.type == "cpu":  # the C decoder writes float32; the BLAS multiplies it best

@@ -1,0 +1,158 @@
+/* GGML blocks decoded to small integers: shared by packed.c (float products) and
+ * int8.c (integer products). Block layouts follow tiergen/weights/quant.py (and so
+ * llama.cpp's files). */
+#ifndef TG_BLOCKS_H
+#define TG_BLOCKS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__F16C__)
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+#elif defined(__aarch64__)
+static inline float half(const uint8_t *p) {
+    __fp16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+#else
+static inline float half(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        float f = (float)man * (1.0f / 16777216.0f); /* zero or subnormal: man * 2^-24 */
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+/* ---- one block -> small integers q and per-sub-block (a, b): value = a * q + b ---------
+ * A block of QK values has QK / L sub-blocks of L values. Every q fits an int8. */
+
+#define R restrict
+
+/* 16 bytes at a time with the compiler's vector extensions (SSE2, NEON, ...): the byte loops
+ * below are too short for the auto-vectoriser to take on its own. */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+static inline u8x16 load16(const uint8_t *p) {
+    u8x16 v;
+    memcpy(&v, p, 16);
+    return v;
+}
+
+static inline void store16(int8_t *p, u8x16 v) { memcpy(p, &v, 16); }
+
+/* lo[j] = low nibble of src[j], hi[j] = high nibble, for j < 16. */
+static inline void nibbles16(const uint8_t *R src, int8_t *R lo, int8_t *R hi) {
+    const u8x16 v = load16(src);
+    store16(lo, v & 15);
+    store16(hi, v >> 4);
+}
+
+static inline void un_q4_0(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    const float d = half(b);
+    nibbles16(b + 2, q, q + 16);
+    a[0] = d, c[0] = -8.0f * d;
+}
+
+static inline void un_q4_1(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    nibbles16(b + 4, q, q + 16);
+    a[0] = half(b), c[0] = half(b + 2);
+}
+
+static inline void un_q5(const uint8_t *R qs, uint32_t qh, int8_t *R q) {
+    /* value j's fifth bit is bit j of qh: spread qh's bytes over lanes, test one bit each */
+    static const u8x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8_t b0 = qh & 255, b1 = (qh >> 8) & 255, b2 = (qh >> 16) & 255, b3 = qh >> 24;
+    const u8x16 lo = {b0, b0, b0, b0, b0, b0, b0, b0, b1, b1, b1, b1, b1, b1, b1, b1};
+    const u8x16 hi = {b2, b2, b2, b2, b2, b2, b2, b2, b3, b3, b3, b3, b3, b3, b3, b3};
+    const u8x16 v = load16(qs);
+    store16(q, (v & 15) | ((u8x16)((lo & bit) != 0) & 16));
+    store16(q + 16, (v >> 4) | ((u8x16)((hi & bit) != 0) & 16));
+}
+
+static inline void un_q5_0(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    un_q5(b + 6, qh, q);
+    const float d = half(b);
+    a[0] = d, c[0] = -16.0f * d;
+}
+
+static inline void un_q5_1(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    un_q5(b + 8, qh, q);
+    a[0] = half(b), c[0] = half(b + 2);
+}
+
+static inline void un_q8_0(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    memcpy(q, b + 2, 32);
+    a[0] = half(b), c[0] = 0.0f;
+}
+
+/* Q4_K / Q5_K: eight sub-blocks of 32, each with a 6-bit scale and min packed in 12 bytes. */
+static inline void k_scales(const uint8_t *R b, float *R a, float *R c) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t *s = b + 4;
+    for (int j = 0; j < 4; j++) {
+        a[j] = d * (float)(s[j] & 63);
+        c[j] = -(dmin * (float)(s[j + 4] & 63));
+        a[j + 4] = d * (float)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        c[j + 4] = -(dmin * (float)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4)));
+    }
+}
+
+static inline void un_q4_k(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    k_scales(b, a, c);
+    const uint8_t *qs = b + 16;
+    for (int s = 0; s < 4; s++)
+        for (int i = 0; i < 32; i += 16) nibbles16(qs + 32 * s + i, q + 64 * s + i, q + 64 * s + 32 + i);
+}
+
+static inline void un_q5_k(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    k_scales(b, a, c);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int s = 0; s < 4; s++)
+        for (int i = 0; i < 32; i++) {
+            q[64 * s + i] = (int8_t)((qs[32 * s + i] & 15) | (((qh[i] >> (2 * s)) & 1) << 4));
+            q[64 * s + 32 + i] = (int8_t)((qs[32 * s + i] >> 4) | (((qh[i] >> (2 * s + 1)) & 1) << 4));
+        }
+}
+
+/* Q6_K: sixteen sub-blocks of 16 with int8 scales; q = low 4 bits | high 2 bits << 4, minus 32. */
+static inline void un_q6_k(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half(b + 208);
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 32; i += 16) {
+            const u8x16 l0 = load16(ql + 64 * h + i), l1 = load16(ql + 64 * h + 32 + i);
+            const u8x16 hh = load16(qh + 32 * h + i);
+            int8_t *o = q + 128 * h + i;
+            store16(o, (l0 & 15) | ((hh & 3) << 4));
+            store16(o + 32, (l1 & 15) | (((hh >> 2) & 3) << 4));
+            store16(o + 64, (l0 >> 4) | (((hh >> 4) & 3) << 4));
+            store16(o + 96, (l1 >> 4) | (((hh >> 6) & 3) << 4));
+        }
+    for (int s = 0; s < 16; s++) {
+        a[s] = d * (float)sc[s];
+        c[s] = -32.0f * a[s];
+    }
+}
+
+#endif
