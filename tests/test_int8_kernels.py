@@ -16,32 +16,44 @@ from test_packed import random_packed
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="needs the C kernels")
 
 
-def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8 values, one scale per 16, and scale * sum per 16: the arithmetic int8.c does."""
+def quantize_reference(x: torch.Tensor, block: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 values and one scale per ``block`` values, and the sums of scale * value per 16:
+    the arithmetic int8.c does."""
     m, k = x.shape
-    blocks = x.view(m, k // 16, 16)
+    blocks = x.view(m, k // block, block)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros(()))
     q = torch.round(blocks * inv)
     scale = (amax / 127.0).squeeze(-1)
-    return q.to(torch.int8).view(m, k), scale, scale * q.sum(-1)
+    sums = (scale * q.sum(-1)).view(m, k // 16, 16 // block)
+    total = sums[..., 0]
+    for j in range(1, 16 // block):  # in order, as int8.c adds them
+        total = total + sums[..., j]
+    return q.to(torch.int8).view(m, k), scale, total
 
 
-def test_activations_quantise_as_the_plain_reference():
+@pytest.mark.parametrize("block", [4, 8, 16])
+def test_activations_quantise_as_the_plain_reference(block):
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(0)) * 3
     x[2, :16] = 0  # an all-zero block: scale 0, values 0
     x[3, 5] = 40.0  # an outlier sets its block's scale alone
-    got = kernels.quantize_activations(x)
-    q, scale, sums = quantize_reference(x)
+    got = kernels.quantize_activations(x, block)
+    q, scale, sums = quantize_reference(x, block)
     assert torch.equal(got.q, q)
-    assert torch.equal(got.scales, scale.repeat_interleave(4, dim=1))
+    assert torch.equal(got.scales, scale.repeat_interleave(block // 4, dim=1))
     assert torch.equal(got.sums, sums)
     assert got.q[2, :16].abs().sum() == 0 and got.q.abs().max() <= 127
 
 
-def integer_reference(x: torch.Tensor, w) -> torch.Tensor:
-    q, scale, _ = quantize_reference(x)
-    xd = (q.double().view(x.shape[0], -1, 16) * scale.double()[..., None]).view(x.shape)
+def test_activation_blocks_other_than_4_8_16_are_refused():
+    with pytest.raises(ValueError, match="4, 8 or 16"):
+        kernels.quantize_activations(torch.randn(1, 32), 32)
+
+
+def integer_reference(x: torch.Tensor, w, block: int) -> torch.Tensor:
+    q, scale, _ = quantize_reference(x, block)
+    xd = (q.double().view(x.shape[0], -1, block) * scale.double()[..., None]).view(x.shape)
     dense = torch.cat([dequantize(raw, t, (n, w.shape[1])) for t, _, n, raw in w.segments()])
     return (xd @ dense.double().T).float()
 
@@ -57,13 +69,15 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e
 # remainder or not, and prefill-sized products
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33, 100])
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
-def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide):
-    block = ggml_type_sizes(ggml_type)[0]
+@pytest.mark.parametrize("block", [4, 8, 16])
+def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, block, monkeypatch):
+    qk = ggml_type_sizes(ggml_type)[0]
     # 67 output rows: the last 8-row tile holds 3; wide rows run past the 1024-value chunk
-    cols = 1280 if wide else block * (11 if block == 32 else 3)
+    cols = 1280 if wide else qk * (11 if qk == 32 else 3)
     w = random_packed(ggml_type, 67, cols, seed=ggml_type)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     x[0, :7] *= 30  # outliers in one block
+    monkeypatch.setattr(kernels, "ACT_BLOCK", block)
     kernels.set_int8_activations(True)
     try:
         got = kernels.packed_linear(x, w)
@@ -71,7 +85,7 @@ def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide):
         got3 = kernels.packed_linear(x.view(1, rows, cols), w, bias)
     finally:
         kernels.set_int8_activations(False)
-    want = integer_reference(x, w)
+    want = integer_reference(x, w, block)
     assert_close_relative(got, want)
     assert_close_relative(got3, (want + bias).view(1, rows, 67))
 
@@ -88,3 +102,52 @@ def test_integer_products_are_near_the_float_ones_and_off_by_default():
         kernels.set_int8_activations(False)
     err = ((approx - exact).abs().max() / exact.abs().max()).item()
     assert 0 < err < 0.05  # 8-bit activations: close, but not the float product
+
+
+# Builds for other instruction sets than -march=native picks here: AVX2 without VNNI
+# (`maddubs` + `madd`, as on an AMD EPYC), AVX-512 VNNI without AVX-VNNI (Ice Lake; run
+# where the CPU has it), and no AVX2 at all (the portable C loops, as on other CPUs).
+ISA_BUILDS = {"avx2": ["-march=haswell"], "avx512-vnni": ["-march=icelake-server"],
+              "portable": ["-march=x86-64"]}
+ISA_LEVEL = {"avx2": 1, "avx512-vnni": 2, "portable": 0}
+
+
+@pytest.fixture(scope="module", params=sorted(ISA_BUILDS))
+def isa_library(request, tmp_path_factory):
+    import ctypes
+    import platform
+
+    from tiergen._platform import cpu_flags
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 instruction-set builds")
+    if request.param == "avx512-vnni" and not {"avx512_vnni", "avx512vl"} <= cpu_flags():
+        pytest.skip("this CPU has no AVX-512 VNNI to run that build")
+    flags = [f for f in kernels.FLAGS if not f.startswith(("-march", "-mcpu"))]
+    path = tmp_path_factory.mktemp("isa") / f"{request.param}.so"
+    kernels._compile(path, flags + ISA_BUILDS[request.param])
+    lib = kernels.bind(ctypes.CDLL(str(path)))
+    assert lib.tg_int8_isa() == ISA_LEVEL[request.param]
+    return lib
+
+
+@pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_every_instruction_set_build_does_the_same_arithmetic(isa_library, ggml_type, rows,
+                                                              monkeypatch):
+    qk = ggml_type_sizes(ggml_type)[0]
+    cols = 1280 if qk == 256 else 32 * 11
+    w = random_packed(ggml_type, 19, cols, seed=ggml_type)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    monkeypatch.setattr(kernels, "_lib", isa_library)
+    for block in (4, 16):
+        monkeypatch.setattr(kernels, "ACT_BLOCK", block)
+        got = kernels.quantize_activations(x, block)
+        q, scale, sums = quantize_reference(x, block)
+        assert torch.equal(got.q, q) and torch.equal(got.sums, sums)
+        kernels.set_int8_activations(True)
+        try:
+            y = kernels.packed_linear(x, w)
+        finally:
+            kernels.set_int8_activations(False)
+        assert_close_relative(y, integer_reference(x, w, block))

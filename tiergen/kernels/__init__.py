@@ -47,7 +47,7 @@ _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailabl
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
 _arith = threading.local()  # .int8: this thread's packed products take the integer kernels
-QA = 16  # activation values per int8 scale (int8.c)
+ACT_BLOCK = int(os.environ.get("TIERGEN_ACT_BLOCK", 8))  # activation values per int8 scale
 
 
 # -ffast-math is avoided: in a shared library it would switch the whole process to flushing
@@ -56,7 +56,7 @@ FLAGS = ["-O3", "-march=native" if platform.machine() in ("x86_64", "AMD64") els
          "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-std=gnu11"]
 
 
-def _compile(target: Path) -> None:
+def _compile(target: Path, flags: list[str] = FLAGS) -> None:
     """Build the C sources into ``target`` (written beside it, then renamed into place)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
@@ -70,7 +70,7 @@ def _compile(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, *libs], check=True,
+        subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, *libs], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
@@ -113,12 +113,18 @@ def _load() -> ctypes.CDLL | bool:
                     "multiplied by torch instead, and decode steps run in torch alone, which "
                     "is slower", e)
         return False
+    return bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the library's functions' argument types."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tg_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64]
     lib.tg_dequant.argtypes = [ctypes.c_int, ptr, i64, ptr]
-    lib.tg_quantize_act.argtypes = [ptr, i64, i64, ptr, ptr, ptr]
+    lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr]
     lib.tg_quantize_act.restype = None
-    lib.tg_qmatmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
+    lib.tg_qmatmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int, i64,
+                               ptr, i64]
     f32 = ctypes.c_float
     lib.tg_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, f32, ptr]
     lib.tg_rms_norm.restype = None
@@ -156,24 +162,28 @@ def dequantize_into(w: Packed, out: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int8Rows:
-    """Activation rows quantised for ``int8.c``: int8 values in blocks of ``QA``, each block's
-    scale (max |x| / 127) written four times over, and each block's sum times its scale."""
+    """Activation rows quantised for ``int8.c``: int8 values in blocks of ``block`` (4, 8 or
+    16) with a scale each (max |x| / 127), the scale of every four values' block, and the
+    sum of scale * value over every 16 values."""
 
     q: torch.Tensor  # (m, k) int8
     scales: torch.Tensor  # (m, k // 4) float32
-    sums: torch.Tensor  # (m, k // QA) float32
+    sums: torch.Tensor  # (m, k // 16) float32
+    block: int
 
 
-def quantize_activations(x: torch.Tensor) -> Int8Rows:
+def quantize_activations(x: torch.Tensor, block: int) -> Int8Rows:
     """``x`` (m, k), float32 CPU, k a multiple of 32, as :class:`Int8Rows` (C library)."""
     lib = library()
     if lib is None:
         raise RuntimeError("the C kernels are unavailable")
     m, k = x.shape
     x = x.float().contiguous()
+    if block not in (4, 8, 16):
+        raise ValueError(f"activation blocks of 4, 8 or 16 values, not {block}")
     rows = Int8Rows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 4),
-                    torch.empty(m, k // QA))
-    lib.tg_quantize_act(x.data_ptr(), m, k, rows.q.data_ptr(), rows.scales.data_ptr(),
+                    torch.empty(m, k // 16), block)
+    lib.tg_quantize_act(x.data_ptr(), m, k, block, rows.q.data_ptr(), rows.scales.data_ptr(),
                         rows.sums.data_ptr())
     return rows
 
@@ -191,12 +201,12 @@ def int8_activations() -> bool:
 def _int8_linear(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | None
                  ) -> torch.Tensor:
     rows = x.shape[:-1].numel()
-    a = quantize_activations(x.reshape(rows, x.shape[-1]))
+    a = quantize_activations(x.reshape(rows, x.shape[-1]), ACT_BLOCK)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32)
     base, yp = w.data.data_ptr(), y.data_ptr()
     qp, sp, mp = a.q.data_ptr(), a.scales.data_ptr(), a.sums.data_ptr()
     for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
-        if lib.tg_qmatmul(ggml_type, base + start, n, w.shape[1], qp, sp, mp, rows,
+        if lib.tg_qmatmul(ggml_type, base + start, n, w.shape[1], qp, sp, mp, a.block, rows,
                           yp + 4 * row, w.shape[0]):
             raise ValueError(f"no integer kernel for GGML type {ggml_type}")
     if bias is not None:

@@ -44,9 +44,12 @@ static inline float half(const uint8_t *p) {
 
 #define R restrict
 
-/* 16 bytes at a time with the compiler's vector extensions (SSE2, NEON, ...): the byte loops
- * below are too short for the auto-vectoriser to take on its own. */
+/* 16 or 32 bytes at a time with the compiler's vector extensions (SSE2, AVX2, NEON, ...):
+ * the byte loops below are too short for the auto-vectoriser to take on its own. Each
+ * decoder writes whole 32-byte runs, so that a kernel reading 32 bytes back gets them
+ * forwarded from its store. */
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
 
 static inline u8x16 load16(const uint8_t *p) {
     u8x16 v;
@@ -54,23 +57,33 @@ static inline u8x16 load16(const uint8_t *p) {
     return v;
 }
 
-static inline void store16(int8_t *p, u8x16 v) { memcpy(p, &v, 16); }
+static inline u8x32 load32b(const uint8_t *p) {
+    u8x32 v;
+    memcpy(&v, p, 32);
+    return v;
+}
 
-/* lo[j] = low nibble of src[j], hi[j] = high nibble, for j < 16. */
-static inline void nibbles16(const uint8_t *R src, int8_t *R lo, int8_t *R hi) {
+static inline void store32b(int8_t *p, u8x32 v) { memcpy(p, &v, 32); }
+
+static inline u8x32 join16(u8x16 lo, u8x16 hi) {
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* q[j] = low nibble of src[j], q[16 + j] = its high nibble, for j < 16. */
+static inline void nibbles16(const uint8_t *R src, int8_t *R q) {
     const u8x16 v = load16(src);
-    store16(lo, v & 15);
-    store16(hi, v >> 4);
+    store32b(q, join16(v & 15, v >> 4));
 }
 
 static inline void un_q4_0(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
     const float d = half(b);
-    nibbles16(b + 2, q, q + 16);
+    nibbles16(b + 2, q);
     a[0] = d, c[0] = -8.0f * d;
 }
 
 static inline void un_q4_1(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
-    nibbles16(b + 4, q, q + 16);
+    nibbles16(b + 4, q);
     a[0] = half(b), c[0] = half(b + 2);
 }
 
@@ -81,8 +94,8 @@ static inline void un_q5(const uint8_t *R qs, uint32_t qh, int8_t *R q) {
     const u8x16 lo = {b0, b0, b0, b0, b0, b0, b0, b0, b1, b1, b1, b1, b1, b1, b1, b1};
     const u8x16 hi = {b2, b2, b2, b2, b2, b2, b2, b2, b3, b3, b3, b3, b3, b3, b3, b3};
     const u8x16 v = load16(qs);
-    store16(q, (v & 15) | ((u8x16)((lo & bit) != 0) & 16));
-    store16(q + 16, (v >> 4) | ((u8x16)((hi & bit) != 0) & 16));
+    store32b(q, join16((v & 15) | ((u8x16)((lo & bit) != 0) & 16),
+                       (v >> 4) | ((u8x16)((hi & bit) != 0) & 16)));
 }
 
 static inline void un_q5_0(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
@@ -120,18 +133,22 @@ static inline void k_scales(const uint8_t *R b, float *R a, float *R c) {
 static inline void un_q4_k(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
     k_scales(b, a, c);
     const uint8_t *qs = b + 16;
-    for (int s = 0; s < 4; s++)
-        for (int i = 0; i < 32; i += 16) nibbles16(qs + 32 * s + i, q + 64 * s + i, q + 64 * s + 32 + i);
+    for (int s = 0; s < 4; s++) {
+        const u8x32 v = load32b(qs + 32 * s);
+        store32b(q + 64 * s, v & 15);
+        store32b(q + 64 * s + 32, v >> 4);
+    }
 }
 
 static inline void un_q5_k(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
     k_scales(b, a, c);
     const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int s = 0; s < 4; s++)
-        for (int i = 0; i < 32; i++) {
-            q[64 * s + i] = (int8_t)((qs[32 * s + i] & 15) | (((qh[i] >> (2 * s)) & 1) << 4));
-            q[64 * s + 32 + i] = (int8_t)((qs[32 * s + i] >> 4) | (((qh[i] >> (2 * s + 1)) & 1) << 4));
-        }
+    const u8x32 h = load32b(qh);
+    for (int s = 0; s < 4; s++) {
+        const u8x32 v = load32b(qs + 32 * s);
+        store32b(q + 64 * s, (v & 15) | (((h >> (2 * s)) & 1) << 4));
+        store32b(q + 64 * s + 32, (v >> 4) | (((h >> (2 * s + 1)) & 1) << 4));
+    }
 }
 
 /* Q6_K: sixteen sub-blocks of 16 with int8 scales; q = low 4 bits | high 2 bits << 4, minus 32. */
@@ -139,16 +156,15 @@ static inline void un_q6_k(const uint8_t *R b, int8_t *R q, float *R a, float *R
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = half(b + 208);
-    for (int h = 0; h < 2; h++)
-        for (int i = 0; i < 32; i += 16) {
-            const u8x16 l0 = load16(ql + 64 * h + i), l1 = load16(ql + 64 * h + 32 + i);
-            const u8x16 hh = load16(qh + 32 * h + i);
-            int8_t *o = q + 128 * h + i;
-            store16(o, (l0 & 15) | ((hh & 3) << 4));
-            store16(o + 32, (l1 & 15) | (((hh >> 2) & 3) << 4));
-            store16(o + 64, (l0 >> 4) | (((hh >> 4) & 3) << 4));
-            store16(o + 96, (l1 >> 4) | (((hh >> 6) & 3) << 4));
-        }
+    for (int h = 0; h < 2; h++) {
+        const u8x32 l0 = load32b(ql + 64 * h), l1 = load32b(ql + 64 * h + 32);
+        const u8x32 hh = load32b(qh + 32 * h);
+        int8_t *o = q + 128 * h;
+        store32b(o, (l0 & 15) | ((hh & 3) << 4));
+        store32b(o + 32, (l1 & 15) | (((hh >> 2) & 3) << 4));
+        store32b(o + 64, (l0 >> 4) | (((hh >> 4) & 3) << 4));
+        store32b(o + 96, (l1 >> 4) | (((hh >> 6) & 3) << 4));
+    }
     for (int s = 0; s < 16; s++) {
         a[s] = d * (float)sc[s];
         c[s] = -32.0f * a[s];

@@ -23,47 +23,51 @@
 
 #include "blocks.h"
 
-#define QA 16     /* activation values per scale */
+#define SB 16     /* values per activation block sum, and per weight scale in a tile */
 #define IKC 1024  /* weight values decoded at a time (a multiple of every block size) */
 #define FEWI 4    /* up to this many rows: the row-by-row kernel */
 #define TR 8      /* weight rows per interleaved tile */
 #define MI 4      /* activation rows per pass over a tile */
 
 /* ---- activations ---------------------------------------------------------------------
- * Row i of x (k values, k a multiple of 32) becomes xq[i k + j] (int8), the scale of each
- * block of 16 written four times over in xs4[i k / 4 + 4 b ...] (one per 32-bit lane of the
- * block's products), and xsum[i k / 16 + b] = scale * sum of the block's q. */
-void tg_quantize_act(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs4,
+ * Row i of x (k values, k a multiple of 32) becomes xq[i k + j] (int8) in blocks of qa
+ * values (4, 8 or 16) with scale s = max |x| / 127; xs4[i k / 4 + l] is the scale of the
+ * block holding values 4 l .. 4 l + 3 (one per 32-bit lane of the products), and
+ * xsum[i k / 16 + t] the sum over values 16 t .. 16 t + 15 of s * q (what a weight block's
+ * minimum multiplies). */
+void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, float *xs4,
                      float *xsum) {
-    const int64_t blocks = m * (k / QA);
+    const int64_t blocks = m * (k / SB);
     _Pragma("omp parallel for schedule(static) if (blocks > 256)")
     for (int64_t t = 0; t < blocks; t++) {
-        const float *v = x + t * QA;
-        float amax = 0.0f;
-        for (int j = 0; j < QA; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f, s = amax / 127.0f;
-        int sum = 0;
-        for (int j = 0; j < QA; j++) {
-            const int q = (int)rintf(v[j] * id);
-            xq[t * QA + j] = (int8_t)q;
-            sum += q;
+        float total = 0.0f;
+        for (int o = 0; o < SB; o += qa) {
+            const float *v = x + t * SB + o;
+            float amax = 0.0f;
+            for (int j = 0; j < qa; j++) amax = fmaxf(amax, fabsf(v[j]));
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f, s = amax / 127.0f;
+            int sum = 0;
+            for (int j = 0; j < qa; j++) {
+                const int q = (int)rintf(v[j] * id);
+                xq[t * SB + o + j] = (int8_t)q;
+                sum += q;
+            }
+            for (int l = 0; l < qa / 4; l++) xs4[(t * SB + o) / 4 + l] = s;
+            total += s * (float)sum;
         }
-        for (int l = 0; l < 4; l++) xs4[4 * t + l] = s;
-        xsum[t] = s * (float)sum;
+        xsum[t] = total;
     }
 }
 
 /* ---- one chunk of a weight row, decoded ------------------------------------------------
- * q: len bytes; a4: each block of 16's weight scale four times over (as xs4); c16: its
- * offset. */
-#define DECODE_CHUNK(UNPACK, QK, L, BYTES, src, nblk, q, a4, c16)                             \
+ * q: len bytes; a16, c16: each block of 16's weight scale and offset. */
+#define DECODE_CHUNK(UNPACK, QK, L, BYTES, src, nblk, q, a16, c16)                            \
     for (int64_t b_ = 0; b_ < (nblk); b_++) {                                                 \
         float a_[QK / L], c_[QK / L];                                                         \
         UNPACK((src) + b_ * BYTES, (q) + b_ * QK, a_, c_);                                    \
-        for (int s_ = 0; s_ < QK / QA; s_++) {                                                \
-            const int64_t t_ = b_ * (QK / QA) + s_;                                           \
-            for (int l_ = 0; l_ < 4; l_++) (a4)[4 * t_ + l_] = a_[s_ * QA / L];               \
-            (c16)[t_] = c_[s_ * QA / L];                                                      \
+        for (int s_ = 0; s_ < QK / SB; s_++) {                                                \
+            (a16)[b_ * (QK / SB) + s_] = a_[s_ * SB / L];                                     \
+            (c16)[b_ * (QK / SB) + s_] = c_[s_ * SB / L];                                     \
         }                                                                                     \
     }
 
@@ -90,164 +94,203 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* sum over len values of (a q + c) x for one activation row (its xq, xs4, xsum at the
- * chunk's start). SIGNED: q is signed (Q8_0), else unsigned. */
-static inline __attribute__((always_inline)) float
-dot_chunk(const int SIGNED, const int8_t *restrict q, const float *restrict a4,
-          const float *restrict c16, const int8_t *restrict xq, const float *restrict xs4,
-          const float *restrict xsum, int64_t len) {
+/* acc[i] += the products of one decoded weight block (QK values: q, and a, c per sub-block
+ * of L) with activation rows i < ROWS (xq, xs4, xsum at the block's start, rows k apart).
+ * SIGNED: q is signed (Q8_0), else unsigned. */
+static inline __attribute__((always_inline)) void
+block_dot(const int ROWS, const int SIGNED, const int QK, const int L, const int8_t *restrict q,
+          const float *restrict a, const float *restrict c, const int8_t *restrict xq,
+          const float *restrict xs4, const float *restrict xsum, int64_t k, float *restrict mins,
 #if defined(__AVX2__)
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t j = 0; j < len; j += 64) {  /* len is a multiple of 256 or of 32 ... */
-        for (int h = 0; h < 2; h++) {
-            const int64_t o = j + 32 * h;
-            if (o >= len) break;
-            __m256i w = load32(q + o), v = load32(xq + o);
-            if (SIGNED) {
-                v = _mm256_sign_epi8(v, w);
-                w = _mm256_abs_epi8(w);
-            }
-            const __m256 p = _mm256_cvtepi32_ps(dot4(_mm256_setzero_si256(), w, v));
-            const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(a4 + o / 4), _mm256_loadu_ps(xs4 + o / 4));
-            if (h) acc1 = _mm256_fmadd_ps(p, s, acc1);
-            else acc0 = _mm256_fmadd_ps(p, s, acc0);
-        }
-    }
-    for (int64_t b = 0; b < len / QA; b += 8)  /* len / 16 is even; a multiple of 8 or 2 */
-        if (b + 8 <= len / QA)
-            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(c16 + b), _mm256_loadu_ps(xsum + b), acc0);
-        else
-            for (int64_t t = b; t < len / QA; t++) acc1[0] += c16[t] * xsum[t];
-    return hsum8(_mm256_add_ps(acc0, acc1));
+          __m256 *restrict acc
 #else
-    float acc = 0.0f;
-    for (int64_t b = 0; b < len / QA; b++) {
-        int32_t d = 0;
-        for (int j = 0; j < QA; j++)
-            d += (int32_t)(SIGNED ? q[b * QA + j] : (uint8_t)q[b * QA + j]) * xq[b * QA + j];
-        acc += (float)d * (a4[4 * b] * xs4[4 * b]) + c16[b] * xsum[b];
-    }
-    return acc;
+          float *restrict acc
 #endif
+) {
+    for (int j = 0; j < QK; j += 32) {
+#if defined(__AVX2__)
+        __m256i w = load32(q + j);
+        const __m256i wa = SIGNED ? _mm256_abs_epi8(w) : w;
+        const __m256 av = L == 32 ? _mm256_set1_ps(a[j / 32])
+                                  : _mm256_set_m128(_mm_set1_ps(a[j / 16 + 1]), _mm_set1_ps(a[j / 16]));
+        for (int i = 0; i < ROWS; i++) {
+            __m256i v = load32(xq + i * k + j);
+            if (SIGNED) v = _mm256_sign_epi8(v, w);
+            const __m256 p = _mm256_cvtepi32_ps(dot4(_mm256_setzero_si256(), wa, v));
+            acc[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(av, _mm256_loadu_ps(xs4 + (i * k + j) / 4)), acc[i]);
+        }
+#else
+        for (int i = 0; i < ROWS; i++)
+            for (int h = 0; h < 32; h += 4) {
+                int32_t d = 0;
+                for (int l = 0; l < 4; l++)
+                    d += (int32_t)(SIGNED ? q[j + h + l] : (uint8_t)q[j + h + l]) * xq[i * k + j + h + l];
+                acc[i] += (float)d * (a[(j + h) / L] * xs4[(i * k + j + h) / 4]);
+            }
+#endif
+    }
+    if (!SIGNED)
+        for (int s = 0; s < QK / L; s++)
+            for (int i = 0; i < ROWS; i++) {
+                const float *xs = xsum + (i * k + s * L) / SB;
+                mins[i] += c[s] * (L == 32 ? xs[0] + xs[1] : xs[0]);
+            }
 }
 
 /* ---- a tile of TR weight rows, interleaved -------------------------------------------
  * tile[g * 4 TR + r * 4 + l] = value 4 g + l of row r; as[t * TR + r], cs[t * TR + r]: the
- * scale and offset of row r's block of 16 t. Rows past the matrix are zero. */
+ * scale and offset of row r's values 16 t .. 16 t + 15. Rows past the matrix are zero.
+ * y[i, r] (+)= the products for activation rows i < ROWS (xq, xs4, xsum at the chunk's
+ * start, rows k apart) and r < ncols; QA: the activations' block size. */
 static inline __attribute__((always_inline)) void
-tile_rows(const int SIGNED, const uint8_t *restrict tile, const float *restrict as,
-          const float *restrict cs, int64_t len, const int8_t *restrict xq,
-          const float *restrict xs4, const float *restrict xsum, int64_t k, int rows,
-          float *restrict y, int64_t ldy, int ncols, int add) {
-    /* rows <= MI activation rows, each xq row k apart, xs4 row k / 4, xsum row k / 16 */
+tile_rows(const int ROWS, const int QA, const int SIGNED, const uint8_t *restrict tile,
+          const float *restrict as, const float *restrict cs, int64_t len,
+          const int8_t *restrict xq, const float *restrict xs4, const float *restrict xsum,
+          int64_t k, float *restrict y, int64_t ldy, int ncols, int add) {
 #if defined(__AVX2__)
     __m256 acc[MI];
-    for (int i = 0; i < rows; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < len / QA; t++) {
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len / SB; t++) {
+        __m256 part[MI];
         __m256i isum[MI];
-        for (int i = 0; i < rows; i++) isum[i] = _mm256_setzero_si256();
-        for (int g = 0; g < 4; g++) {
-            __m256i w = load32(tile + (4 * t + g) * 4 * TR);
+        for (int i = 0; i < ROWS; i++) part[i] = _mm256_setzero_ps();
+        for (int g = 0; g < SB / 4; g++) {
+            const __m256i w = load32(tile + (SB / 4 * t + g) * 4 * TR);
             const __m256i wa = SIGNED ? _mm256_abs_epi8(w) : w;
-            for (int i = 0; i < rows; i++) {
+            for (int i = 0; i < ROWS; i++) {
                 int32_t four;
-                memcpy(&four, xq + i * k + 16 * t + 4 * g, 4);
+                memcpy(&four, xq + i * k + SB * t + 4 * g, 4);
                 __m256i v = _mm256_set1_epi32(four);
                 if (SIGNED) v = _mm256_sign_epi8(v, w);
-                isum[i] = dot4(isum[i], wa, v);
+                isum[i] = dot4(g % (QA / 4) ? isum[i] : _mm256_setzero_si256(), wa, v);
+                if (g % (QA / 4) == QA / 4 - 1)  /* the end of an activation block */
+                    part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]),
+                                              _mm256_set1_ps(xs4[i * (k / 4) + SB / 4 * t + g]),
+                                              part[i]);
             }
         }
         const __m256 a = _mm256_loadu_ps(as + t * TR), c = _mm256_loadu_ps(cs + t * TR);
-        for (int i = 0; i < rows; i++) {
-            const __m256 s = _mm256_mul_ps(a, _mm256_set1_ps(xs4[i * (k / 4) + 4 * t]));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), s, acc[i]);
-            acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(xsum[i * (k / QA) + t]), acc[i]);
+        for (int i = 0; i < ROWS; i++) {
+            acc[i] = _mm256_fmadd_ps(part[i], a, acc[i]);
+            if (!SIGNED)
+                acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(xsum[i * (k / SB) + t]), acc[i]);
         }
     }
-    for (int i = 0; i < rows; i++) {
+    for (int i = 0; i < ROWS; i++) {
         float out[TR];
         _mm256_storeu_ps(out, acc[i]);
         for (int r = 0; r < ncols; r++) y[i * ldy + r] = add ? y[i * ldy + r] + out[r] : out[r];
     }
 #else
-    for (int i = 0; i < rows; i++)
+    (void)QA;
+    for (int i = 0; i < ROWS; i++)
         for (int r = 0; r < ncols; r++) {
             float acc = 0.0f;
-            for (int64_t t = 0; t < len / QA; t++) {
-                int32_t d = 0;
-                for (int j = 0; j < QA; j++) {
-                    const int g = (int)(16 * t + j) / 4, l = j % 4;
-                    const uint8_t wb = tile[g * 4 * TR + r * 4 + l];
-                    d += (SIGNED ? (int32_t)(int8_t)wb : (int32_t)wb) * xq[i * k + 16 * t + j];
+            for (int64_t t = 0; t < len / SB; t++) {
+                float part = 0.0f;
+                for (int g = 0; g < SB / 4; g++) {
+                    int32_t d = 0;
+                    for (int l = 0; l < 4; l++) {
+                        const uint8_t wb = tile[(SB / 4 * t + g) * 4 * TR + r * 4 + l];
+                        d += (SIGNED ? (int32_t)(int8_t)wb : (int32_t)wb) * xq[i * k + SB * t + 4 * g + l];
+                    }
+                    part += (float)d * xs4[i * (k / 4) + SB / 4 * t + g];
                 }
-                acc += (float)d * (as[t * TR + r] * xs4[i * (k / 4) + 4 * t])
-                       + cs[t * TR + r] * xsum[i * (k / QA) + t];
+                acc += part * as[t * TR + r] + cs[t * TR + r] * xsum[i * (k / SB) + t];
             }
             y[i * ldy + r] = add ? y[i * ldy + r] + acc : acc;
         }
 #endif
 }
 
+/* tile_rows with its row count and block size as constants. */
+static inline __attribute__((always_inline)) void
+tile_pass(const int SIGNED, int qa, int rows, const uint8_t *restrict tile,
+          const float *restrict as, const float *restrict cs, int64_t len,
+          const int8_t *restrict xq, const float *restrict xs4, const float *restrict xsum,
+          int64_t k, float *restrict y, int64_t ldy, int ncols, int add) {
+#define TILE(R, Q) tile_rows(R, Q, SIGNED, tile, as, cs, len, xq, xs4, xsum, k, y, ldy, ncols, add)
+#define TILES(Q) if (rows == MI) TILE(MI, Q); else for (int i = 0; i < rows; i++) \
+    tile_rows(1, Q, SIGNED, tile, as, cs, len, xq + i * k, xs4 + i * (k / 4), xsum + i * (k / SB), \
+              k, y + i * ldy, ldy, ncols, add)
+    if (qa == 4) TILES(4);
+    else if (qa == 8) TILES(8);
+    else TILES(16);
+#undef TILES
+#undef TILE
+}
+
+#if defined(__AVX2__)
+#define ACC_T __m256
+#define ACC_ZERO _mm256_setzero_ps()
+#define ACC_SUM hsum8
+#else
+#define ACC_T float
+#define ACC_ZERO 0.0f
+#define ACC_SUM(x) (x)
+#endif
+
 #define IKERNELS(NAME, QK, L, BYTES, UNPACK, SIGNED)                                          \
+    static inline __attribute__((always_inline)) void                                      \
+    NAME##_row(const int ROWS, const uint8_t *wr, int64_t nb, const int8_t *xq,               \
+               const float *xs4, const float *xsum, int64_t k, float *y, int64_t ldy) {       \
+        int8_t q[QK] __attribute__((aligned(32)));                                            \
+        float a[QK / L], c[QK / L], mins[FEWI] = {0};                                         \
+        ACC_T acc[FEWI];                                                                      \
+        for (int i = 0; i < ROWS; i++) acc[i] = ACC_ZERO;                                     \
+        for (int64_t b = 0; b < nb; b++) {                                                    \
+            UNPACK(wr + b * BYTES, q, a, c);                                                  \
+            block_dot(ROWS, SIGNED, QK, L, q, a, c, xq + b * QK, xs4 + b * QK / 4,            \
+                      xsum + b * QK / SB, k, mins, acc);                                      \
+        }                                                                                     \
+        for (int i = 0; i < ROWS; i++) y[i * ldy] = ACC_SUM(acc[i]) + mins[i];                \
+    }                                                                                         \
     static void NAME##_few(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,          \
                            const float *xs4, const float *xsum, int64_t m, float *y,          \
                            int64_t ldy) {                                                     \
         const int64_t nb = k / QK;                                                            \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r = 0; r < n; r++) {                                                     \
-            int8_t q[IKC] __attribute__((aligned(32)));                                       \
-            float a4[IKC / 4], c16[IKC / QA];                                                 \
-            float acc[FEWI] = {0};                                                            \
-            for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
-                const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
-                DECODE_CHUNK(UNPACK, QK, L, BYTES, w + (r * nb + k0 / QK) * BYTES, len / QK,  \
-                             q, a4, c16)                                                      \
-                for (int64_t i = 0; i < m; i++)                                               \
-                    acc[i] += dot_chunk(SIGNED, q, a4, c16, xq + i * k + k0,                  \
-                                        xs4 + (i * k + k0) / 4, xsum + (i * k + k0) / QA,     \
-                                        len);                                                 \
-            }                                                                                 \
-            for (int64_t i = 0; i < m; i++) y[i * ldy + r] = acc[i];                          \
+            const uint8_t *wr = w + r * nb * BYTES;                                           \
+            if (m == 1) NAME##_row(1, wr, nb, xq, xs4, xsum, k, y + r, ldy);                  \
+            else if (m == 2) NAME##_row(2, wr, nb, xq, xs4, xsum, k, y + r, ldy);             \
+            else if (m == 3) NAME##_row(3, wr, nb, xq, xs4, xsum, k, y + r, ldy);             \
+            else NAME##_row(4, wr, nb, xq, xs4, xsum, k, y + r, ldy);                         \
         }                                                                                     \
     }                                                                                         \
     static void NAME##_tiled(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,        \
                              const float *xs4, const float *xsum, int64_t m, float *y,        \
-                             int64_t ldy) {                                                   \
+                             int64_t ldy, int qa) {                                           \
         const int64_t nb = k / QK;                                                            \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
             uint8_t tile[IKC * TR] __attribute__((aligned(32)));                              \
-            float as[IKC / QA * TR], cs[IKC / QA * TR];                                       \
+            float as[IKC / SB * TR], cs[IKC / SB * TR];                                       \
             int8_t q[IKC] __attribute__((aligned(32)));                                       \
-            float a4[IKC / 4], c16[IKC / QA];                                                 \
+            float a16[IKC / SB], c16[IKC / SB];                                               \
             const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                               \
             for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
                 const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
                 for (int r = 0; r < TR; r++) {                                                \
                     if (r < ncols) {                                                          \
                         DECODE_CHUNK(UNPACK, QK, L, BYTES, w + ((r0 + r) * nb + k0 / QK) * BYTES, \
-                                     len / QK, q, a4, c16)                                    \
+                                     len / QK, q, a16, c16)                                   \
                     } else {                                                                  \
                         memset(q, 0, len);                                                    \
-                        memset(a4, 0, sizeof(float) * (len / 4));                             \
-                        memset(c16, 0, sizeof(float) * (len / QA));                           \
+                        memset(a16, 0, sizeof(float) * (len / SB));                           \
+                        memset(c16, 0, sizeof(float) * (len / SB));                           \
                     }                                                                         \
                     for (int64_t g = 0; g < len / 4; g++)                                     \
                         memcpy(tile + g * 4 * TR + r * 4, q + 4 * g, 4);                      \
-                    for (int64_t t = 0; t < len / QA; t++) {                                  \
-                        as[t * TR + r] = a4[4 * t];                                           \
+                    for (int64_t t = 0; t < len / SB; t++) {                                  \
+                        as[t * TR + r] = a16[t];                                              \
                         cs[t * TR + r] = c16[t];                                              \
                     }                                                                         \
                 }                                                                             \
-                int64_t i = 0;                                                                \
-                for (; i + MI <= m; i += MI)                                                  \
-                    tile_rows(SIGNED, tile, as, cs, len, xq + i * k + k0,                     \
-                              xs4 + (i * k + k0) / 4, xsum + (i * k + k0) / QA, k, MI,        \
-                              y + i * ldy + r0, ldy, ncols, k0 > 0);                          \
-                for (; i < m; i++)                                                            \
-                    tile_rows(SIGNED, tile, as, cs, len, xq + i * k + k0,                     \
-                              xs4 + (i * k + k0) / 4, xsum + (i * k + k0) / QA, k, 1,         \
-                              y + i * ldy + r0, ldy, ncols, k0 > 0);                          \
+                for (int64_t i = 0; i < m; i += MI)                                           \
+                    tile_pass(SIGNED, qa, m - i < MI ? (int)(m - i) : MI, tile, as, cs, len,      \
+                              xq + i * k + k0, xs4 + (i * k + k0) / 4,                            \
+                              xsum + (i * k + k0) / SB, k, y + i * ldy + r0, ldy, ncols, k0 > 0); \
             }                                                                                 \
         }                                                                                     \
     }
@@ -276,10 +319,10 @@ IKERNELS(im_q6_k, 256, 16, 210, un_q6_k, 0)
 
 /* y (m rows, row stride ldy) = the quantised activations (m, k) @ W(n, k)^T. */
 int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-               const float *xs4, const float *xsum, int64_t m, float *y, int64_t ldy) {
+               const float *xs4, const float *xsum, int qa, int64_t m, float *y, int64_t ldy) {
     if (m <= 0) return 0;
     if (m <= FEWI) IDISPATCH(type, _few, (w, n, k, xq, xs4, xsum, m, y, ldy))
-    IDISPATCH(type, _tiled, (w, n, k, xq, xs4, xsum, m, y, ldy))
+    IDISPATCH(type, _tiled, (w, n, k, xq, xs4, xsum, m, y, ldy, qa))
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */
