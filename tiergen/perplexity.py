@@ -60,15 +60,19 @@ def num_windows(n_tokens: int, ctx: int, chunks: int | None = None) -> int:
     return n if chunks is None else min(n, chunks)
 
 
+def _check_ctx(llm, ctx: int) -> None:
+    if ctx > llm.config.context_length:
+        raise TiergenError(f"--ctx {ctx} is more than the model's context of "
+                           f"{llm.config.context_length} tokens; pass a smaller --ctx")
+
+
 def window_logprobs(llm, ids: list[int], ctx: int = 512, chunks: int | None = None,
                     progress: bool = False, bos: int | None = None
                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """For each window: the scored target tokens (int64, ``scored_per_window(ctx)``) and the
     float32 log-probabilities that predict them (scored positions x vocabulary). ``bos``
     replaces each window's first token, as llama.cpp does when the tokenizer adds one."""
-    if ctx > llm.config.context_length:
-        raise TiergenError(f"--ctx {ctx} is more than the model's context of "
-                           f"{llm.config.context_length} tokens; pass a smaller --ctx")
+    _check_ctx(llm, ctx)
     n = num_windows(len(ids), ctx, chunks)
     first = first_scored(ctx)
     bar = tqdm(total=n, unit="window", disable=not progress, dynamic_ncols=True)
@@ -293,6 +297,7 @@ def evaluate(llm, ids: list[int], ctx: int = 512, chunks: int | None = None,
     with ``reference`` (a saved run), KL statistics against it."""
     if reference is not None and not isinstance(reference, SavedRun):
         reference = SavedRun(reference)
+    _check_ctx(llm, ctx)
     vocab = llm.config.vocab_size
     if reference is not None:
         chunks = reference.check(ids, ctx, chunks, vocab)
