@@ -357,12 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 
-    from tiergen import bench
+    from tiergen import bench, perplexity
     from tiergen.planner import calibrate, search
 
     calibrate.add_parser(sub)
     search.add_parser(sub)
     bench.add_parser(sub)
+    perplexity.add_parser(sub)
     return parser
 
 
