@@ -16,43 +16,56 @@ from test_packed import random_packed
 pytestmark = pytest.mark.skipif(kernels.library() is None, reason="needs the C kernels")
 
 
-def quantize_reference(x: torch.Tensor, block: int
+# (values per scale, 16-bit): the activation formats the kernels take
+FORMATS = [(4, False), (8, False), (16, False), (16, True)]
+FORMAT_IDS = ["int8/4", "int8/8", "int8/16", "int16/16"]
+
+
+def quantize_reference(x: torch.Tensor, block: int, wide: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8 values and one scale per ``block`` values, and the sums of scale * value per 16:
-    the arithmetic int8.c does."""
+    """Integer values (int32) and one scale per ``block`` values, and the sums of scale *
+    value per 16: the arithmetic int8.c does."""
     m, k = x.shape
+    top = 32512.0 if wide else 127.0
     blocks = x.view(m, k // block, block)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros(()))
+    # a true division (a number over a tensor is a reciprocal times it in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros(()))
     q = torch.round(blocks * inv)
-    scale = (amax / 127.0).squeeze(-1)
-    sums = (scale * q.sum(-1)).view(m, k // 16, 16 // block)
+    scale = (amax / top).squeeze(-1)
+    sums = (scale.double() * q.sum(-1).double()).view(m, k // 16, 16 // block)
     total = sums[..., 0]
     for j in range(1, 16 // block):  # in order, as int8.c adds them
         total = total + sums[..., j]
-    return q.to(torch.int8).view(m, k), scale, total
+    return q.to(torch.int32).view(m, k), scale, total.float()
 
 
-@pytest.mark.parametrize("block", [4, 8, 16])
-def test_activations_quantise_as_the_plain_reference(block):
+@pytest.mark.parametrize("block,wide", FORMATS, ids=FORMAT_IDS)
+def test_activations_quantise_as_the_plain_reference(block, wide):
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(0)) * 3
     x[2, :16] = 0  # an all-zero block: scale 0, values 0
     x[3, 5] = 40.0  # an outlier sets its block's scale alone
-    got = kernels.quantize_activations(x, block)
-    q, scale, sums = quantize_reference(x, block)
-    assert torch.equal(got.q, q)
+    got = kernels.quantize_activations(x, block, wide)
+    q, scale, sums = quantize_reference(x, block, wide)
+    values = got.q.int() if got.low is None else 255 * got.q.int() + got.low.int()
+    assert torch.equal(values, q)
     assert torch.equal(got.scales, scale.repeat_interleave(block // 4, dim=1))
     assert torch.equal(got.sums, sums)
     assert got.q[2, :16].abs().sum() == 0 and got.q.abs().max() <= 127
+    assert (got.low is None) == (not wide)
+    if wide:  # both halves multiply as int8 (and a sign flip of either stays in range)
+        assert got.low.abs().max() <= 127 and q.abs().max() == 32512
 
 
-def test_activation_blocks_other_than_4_8_16_are_refused():
+def test_activation_formats_that_do_not_exist_are_refused():
     with pytest.raises(ValueError, match="4, 8 or 16"):
         kernels.quantize_activations(torch.randn(1, 32), 32)
+    with pytest.raises(ValueError, match="16-bit activations come in blocks of 16"):
+        kernels.quantize_activations(torch.randn(1, 32), 8, wide=True)
 
 
-def integer_reference(x: torch.Tensor, w, block: int) -> torch.Tensor:
-    q, scale, _ = quantize_reference(x, block)
+def integer_reference(x: torch.Tensor, w, block: int, wide: bool) -> torch.Tensor:
+    q, scale, _ = quantize_reference(x, block, wide)
     xd = (q.double().view(x.shape[0], -1, block) * scale.double()[..., None]).view(x.shape)
     dense = torch.cat([dequantize(raw, t, (n, w.shape[1])) for t, _, n, raw in w.segments()])
     return (xd @ dense.double().T).float()
@@ -69,8 +82,9 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e
 # remainder or not, and prefill-sized products
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33, 100])
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
-@pytest.mark.parametrize("block", [4, 8, 16])
-def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, block, monkeypatch):
+@pytest.mark.parametrize("block,wide_act", FORMATS, ids=FORMAT_IDS)
+def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, block, wide_act,
+                                                     monkeypatch):
     qk = ggml_type_sizes(ggml_type)[0]
     # 67 output rows: the last 8-row tile holds 3; wide rows run past the 1024-value chunk
     cols = 1280 if wide else qk * (11 if qk == 32 else 3)
@@ -78,6 +92,7 @@ def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, bloc
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     x[0, :7] *= 30  # outliers in one block
     monkeypatch.setattr(kernels, "ACT_BLOCK", block)
+    monkeypatch.setattr(kernels, "ACT_WIDE", wide_act)
     kernels.set_int8_activations(True)
     try:
         got = kernels.packed_linear(x, w)
@@ -85,7 +100,7 @@ def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, bloc
         got3 = kernels.packed_linear(x.view(1, rows, cols), w, bias)
     finally:
         kernels.set_int8_activations(False)
-    want = integer_reference(x, w, block)
+    want = integer_reference(x, w, block, wide_act)
     assert_close_relative(got, want)
     assert_close_relative(got3, (want + bias).view(1, rows, 67))
 
@@ -140,14 +155,16 @@ def test_every_instruction_set_build_does_the_same_arithmetic(isa_library, ggml_
     w = random_packed(ggml_type, 19, cols, seed=ggml_type)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     monkeypatch.setattr(kernels, "_lib", isa_library)
-    for block in (4, 16):
+    for block, wide in FORMATS:
         monkeypatch.setattr(kernels, "ACT_BLOCK", block)
-        got = kernels.quantize_activations(x, block)
-        q, scale, sums = quantize_reference(x, block)
-        assert torch.equal(got.q, q) and torch.equal(got.sums, sums)
+        monkeypatch.setattr(kernels, "ACT_WIDE", wide)
+        got = kernels.quantize_activations(x, block, wide)
+        q, scale, sums = quantize_reference(x, block, wide)
+        values = got.q.int() if got.low is None else 255 * got.q.int() + got.low.int()
+        assert torch.equal(values, q) and torch.equal(got.sums, sums)
         kernels.set_int8_activations(True)
         try:
             y = kernels.packed_linear(x, w)
         finally:
             kernels.set_int8_activations(False)
-        assert_close_relative(y, integer_reference(x, w, block))
+        assert_close_relative(y, integer_reference(x, w, block, wide))

@@ -47,7 +47,8 @@ _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailabl
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
 _arith = threading.local()  # .int8: this thread's packed products take the integer kernels
-ACT_BLOCK = int(os.environ.get("TIERGEN_ACT_BLOCK", 8))  # activation values per int8 scale
+ACT_BLOCK = int(os.environ.get("TIERGEN_ACT_BLOCK", 16))  # activation values per scale
+ACT_WIDE = os.environ.get("TIERGEN_ACT_WIDE", "1") == "1"  # 16-bit activations as two int8
 
 
 # -ffast-math is avoided: in a shared library it would switch the whole process to flushing
@@ -121,10 +122,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tg_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64]
     lib.tg_dequant.argtypes = [ctypes.c_int, ptr, i64, ptr]
-    lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
     lib.tg_quantize_act.restype = None
-    lib.tg_qmatmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int, i64,
-                               ptr, i64]
+    lib.tg_qmatmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int,
+                               i64, ptr, i64]
     f32 = ctypes.c_float
     lib.tg_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, f32, ptr]
     lib.tg_rms_norm.restype = None
@@ -162,17 +163,19 @@ def dequantize_into(w: Packed, out: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int8Rows:
-    """Activation rows quantised for ``int8.c``: int8 values in blocks of ``block`` (4, 8 or
-    16) with a scale each (max |x| / 127), the scale of every four values' block, and the
-    sum of scale * value over every 16 values."""
+    """Activation rows quantised for ``int8.c``: integers in blocks of ``block`` values (4, 8
+    or 16) with a scale each, the scale of every four values' block, and the sum of scale *
+    value over every 16 values. 8-bit: ``q`` in [-127, 127], scale max |x| / 127. 16-bit
+    (``low`` given): 255 * q + low, both in [-127, 127], scale max |x| / 32512."""
 
     q: torch.Tensor  # (m, k) int8
+    low: torch.Tensor | None  # (m, k) int8
     scales: torch.Tensor  # (m, k // 4) float32
     sums: torch.Tensor  # (m, k // 16) float32
     block: int
 
 
-def quantize_activations(x: torch.Tensor, block: int) -> Int8Rows:
+def quantize_activations(x: torch.Tensor, block: int, wide: bool = False) -> Int8Rows:
     """``x`` (m, k), float32 CPU, k a multiple of 32, as :class:`Int8Rows` (C library)."""
     lib = library()
     if lib is None:
@@ -181,10 +184,14 @@ def quantize_activations(x: torch.Tensor, block: int) -> Int8Rows:
     x = x.float().contiguous()
     if block not in (4, 8, 16):
         raise ValueError(f"activation blocks of 4, 8 or 16 values, not {block}")
-    rows = Int8Rows(torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 4),
-                    torch.empty(m, k // 16), block)
-    lib.tg_quantize_act(x.data_ptr(), m, k, block, rows.q.data_ptr(), rows.scales.data_ptr(),
-                        rows.sums.data_ptr())
+    if wide and block != 16:
+        raise ValueError("16-bit activations come in blocks of 16 values")
+    rows = Int8Rows(torch.empty(m, k, dtype=torch.int8),
+                    torch.empty(m, k, dtype=torch.int8) if wide else None,
+                    torch.empty(m, k // 4), torch.empty(m, k // 16), block)
+    lib.tg_quantize_act(x.data_ptr(), m, k, block, rows.q.data_ptr(),
+                        None if rows.low is None else rows.low.data_ptr(),
+                        rows.scales.data_ptr(), rows.sums.data_ptr())
     return rows
 
 
@@ -201,13 +208,14 @@ def int8_activations() -> bool:
 def _int8_linear(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | None
                  ) -> torch.Tensor:
     rows = x.shape[:-1].numel()
-    a = quantize_activations(x.reshape(rows, x.shape[-1]), ACT_BLOCK)
+    a = quantize_activations(x.reshape(rows, x.shape[-1]), ACT_BLOCK, ACT_WIDE)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32)
     base, yp = w.data.data_ptr(), y.data_ptr()
     qp, sp, mp = a.q.data_ptr(), a.scales.data_ptr(), a.sums.data_ptr()
+    lp = None if a.low is None else a.low.data_ptr()
     for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
-        if lib.tg_qmatmul(ggml_type, base + start, n, w.shape[1], qp, sp, mp, a.block, rows,
-                          yp + 4 * row, w.shape[0]):
+        if lib.tg_qmatmul(ggml_type, base + start, n, w.shape[1], qp, lp, sp, mp, a.block,
+                          rows, yp + 4 * row, w.shape[0]):
             raise ValueError(f"no integer kernel for GGML type {ggml_type}")
     if bias is not None:
         y += bias

@@ -25,7 +25,8 @@
 
 #define SB 16     /* values per activation block sum, and per weight scale in a tile */
 #define IKC 1024  /* weight values decoded at a time (a multiple of every block size) */
-#define FEWI 4    /* up to this many rows: the row-by-row kernel */
+#define FEWI 2    /* most rows the row-by-row kernel takes */
+#define FEW_ROWS 2 /* up to this many rows: the row-by-row kernel (more: the tiles) */
 #define TR 8      /* weight rows per interleaved tile */
 #define MI 4      /* activation rows per pass over a tile */
 
@@ -34,28 +35,37 @@
  * values (4, 8 or 16) with scale s = max |x| / 127; xs4[i k / 4 + l] is the scale of the
  * block holding values 4 l .. 4 l + 3 (one per 32-bit lane of the products), and
  * xsum[i k / 16 + t] the sum over values 16 t .. 16 t + 15 of s * q (what a weight block's
- * minimum multiplies). */
-void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, float *xs4,
-                     float *xsum) {
+ * minimum multiplies).
+ * With xl (wide): 16 bits instead, q = 255 xq + xl with s = max |x| / 32512 and xq, xl in
+ * [-127, 127], so that both halves multiply as int8. */
+void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
+                     float *xs4, float *xsum) {
     const int64_t blocks = m * (k / SB);
+    const float top = xl ? 32512.0f : 127.0f;
     _Pragma("omp parallel for schedule(static) if (blocks > 256)")
     for (int64_t t = 0; t < blocks; t++) {
-        float total = 0.0f;
+        double total = 0.0;  /* exact products, so the sum does not depend on contraction */
         for (int o = 0; o < SB; o += qa) {
             const float *v = x + t * SB + o;
             float amax = 0.0f;
             for (int j = 0; j < qa; j++) amax = fmaxf(amax, fabsf(v[j]));
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f, s = amax / 127.0f;
+            const float id = amax > 0.0f ? top / amax : 0.0f, s = amax / top;
             int sum = 0;
             for (int j = 0; j < qa; j++) {
                 const int q = (int)rintf(v[j] * id);
-                xq[t * SB + o + j] = (int8_t)q;
+                if (xl) {
+                    const int hi = q >= 0 ? (q + 127) / 255 : -((127 - q) / 255);
+                    xq[t * SB + o + j] = (int8_t)hi;
+                    xl[t * SB + o + j] = (int8_t)(q - 255 * hi);
+                } else {
+                    xq[t * SB + o + j] = (int8_t)q;
+                }
                 sum += q;
             }
             for (int l = 0; l < qa / 4; l++) xs4[(t * SB + o) / 4 + l] = s;
-            total += s * (float)sum;
+            total += (double)s * sum;
         }
-        xsum[t] = total;
+        xsum[t] = (float)total;
     }
 }
 
@@ -86,6 +96,11 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* 255 * hi + lo, per 32-bit lane */
+static inline __m256i join_wide(__m256i hi, __m256i lo) {
+    return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -95,12 +110,12 @@ static inline float hsum8(__m256 v) {
 #endif
 
 /* acc[i] += the products of one decoded weight block (QK values: q, and a, c per sub-block
- * of L) with activation rows i < ROWS (xq, xs4, xsum at the block's start, rows k apart).
- * SIGNED: q is signed (Q8_0), else unsigned. */
+ * of L) with activation rows i < ROWS (xq, xl, xs4, xsum at the block's start, rows k
+ * apart). SIGNED: q is signed (Q8_0), else unsigned; WIDE: 16-bit activations (xl). */
 static inline __attribute__((always_inline)) void
-block_dot(const int ROWS, const int SIGNED, const int QK, const int L, const int8_t *restrict q,
-          const float *restrict a, const float *restrict c, const int8_t *restrict xq,
-          const float *restrict xs4, const float *restrict xsum, int64_t k, float *restrict mins,
+block_dot(const int ROWS, const int SIGNED, const int WIDE, const int QK, const int L,
+          const int8_t *restrict q, const float *restrict a, const float *restrict c,
+          const int8_t *restrict xq, const int8_t *restrict xl, const float *restrict xs4, const float *restrict xsum, int64_t k, float *restrict mins,
 #if defined(__AVX2__)
           __m256 *restrict acc
 #else
@@ -116,15 +131,25 @@ block_dot(const int ROWS, const int SIGNED, const int QK, const int L, const int
         for (int i = 0; i < ROWS; i++) {
             __m256i v = load32(xq + i * k + j);
             if (SIGNED) v = _mm256_sign_epi8(v, w);
-            const __m256 p = _mm256_cvtepi32_ps(dot4(_mm256_setzero_si256(), wa, v));
+            __m256i d = dot4(_mm256_setzero_si256(), wa, v);
+            if (WIDE) {
+                __m256i u = load32(xl + i * k + j);
+                if (SIGNED) u = _mm256_sign_epi8(u, w);
+                d = join_wide(d, dot4(_mm256_setzero_si256(), wa, u));
+            }
+            const __m256 p = _mm256_cvtepi32_ps(d);
             acc[i] = _mm256_fmadd_ps(p, _mm256_mul_ps(av, _mm256_loadu_ps(xs4 + (i * k + j) / 4)), acc[i]);
         }
 #else
         for (int i = 0; i < ROWS; i++)
             for (int h = 0; h < 32; h += 4) {
-                int32_t d = 0;
-                for (int l = 0; l < 4; l++)
-                    d += (int32_t)(SIGNED ? q[j + h + l] : (uint8_t)q[j + h + l]) * xq[i * k + j + h + l];
+                int32_t d = 0, e = 0;
+                for (int l = 0; l < 4; l++) {
+                    const int32_t wv = SIGNED ? q[j + h + l] : (uint8_t)q[j + h + l];
+                    d += wv * xq[i * k + j + h + l];
+                    if (WIDE) e += wv * xl[i * k + j + h + l];
+                }
+                if (WIDE) d = 255 * d + e;
                 acc[i] += (float)d * (a[(j + h) / L] * xs4[(i * k + j + h) / 4]);
             }
 #endif
@@ -140,19 +165,20 @@ block_dot(const int ROWS, const int SIGNED, const int QK, const int L, const int
 /* ---- a tile of TR weight rows, interleaved -------------------------------------------
  * tile[g * 4 TR + r * 4 + l] = value 4 g + l of row r; as[t * TR + r], cs[t * TR + r]: the
  * scale and offset of row r's values 16 t .. 16 t + 15. Rows past the matrix are zero.
- * y[i, r] (+)= the products for activation rows i < ROWS (xq, xs4, xsum at the chunk's
- * start, rows k apart) and r < ncols; QA: the activations' block size. */
+ * y[i, r] (+)= the products for activation rows i < ROWS (xq, xl, xs4, xsum at the
+ * chunk's start, rows k apart) and r < ncols; QA: the activations' block size. */
 static inline __attribute__((always_inline)) void
-tile_rows(const int ROWS, const int QA, const int SIGNED, const uint8_t *restrict tile,
-          const float *restrict as, const float *restrict cs, int64_t len,
-          const int8_t *restrict xq, const float *restrict xs4, const float *restrict xsum,
+tile_rows(const int ROWS, const int QA, const int SIGNED, const int WIDE,
+          const uint8_t *restrict tile, const float *restrict as, const float *restrict cs,
+          int64_t len, const int8_t *restrict xq, const int8_t *restrict xl,
+          const float *restrict xs4, const float *restrict xsum,
           int64_t k, float *restrict y, int64_t ldy, int ncols, int add) {
 #if defined(__AVX2__)
     __m256 acc[MI];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         __m256 part[MI];
-        __m256i isum[MI];
+        __m256i isum[MI], lsum[MI];
         for (int i = 0; i < ROWS; i++) part[i] = _mm256_setzero_ps();
         for (int g = 0; g < SB / 4; g++) {
             const __m256i w = load32(tile + (SB / 4 * t + g) * 4 * TR);
@@ -163,8 +189,14 @@ tile_rows(const int ROWS, const int QA, const int SIGNED, const uint8_t *restric
                 __m256i v = _mm256_set1_epi32(four);
                 if (SIGNED) v = _mm256_sign_epi8(v, w);
                 isum[i] = dot4(g % (QA / 4) ? isum[i] : _mm256_setzero_si256(), wa, v);
+                if (WIDE) {
+                    memcpy(&four, xl + i * k + SB * t + 4 * g, 4);
+                    __m256i u = _mm256_set1_epi32(four);
+                    if (SIGNED) u = _mm256_sign_epi8(u, w);
+                    lsum[i] = dot4(g % (QA / 4) ? lsum[i] : _mm256_setzero_si256(), wa, u);
+                }
                 if (g % (QA / 4) == QA / 4 - 1)  /* the end of an activation block */
-                    part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]),
+                    part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(WIDE ? join_wide(isum[i], lsum[i]) : isum[i]),
                                               _mm256_set1_ps(xs4[i * (k / 4) + SB / 4 * t + g]),
                                               part[i]);
             }
@@ -189,11 +221,14 @@ tile_rows(const int ROWS, const int QA, const int SIGNED, const uint8_t *restric
             for (int64_t t = 0; t < len / SB; t++) {
                 float part = 0.0f;
                 for (int g = 0; g < SB / 4; g++) {
-                    int32_t d = 0;
+                    int32_t d = 0, e = 0;
                     for (int l = 0; l < 4; l++) {
                         const uint8_t wb = tile[(SB / 4 * t + g) * 4 * TR + r * 4 + l];
-                        d += (SIGNED ? (int32_t)(int8_t)wb : (int32_t)wb) * xq[i * k + SB * t + 4 * g + l];
+                        const int32_t wv = SIGNED ? (int32_t)(int8_t)wb : (int32_t)wb;
+                        d += wv * xq[i * k + SB * t + 4 * g + l];
+                        if (WIDE) e += wv * xl[i * k + SB * t + 4 * g + l];
                     }
+                    if (WIDE) d = 255 * d + e;
                     part += (float)d * xs4[i * (k / 4) + SB / 4 * t + g];
                 }
                 acc += part * as[t * TR + r] + cs[t * TR + r] * xsum[i * (k / SB) + t];
@@ -207,15 +242,18 @@ tile_rows(const int ROWS, const int QA, const int SIGNED, const uint8_t *restric
 static inline __attribute__((always_inline)) void
 tile_pass(const int SIGNED, int qa, int rows, const uint8_t *restrict tile,
           const float *restrict as, const float *restrict cs, int64_t len,
-          const int8_t *restrict xq, const float *restrict xs4, const float *restrict xsum,
-          int64_t k, float *restrict y, int64_t ldy, int ncols, int add) {
-#define TILE(R, Q) tile_rows(R, Q, SIGNED, tile, as, cs, len, xq, xs4, xsum, k, y, ldy, ncols, add)
-#define TILES(Q) if (rows == MI) TILE(MI, Q); else for (int i = 0; i < rows; i++) \
-    tile_rows(1, Q, SIGNED, tile, as, cs, len, xq + i * k, xs4 + i * (k / 4), xsum + i * (k / SB), \
-              k, y + i * ldy, ldy, ncols, add)
-    if (qa == 4) TILES(4);
-    else if (qa == 8) TILES(8);
-    else TILES(16);
+          const int8_t *restrict xq, const int8_t *restrict xl, const float *restrict xs4,
+          const float *restrict xsum, int64_t k, float *restrict y, int64_t ldy, int ncols,
+          int add) {
+#define TILE(R, Q, W) tile_rows(R, Q, SIGNED, W, tile, as, cs, len, xq, xl, xs4, xsum, k, y, \
+                                ldy, ncols, add)
+#define TILES(Q, W) if (rows == MI) TILE(MI, Q, W); else for (int i = 0; i < rows; i++) \
+    tile_rows(1, Q, SIGNED, W, tile, as, cs, len, xq + i * k, xl ? xl + i * k : xl,       \
+              xs4 + i * (k / 4), xsum + i * (k / SB), k, y + i * ldy, ldy, ncols, add)
+    if (xl) TILES(16, 1);
+    else if (qa == 4) TILES(4, 0);
+    else if (qa == 8) TILES(8, 0);
+    else TILES(16, 0);
 #undef TILES
 #undef TILE
 }
@@ -232,35 +270,36 @@ tile_pass(const int SIGNED, int qa, int rows, const uint8_t *restrict tile,
 
 #define IKERNELS(NAME, QK, L, BYTES, UNPACK, SIGNED)                                          \
     static inline __attribute__((always_inline)) void                                      \
-    NAME##_row(const int ROWS, const uint8_t *wr, int64_t nb, const int8_t *xq,               \
-               const float *xs4, const float *xsum, int64_t k, float *y, int64_t ldy) {       \
+    NAME##_row(const int ROWS, const int WIDE, const uint8_t *wr, int64_t nb,                 \
+               const int8_t *xq, const int8_t *xl, const float *xs4, const float *xsum,       \
+               int64_t k, float *y, int64_t ldy) {                                            \
         int8_t q[QK] __attribute__((aligned(32)));                                            \
         float a[QK / L], c[QK / L], mins[FEWI] = {0};                                         \
         ACC_T acc[FEWI];                                                                      \
         for (int i = 0; i < ROWS; i++) acc[i] = ACC_ZERO;                                     \
         for (int64_t b = 0; b < nb; b++) {                                                    \
             UNPACK(wr + b * BYTES, q, a, c);                                                  \
-            block_dot(ROWS, SIGNED, QK, L, q, a, c, xq + b * QK, xs4 + b * QK / 4,            \
-                      xsum + b * QK / SB, k, mins, acc);                                      \
+            block_dot(ROWS, SIGNED, WIDE, QK, L, q, a, c, xq + b * QK, xl + b * QK,           \
+                      xs4 + b * QK / 4, xsum + b * QK / SB, k, mins, acc);                    \
         }                                                                                     \
         for (int i = 0; i < ROWS; i++) y[i * ldy] = ACC_SUM(acc[i]) + mins[i];                \
     }                                                                                         \
     static void NAME##_few(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,          \
-                           const float *xs4, const float *xsum, int64_t m, float *y,          \
-                           int64_t ldy) {                                                     \
+                           const int8_t *xl, const float *xs4, const float *xsum, int64_t m,  \
+                           float *y, int64_t ldy) {                                           \
         const int64_t nb = k / QK;                                                            \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r = 0; r < n; r++) {                                                     \
             const uint8_t *wr = w + r * nb * BYTES;                                           \
-            if (m == 1) NAME##_row(1, wr, nb, xq, xs4, xsum, k, y + r, ldy);                  \
-            else if (m == 2) NAME##_row(2, wr, nb, xq, xs4, xsum, k, y + r, ldy);             \
-            else if (m == 3) NAME##_row(3, wr, nb, xq, xs4, xsum, k, y + r, ldy);             \
-            else NAME##_row(4, wr, nb, xq, xs4, xsum, k, y + r, ldy);                         \
+            if (xl && m == 1) NAME##_row(1, 1, wr, nb, xq, xl, xs4, xsum, k, y + r, ldy);     \
+            else if (xl) NAME##_row(2, 1, wr, nb, xq, xl, xs4, xsum, k, y + r, ldy);          \
+            else if (m == 1) NAME##_row(1, 0, wr, nb, xq, xq, xs4, xsum, k, y + r, ldy);      \
+            else NAME##_row(2, 0, wr, nb, xq, xq, xs4, xsum, k, y + r, ldy);                  \
         }                                                                                     \
     }                                                                                         \
     static void NAME##_tiled(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,        \
-                             const float *xs4, const float *xsum, int64_t m, float *y,        \
-                             int64_t ldy, int qa) {                                           \
+                             const int8_t *xl, const float *xs4, const float *xsum,           \
+                             int64_t m, float *y, int64_t ldy, int qa) {                      \
         const int64_t nb = k / QK;                                                            \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
@@ -289,7 +328,7 @@ tile_pass(const int SIGNED, int qa, int rows, const uint8_t *restrict tile,
                 }                                                                             \
                 for (int64_t i = 0; i < m; i += MI)                                           \
                     tile_pass(SIGNED, qa, m - i < MI ? (int)(m - i) : MI, tile, as, cs, len,      \
-                              xq + i * k + k0, xs4 + (i * k + k0) / 4,                            \
+                              xq + i * k + k0, xl ? xl + i * k + k0 : xl, xs4 + (i * k + k0) / 4, \
                               xsum + (i * k + k0) / SB, k, y + i * ldy + r0, ldy, ncols, k0 > 0); \
             }                                                                                 \
         }                                                                                     \
@@ -319,10 +358,11 @@ IKERNELS(im_q6_k, 256, 16, 210, un_q6_k, 0)
 
 /* y (m rows, row stride ldy) = the quantised activations (m, k) @ W(n, k)^T. */
 int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-               const float *xs4, const float *xsum, int qa, int64_t m, float *y, int64_t ldy) {
+               const int8_t *xl, const float *xs4, const float *xsum, int qa, int64_t m,
+               float *y, int64_t ldy) {
     if (m <= 0) return 0;
-    if (m <= FEWI) IDISPATCH(type, _few, (w, n, k, xq, xs4, xsum, m, y, ldy))
-    IDISPATCH(type, _tiled, (w, n, k, xq, xs4, xsum, m, y, ldy, qa))
+    if (m <= FEW_ROWS) IDISPATCH(type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
+    IDISPATCH(type, _tiled, (w, n, k, xq, xl, xs4, xsum, m, y, ldy, qa))
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */
