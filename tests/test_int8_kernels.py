@@ -83,40 +83,42 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33, 100])
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("block,wide_act", FORMATS, ids=FORMAT_IDS)
-def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, block, wide_act,
-                                                     monkeypatch):
+def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, block, wide_act):
     qk = ggml_type_sizes(ggml_type)[0]
     # 67 output rows: the last 8-row tile holds 3; wide rows run past the 1024-value chunk
     cols = 1280 if wide else qk * (11 if qk == 32 else 3)
     w = random_packed(ggml_type, 67, cols, seed=ggml_type)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     x[0, :7] *= 30  # outliers in one block
-    monkeypatch.setattr(kernels, "ACT_BLOCK", block)
-    monkeypatch.setattr(kernels, "ACT_WIDE", wide_act)
-    kernels.set_int8_activations(True)
-    try:
-        got = kernels.packed_linear(x, w)
-        bias = torch.randn(67)
-        got3 = kernels.packed_linear(x.view(1, rows, cols), w, bias)
-    finally:
-        kernels.set_int8_activations(False)
+    got = kernels.integer_linear(x, w, None, block, wide_act)
+    bias = torch.randn(67)
+    got3 = kernels.integer_linear(x.view(1, rows, cols), w, bias, block, wide_act)
     want = integer_reference(x, w, block, wide_act)
     assert_close_relative(got, want)
     assert_close_relative(got3, (want + bias).view(1, rows, 67))
 
 
-def test_integer_products_are_near_the_float_ones_and_off_by_default():
+@pytest.mark.parametrize("kind", ["int8", "int16"])
+def test_packed_products_take_the_integer_kernels_when_asked(kind, monkeypatch):
     w = random_packed(GGMLType.Q4_K, 64, 512, 1)
     x = torch.randn(3, 512)
     exact = kernels.packed_linear(x, w)
-    assert not kernels.int8_activations()
-    kernels.set_int8_activations(True)
+    assert kernels.activations() == "float32"
+    kernels.set_activations(kind)
     try:
         approx = kernels.packed_linear(x, w)
+        many = torch.randn(kernels.ROW_THRESHOLD + 1, 512)
+        assert torch.equal(kernels.packed_linear(many, w), kernels.packed_linear(many, w))
     finally:
-        kernels.set_int8_activations(False)
+        kernels.set_activations("float32")
+    assert torch.equal(approx, kernels.integer_linear(x, w, None, *kernels.ACTIVATION_FORMATS[kind]))
     err = ((approx - exact).abs().max() / exact.abs().max()).item()
-    assert 0 < err < 0.05  # 8-bit activations: close, but not the float product
+    assert 0 < err < (0.02 if kind == "int8" else 1e-4)
+    # more rows than ROW_THRESHOLD: arithmetic-bound, the float32 BLAS
+    torch.testing.assert_close(kernels.packed_linear(many, w), many @ w.dequantize().T,
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="float32, int8, int16"):
+        kernels.set_activations("int4")
 
 
 # Builds for other instruction sets than -march=native picks here: AVX2 without VNNI
@@ -156,15 +158,9 @@ def test_every_instruction_set_build_does_the_same_arithmetic(isa_library, ggml_
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     monkeypatch.setattr(kernels, "_lib", isa_library)
     for block, wide in FORMATS:
-        monkeypatch.setattr(kernels, "ACT_BLOCK", block)
-        monkeypatch.setattr(kernels, "ACT_WIDE", wide)
         got = kernels.quantize_activations(x, block, wide)
         q, scale, sums = quantize_reference(x, block, wide)
         values = got.q.int() if got.low is None else 255 * got.q.int() + got.low.int()
         assert torch.equal(values, q) and torch.equal(got.sums, sums)
-        kernels.set_int8_activations(True)
-        try:
-            y = kernels.packed_linear(x, w)
-        finally:
-            kernels.set_int8_activations(False)
+        y = kernels.integer_linear(x, w, None, block, wide)
         assert_close_relative(y, integer_reference(x, w, block, wide))

@@ -46,9 +46,13 @@ ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (cro
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
-_arith = threading.local()  # .int8: this thread's packed products take the integer kernels
-ACT_BLOCK = int(os.environ.get("TIERGEN_ACT_BLOCK", 16))  # activation values per scale
-ACT_WIDE = os.environ.get("TIERGEN_ACT_WIDE", "1") == "1"  # 16-bit activations as two int8
+_arith = threading.local()  # .kind: this thread's activations (set_activations)
+# The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 4
+# values: free in the row kernel, whose lanes are 4 values each, and 4-6x closer to the float
+# path than blocks of 16 or 32 (benchmarks/bench_int8.py). 16-bit ones, two int8 halves
+# dotted apart, agree with it to about 1e-5.
+ACTIVATION_FORMATS = {"int8": (4, False), "int16": (16, True)}
+ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 
 
 # -ffast-math is avoided: in a shared library it would switch the whole process to flushing
@@ -195,20 +199,29 @@ def quantize_activations(x: torch.Tensor, block: int, wide: bool = False) -> Int
     return rows
 
 
-def set_int8_activations(enabled: bool) -> None:
-    """Whether packed products on this thread quantise their activations to 8 bits and run
-    the integer kernels (an LLM sets it for its compute; off unless set)."""
-    _arith.int8 = enabled
+def set_activations(kind: str) -> None:
+    """How packed products on this thread treat their activations (an LLM sets it for its
+    compute): "float32" (the default: decoded weights times float32 activations), "int8" or
+    "int16" (:data:`ACTIVATION_FORMATS`: the integer kernels, on a CPU, for up to
+    ``ROW_THRESHOLD`` rows; more rows are arithmetic-bound and take the float32 BLAS)."""
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {kind!r}")
+    _arith.kind = kind
 
 
-def int8_activations() -> bool:
-    return getattr(_arith, "int8", False)
+def activations() -> str:
+    return getattr(_arith, "kind", "float32")
 
 
-def _int8_linear(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tensor | None
-                 ) -> torch.Tensor:
+def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
+                   block: int = 4, wide: bool = False) -> torch.Tensor:
+    """``x @ w.T + bias`` by the integer kernels, ``x`` quantised as
+    :func:`quantize_activations` does (CPU, ``w.shape[1]`` a multiple of 32)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the C kernels are unavailable")
     rows = x.shape[:-1].numel()
-    a = quantize_activations(x.reshape(rows, x.shape[-1]), ACT_BLOCK, ACT_WIDE)
+    a = quantize_activations(x.reshape(rows, x.shape[-1]), block, wide)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32)
     base, yp = w.data.data_ptr(), y.data_ptr()
     qp, sp, mp = a.q.data_ptr(), a.scales.data_ptr(), a.sums.data_ptr()
@@ -224,14 +237,13 @@ def _int8_linear(lib: ctypes.CDLL, x: torch.Tensor, w: Packed, bias: torch.Tenso
 
 def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w.dequantize(), bias)`` without inflating ``w`` when few rows multiply it;
-    with :func:`set_int8_activations` on, the integer kernels' product with ``x`` quantised to
-    8 bits instead."""
+    with integer activations set (:func:`set_activations`), the integer kernels' product."""
     rows = x.shape[:-1].numel()
-    if x.device.type == "cpu" and getattr(_arith, "int8", False) and w.shape[1] % 32 == 0:
-        lib = library()
-        if lib is not None:
-            return _int8_linear(lib, x, w, bias)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
+    if lib is not None and w.shape[1] % 32 == 0:
+        fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
+        if fmt is not None:
+            return integer_linear(x, w, bias, *fmt)
     if lib is None:
         if x.device.type == "cpu":  # the C decoder writes float32; the BLAS multiplies it best
             dense = dequantize_into(w, _scratch_buffer(w.shape, torch.float32, x.device))
