@@ -1,0 +1,83 @@
+"""Packed products with float32 activations against the integer kernels' activation formats,
+side by side on the same matrices: 8-bit activations with a scale per 4, 8 or 16 values, and
+16-bit ones as two int8 halves. Shapes of SmolLM2 and Gemma 3 270M's layers; times are the
+best of several runs, one thread unless --threads says otherwise.
+
+    python benchmarks/bench_int8.py [--threads 2] [--types Q4_1,Q4_K,Q6_K,Q8_0] [--rows 1,2,32,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from tiergen import kernels
+from tiergen.bench import cpu_description
+from tiergen.weights.packed import Packed
+from tiergen.weights.quant import GGMLType, ggml_type_sizes
+
+FORMATS = {"int8/4": (4, False), "int8/8": (8, False), "int8/16": (16, False),
+           "int16": (16, True)}
+SHAPES = [(1536, 640), (640, 2048), (2048, 1024)]
+
+
+def random_packed(ggml_type: int, rows: int, cols: int) -> Packed:
+    """Random blocks with small float16 scales (random bytes there would give NaN)."""
+    rng = np.random.default_rng(0)
+    block, size = ggml_type_sizes(ggml_type)
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    scale = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16).view(np.uint8)
+    at = 208 if ggml_type == GGMLType.Q6_K else 0
+    blocks[:, at:at + 2] = scale.reshape(-1, 2)
+    if ggml_type in (GGMLType.Q4_1, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K):
+        blocks[:, 2:4] = scale.reshape(-1, 2)
+    return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
+
+
+def best(f, n: int) -> float:
+    f()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--types", default="Q4_1,Q4_K,Q6_K,Q8_0")
+    ap.add_argument("--rows", default="1,2,32,512")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu = cpu_description()
+    print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
+    print(f"threads {args.threads}; integer kernels: "
+          f"{['portable C', 'AVX2', 'VNNI'][kernels.library().tg_int8_isa()]}")
+    print("| type | matrix | rows | float32 ms | " + " | ".join(f"{f} ms (x)" for f in FORMATS)
+          + " |")
+    print("|---" * (4 + len(FORMATS)) + "|")
+    for name in args.types.split(","):
+        ggml_type = GGMLType[name]
+        for n, k in SHAPES:
+            if k % ggml_type_sizes(ggml_type)[0]:
+                continue
+            w = random_packed(ggml_type, n, k)
+            for m in map(int, args.rows.split(",")):
+                x = torch.randn(m, k)
+                runs = 5 if m > 32 else 30
+                base = best(lambda: kernels.packed_linear(x, w), runs)
+                cells = []
+                for block, wide in FORMATS.values():
+                    t = best(lambda: kernels.integer_linear(x, w, None, block, wide), runs)
+                    cells.append(f"{t:.3f} ({base / t:.2f})")
+                print(f"| {name} | {n}x{k} | {m} | {base:.3f} | " + " | ".join(cells) + " |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
