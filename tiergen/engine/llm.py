@@ -15,7 +15,7 @@ from tiergen._platform import cpu_has_fast_bfloat16
 from tiergen.engine.executor import Executor, MicroBatch, RunStats
 from tiergen.engine.generate import Sequence, StepEvent, make_sequences, run_block
 from tiergen.engine.sampler import SamplingParams
-from tiergen.engine.step import StepMeta
+from tiergen.cache.step import StepMeta
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.layers import use_compiled_gemv

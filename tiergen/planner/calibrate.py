@@ -470,7 +470,7 @@ def _measure_layer_overhead(dev: torch.device) -> float:
     dispatch: the fixed price of every layer call of tiergen's Llama family."""
     from tiergen.cache.kv import KVView
     from tiergen.config import ModelConfig
-    from tiergen.engine.step import StepMeta
+    from tiergen.cache.step import StepMeta
     from tiergen.models.llama import Llama
 
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8,
@@ -492,7 +492,7 @@ def _measure_layer_overhead(dev: torch.device) -> float:
 
 
 def _measure_cpu_attention() -> float:
-    """KV bytes/s of decode attention as tiergen runs it on the CPU (models.layers.attention,
+    """KV bytes/s of decode attention as tiergen runs it on the CPU (cache.attention.attention,
     T == 1): query heads folded per KV head into one batched matmul, softmax, matmul by V."""
     b, h, kvh, s, d = ATTENTION
     q = torch.randn(b, h, 1, d)
