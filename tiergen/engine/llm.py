@@ -23,8 +23,8 @@ from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
 from tiergen.parallel.group import TOKENS, Group, under_torchrun
-from tiergen.parallel.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
-                                      start_ranks)
+from tiergen.engine.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
+                                     start_ranks)
 from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.weights import ModelFiles, open_model
@@ -162,7 +162,7 @@ class LLM:
                 files, pipeline_parallel, tensor_parallel, parallel_timeout, dict(
                     dtype=dtype, device=device, max_batch_size=max_batch_size, policy=policy,
                     device_memory=device_memory, host_memory=host_memory, compile=compile,
-                    prefill_chunk_size=prefill_chunk_size))
+                    prefill_chunk_size=prefill_chunk_size), serve_rank)
         if group is not None:
             costs, head = layer_costs(family)
             span = split_layers(costs, group.pipeline, head)[group.stage]
@@ -204,6 +204,8 @@ class LLM:
             use_compiled_gemv(True)
         self.last_stats: RunStats | None = None
         self._replica: Replica | None = None  # a server's micro-batches, on other ranks
+        # what each command from rank 0 runs (on rank 0 too, for those it runs alike)
+        self._handlers = {"generate": self._generate, "score": self._score, "step": self._step}
         if self.group is None:
             self.executor = executor()
         else:
@@ -298,7 +300,7 @@ class LLM:
         """Rank 0: have every rank run ``command`` with this process; a failure stops them all."""
         self._command(command, *args)
         try:
-            return getattr(self, f"_{command}")(*args)
+            return self._handlers[command](*args)
         except BaseException:
             self.group.close(graceful=False)
             raise
@@ -330,6 +332,12 @@ class LLM:
         finally:
             self.last_stats = self.executor.finish_run()
 
+    def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
+        """Ranks other than 0: run rank 0's sequences with it."""
+        for _ in self._run(make_sequences(prompt_ids, params, self.eos_token_ids,
+                                          self.tokenizer)):
+            pass
+
     def _step(self, replay: list[tuple], keys: list[int], chunk: int | None) -> None:
         """Ranks other than 0 under a server: one step of rank 0's scheduler."""
         if self._replica is None:
@@ -340,12 +348,7 @@ class LLM:
     def serve_ranks(self) -> None:
         """Ranks other than 0: run what rank 0 asks until it closes the group."""
         while (command := self.group.next_command()) is not None:
-            if command[0] == "generate":
-                seqs = make_sequences(*command[1:], self.eos_token_ids, self.tokenizer)
-                for _ in self._run(seqs):
-                    pass
-            else:
-                getattr(self, f"_{command[0]}")(*command[1:])
+            self._handlers[command[0]](*command[1:])
 
     def close(self) -> None:
         """Stop the other parallel ranks (nothing to do for one process)."""
@@ -455,3 +458,8 @@ class LLM:
             prompts = [self.chat_prompt(m, chat_template) for m in messages]
             return self.generate(prompts, params)
         return self.generate([self.chat_prompt(messages, chat_template)], params)[0]
+
+
+def serve_rank(spec: dict, group: Group) -> None:
+    """What a started rank runs: its share of the model, serving rank 0 until it closes."""
+    LLM(**spec, _group=group).serve_ranks()

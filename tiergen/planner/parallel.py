@@ -34,7 +34,7 @@ from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
-from tiergen.parallel.pipeline import micro_batch_size, pipeline_chunk
+from tiergen.engine.pipeline import micro_batch_size, pipeline_chunk
 from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.planner.calibrate import ONE_THREAD, Calibration, link_line
