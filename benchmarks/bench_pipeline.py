@@ -69,7 +69,7 @@ def predict(model: str, dtype: str, batch: int, prompt_len: int, gen_len: int, s
     """``tiergen plan``'s predicted generated tokens/s (prefill included) of a run."""
     import torch
 
-    from tiergen.engine.llm import _resolve_dtype
+    from tiergen.devices import resolve_dtype
     from tiergen.offload.memory import Budgets
     from tiergen.offload.policy import parse_size
     from tiergen.planner import calibrate
@@ -80,7 +80,7 @@ def predict(model: str, dtype: str, batch: int, prompt_len: int, gen_len: int, s
     files = open_model(model)
     cal = with_link(calibrate.get("cpu"))
     budgets = Budgets(None, host_memory and parse_size(host_memory))
-    e = plan_parallel(files.config, _resolve_dtype(dtype, torch.device("cpu"),
+    e = plan_parallel(files.config, resolve_dtype(dtype, torch.device("cpu"),
                                                    files.default_dtype),
                       Workload(prompt_len, gen_len, batch), cal, budgets, stages, tensor, policy,
                       source=files.source)
@@ -147,14 +147,14 @@ def over_budget(a: argparse.Namespace) -> None:
     import scale_model
     from bench_plan import PageCacheEvictor
     from tiergen import Policy
-    from tiergen.planner.calibrate import _measure_disk
+    from tiergen.planner.calibrate.storage import measure_disk
 
     a.dir = str(Path(a.dir).resolve())
     paths = scale_model.build(Path(a.dir) / "llama-3.2-1b", scale_model.SHAPES["llama-3.2-1b"],
                               qtypes=())
     hf = paths["hf"]
     size = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
-    disk = _measure_disk(Path(a.dir), 2**30)
+    disk = measure_disk(Path(a.dir), 2**30)
     print(f"\n2. Llama-3.2-1B-shaped, bfloat16, {size / 1e9:.2f} GB; host budget {a.host_memory} "
           f"per rank; {a.prompt_len}-token prompts, {a.gen_len} new; page cache evicted; disk "
           f"read {disk / 1e9:.2f} GB/s")

@@ -236,14 +236,14 @@ def main() -> None:
         return
 
     import scale_model
-    from tiergen.planner.calibrate import _measure_disk
+    from tiergen.planner.calibrate.storage import measure_disk
 
     a.dir = str(Path(a.dir).resolve())
     t = time.perf_counter()
     qtypes = tuple(a.qtypes.split(","))
     paths = scale_model.build(Path(a.dir) / a.shape, scale_model.SHAPES[a.shape], qtypes=qtypes)
     print(f"checkpoint ready in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-    disk = _measure_disk(Path(a.dir), 2**30)
+    disk = measure_disk(Path(a.dir), 2**30)
     hf_bytes = sum(f.stat().st_size for f in paths["hf"].glob("*.safetensors"))
     print(f"{machine()}; disk read {disk / 1e9:.2f} GB/s; host budget {a.host_memory}; "
           f"{a.batch} prompts x {a.prompt_len} tokens, {a.gen_len} new; page cache evicted")

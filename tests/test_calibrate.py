@@ -13,7 +13,10 @@ import torch
 
 import tiergen
 from tiergen import TiergenError
+from tiergen import calibration, cli
+from tiergen.offload.policy import parse_size
 from tiergen.planner import calibrate as cb
+from tiergen.planner.calibrate import attention, compute, memory, storage, timing
 
 MiB = 2**20
 
@@ -30,13 +33,13 @@ def cache_home(tmp_path, monkeypatch):
 def fast(monkeypatch):
     """Same shapes, but one timed run per measurement and small buffers: a whole
     calibration takes well under a second."""
-    monkeypatch.setattr(cb, "REPEATS", 1)
-    monkeypatch.setattr(cb, "MIN_TIME", 0.0)
-    monkeypatch.setattr(cb, "MAX_TIME", 0.0)
-    monkeypatch.setattr(cb, "COPY_BYTES", 8 * MiB)
-    monkeypatch.setattr(cb, "GEMV_BYTES", 0)
-    monkeypatch.setattr(cb, "LINEAR_BYTES", 0)
-    monkeypatch.setattr(cb, "ATTENTION_BYTES", 0)
+    monkeypatch.setattr(timing, "REPEATS", 1)
+    monkeypatch.setattr(timing, "MIN_TIME", 0.0)
+    monkeypatch.setattr(timing, "MAX_TIME", 0.0)
+    monkeypatch.setattr(memory, "COPY_BYTES", 8 * MiB)
+    monkeypatch.setattr(compute, "GEMV_BYTES", 0)
+    monkeypatch.setattr(compute, "LINEAR_BYTES", 0)
+    monkeypatch.setattr(attention, "ATTENTION_BYTES", 0)
     # the link takes a second process (tests/test_parallel_plan.py measures it for real)
     from tiergen.parallel import link
     monkeypatch.setattr(link, "measure_link", lambda timeout=60.0: dict(
@@ -54,9 +57,9 @@ def _positive(x: float) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
-def _fake(**changes) -> cb.Calibration:
-    cal = cb.Calibration(
-        hardware=cb.fingerprint("cpu"), disk_read=2.5e9, host_to_device=12e9,
+def _fake(**changes) -> calibration.Calibration:
+    cal = calibration.Calibration(
+        hardware=calibration.fingerprint("cpu"), disk_read=2.5e9, host_to_device=12e9,
         device_to_host=12e9, host_memcpy=12e9,
         matmul={"float32": 150e9, "bfloat16": 400e9}, gemv={"float32": 20e9, "bfloat16": 13e9},
         cpu_attention=30e9, measured_at="2025-01-01T00:00:00+00:00", seconds=3.5,
@@ -67,7 +70,7 @@ def _fake(**changes) -> cb.Calibration:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiergen")
     sub = parser.add_subparsers(dest="command", required=True)
-    cb.add_parser(sub)
+    cli.add_calibrate_parser(sub)
     return parser
 
 
@@ -86,7 +89,7 @@ def test_calibrate_cpu_gives_positive_finite_numbers(fast, disk):
     assert "float16" not in cal.matmul  # emulated on CPUs: not measured
     # CPU device: host and device are the same memory.
     assert cal.host_to_device == cal.device_to_host == cal.host_memcpy
-    assert cal.hardware == cb.fingerprint("cpu")
+    assert cal.hardware == calibration.fingerprint("cpu")
     assert {"cpu", "logical_cores", "ram_gib", "torch", "torch_threads"} <= cal.hardware.keys()
     assert "gpu" not in cal.hardware
     assert cal.device == "cpu" and cal.disk_directory == str(disk)
@@ -96,20 +99,20 @@ def test_calibrate_cpu_gives_positive_finite_numbers(fast, disk):
     assert set(cal.linear_rows) == {f"{p}{d}{t}" for p in ("", "packed-")
                                     for d in ("float32", "bfloat16") for t in threads}
     for table in cal.linear_rows.values():
-        assert list(table) == [str(r) for r in cb.LINEAR_ROWS]
+        assert list(table) == [str(r) for r in compute.LINEAR_ROWS]
         assert all(_positive(v) for v in table.values())
     assert cal.link["reduce_latency"] == 1e-3
 
 
 def test_default_directory_is_the_tiergen_cache(fast, cache_home, monkeypatch):
     seen = []
-    real = cb._read_all
+    real = storage._read_all
 
     def spy(fd, buf, nbytes):
         seen.extend(p.name for p in (cache_home / "tiergen").iterdir())
         real(fd, buf, nbytes)
 
-    monkeypatch.setattr(cb, "_read_all", spy)
+    monkeypatch.setattr(storage, "_read_all", spy)
     cal = cb.calibrate("cpu", size=2 * MiB)
     assert cal.disk_directory == str(cache_home / "tiergen")
     assert seen and all(n.startswith(".tiergen-calibrate-") for n in seen)
@@ -127,7 +130,7 @@ def test_bfloat16_is_measured_as_the_model_multiplies_it(fast, disk, monkeypatch
         (x.dtype, tuple(x.shape))) or real(x, w, b))
     cal = cb.calibrate("cpu", disk, size=2 * MiB)
     assert list(cal.matmul) == list(cal.gemv) == ["float32", "bfloat16"]
-    assert {(torch.bfloat16, (cb.GEMM[0], cb.GEMM[1])), (torch.bfloat16, (1, cb.GEMV[0]))} <= set(shapes)
+    assert {(torch.bfloat16, (compute.GEMM[0], compute.GEMM[1])), (torch.bfloat16, (1, compute.GEMV[0]))} <= set(shapes)
 
 
 @pytest.mark.parametrize("exc, raised", [
@@ -140,7 +143,7 @@ def test_temp_file_removed_when_a_measurement_raises(disk, monkeypatch, exc, rai
         seen.extend((p.name, p.stat().st_size) for p in disk.iterdir())
         raise exc
 
-    monkeypatch.setattr(cb, "_read_all", fail)
+    monkeypatch.setattr(storage, "_read_all", fail)
     with pytest.raises(raised):
         cb.calibrate("cpu", disk, size=8 * MiB)
     assert len(seen) == 1 and seen[0][1] == 8 * MiB  # it was there, full size
@@ -152,14 +155,14 @@ def test_temp_file_removed_when_writing_fails(disk, monkeypatch):
         os.write(fd, data[:1000])
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(cb, "_write_all", full)
+    monkeypatch.setattr(storage, "_write_all", full)
     with pytest.raises(TiergenError, match="cannot write the disk test file.*free space"):
         cb.calibrate("cpu", disk, size=8 * MiB)
     assert list(disk.iterdir()) == []
 
 
 def test_not_enough_free_space(disk, monkeypatch):
-    monkeypatch.setattr(cb, "_free_bytes", lambda d: 10 * MiB)
+    monkeypatch.setattr(storage, "_free_bytes", lambda d: 10 * MiB)
     with pytest.raises(TiergenError, match=r"needs 8 MiB free .* only 10 MiB is free.*--size"):
         cb.calibrate("cpu", disk, size=8 * MiB)
     assert list(disk.iterdir()) == []
@@ -179,7 +182,7 @@ def test_bad_device():
 def test_save_load_round_trip(cache_home):
     cal = _fake()
     path = cb.save(cal)
-    assert path == cb.cache_path() == cache_home / "tiergen" / "calibration.json"
+    assert path == calibration.cache_path() == cache_home / "tiergen" / "calibration.json"
     assert cb.load("cpu") == cal
     assert cb.load(torch.device("cpu")) == cal
     assert sorted(p.name for p in path.parent.iterdir()) == ["calibration.json"]  # no temp left
@@ -190,7 +193,7 @@ def test_save_load_round_trip(cache_home):
     data = json.loads(path.read_text())
     assert set(data) == {"cpu", "cuda"}
     assert cb.load("cpu") == cal
-    assert cb._from_dict(data["cuda"]) == cuda
+    assert calibration._from_dict(data["cuda"]) == cuda
 
     # An explicit path.
     other = cache_home / "elsewhere" / "cal.json"
@@ -199,9 +202,9 @@ def test_save_load_round_trip(cache_home):
 
 
 def test_load_none_for_other_hardware():
-    cb.save(_fake(hardware={**cb.fingerprint("cpu"), "cpu": "Some Other CPU"}))
+    cb.save(_fake(hardware={**calibration.fingerprint("cpu"), "cpu": "Some Other CPU"}))
     assert cb.load("cpu") is None
-    cb.save(_fake(hardware={**cb.fingerprint("cpu"), "torch_threads": "999"}))
+    cb.save(_fake(hardware={**calibration.fingerprint("cpu"), "torch_threads": "999"}))
     assert cb.load("cpu") is None
     cb.save(_fake())
     assert cb.load("cpu") is not None
@@ -209,7 +212,7 @@ def test_load_none_for_other_hardware():
 
 def test_load_none_when_missing_or_corrupt():
     assert cb.load("cpu") is None  # no file yet
-    path = cb.cache_path()
+    path = calibration.cache_path()
     path.parent.mkdir(parents=True)
     good = dataclasses.asdict(_fake())
     bad_entries = [
@@ -260,7 +263,7 @@ def test_format_mentions_each_quantity():
     for part in ("disk read", "2.50 GB/s", "/somewhere", "host -> device", "device -> host",
                  "host memcpy", "12.00 GB/s", "same memory", "matmul", "float32 150.0 GFLOP/s",
                  "bfloat16 400.0 GFLOP/s", "gemv", "20.00 GB/s", "13.00 GB/s",
-                 "attention", "30.00 GB/s", "3.5 s", cb.fingerprint("cpu")["cpu"]):
+                 "attention", "30.00 GB/s", "3.5 s", calibration.fingerprint("cpu")["cpu"]):
         assert part in text, part
     gpu = cb.format_calibration(_fake(device="cuda:0", hardware={"gpu": "H100",
                                                                  "gpu_memory_gib": "79.1"}))
@@ -270,10 +273,10 @@ def test_format_mentions_each_quantity():
 def test_cli_measures_prints_and_saves(fast, disk, capsys):
     args = _parser().parse_args(["calibrate", "--device", "cpu", "--size", "4M",
                                  "--dir", str(disk)])
-    assert args.func is cb.main
+    assert args.func is cli.cmd_calibrate
     assert args.func(args) == 0
     out = capsys.readouterr()
-    assert "disk read" in out.out and f"saved to {cb.cache_path()}" in out.out
+    assert "disk read" in out.out and f"saved to {calibration.cache_path()}" in out.out
     assert "calibrating:" in out.err  # progress goes to stderr
     assert cb.load("cpu") is not None
     assert list(disk.iterdir()) == []
@@ -281,7 +284,7 @@ def test_cli_measures_prints_and_saves(fast, disk, capsys):
 
 def test_cli_defaults():
     args = _parser().parse_args(["calibrate"])
-    assert args.device is None and args.dir is None and cb.parse_size(args.size) == 256 * MiB
+    assert args.device is None and args.dir is None and parse_size(args.size) == 256 * MiB
 
 
 @pytest.mark.parametrize("case", ["missing", "file", "size", "tiny"])
@@ -304,7 +307,7 @@ def test_cli_bad_input_is_a_tiergen_error(tmp_path, case):
     args = _parser().parse_args(argv)
     with pytest.raises(TiergenError, match=match):
         args.func(args)
-    assert not cb.cache_path().exists()
+    assert not calibration.cache_path().exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")

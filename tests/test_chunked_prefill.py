@@ -115,8 +115,8 @@ def test_chunk_attention_equals_the_masked_path(start, num_tokens):
     """A chunk's two-pass attention (earlier slots, then itself, merged by log-sum-exp) against
     SDPA's masked path, with a row whose every earlier slot is padding, a row padded in part,
     and a full one; GQA with two query heads per K/V head."""
-    from tiergen.engine.step import StepMeta
-    from tiergen.models.layers import attention
+    from tiergen.cache.step import StepMeta
+    from tiergen.cache.attention import attention
 
     torch.manual_seed(start)
     valid = torch.zeros(3, 40, dtype=torch.bool)

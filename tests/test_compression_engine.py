@@ -83,7 +83,7 @@ def test_sparsity_one_equals_dense_exactly(tiny):
 
 
 def test_sparse_attention_keeps_the_largest_weights():
-    from tiergen.models.layers import attention
+    from tiergen.cache.attention import attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)

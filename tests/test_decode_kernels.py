@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergen import kernels
+from tiergen.cache.attention import attention
 from tiergen.models import layers
 
 
@@ -66,7 +67,7 @@ def test_decode_attention(H, KVH, D, Dv, masked, torch_path):
         mask[..., S - 1] = True
         mask[1, ..., : S - 1] = False  # a row that sees only itself
     assert kernels.decode_attention(q, k, v, mask) is not None
-    close(layers.attention(q, k, v, mask), torch_path(layers.attention, q, k, v, mask))
+    close(attention(q, k, v, mask), torch_path(attention, q, k, v, mask))
 
 
 def test_decode_attention_leaves_other_cases_to_torch():

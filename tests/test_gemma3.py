@@ -10,7 +10,7 @@ import transformers
 
 from tiergen import LLM, SamplingParams
 from tiergen.config import UNLIMITED_CONTEXT, from_hf_config
-from tiergen.engine.step import StepMeta
+from tiergen.cache.step import StepMeta
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf_map import GEMMA3_LAYER_NAMES, GLOBAL_NAMES
 from gguf_writer import write_gguf

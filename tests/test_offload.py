@@ -7,7 +7,7 @@ import torch
 
 from tiergen import LLM, Policy, SamplingParams
 from tiergen.engine.executor import MicroBatch
-from tiergen.engine.step import StepMeta
+from tiergen.cache.step import StepMeta
 from tiny_models import CASES, build
 
 PROMPTS = [[5], list(range(3, 30)), [7, 8, 9, 10, 11], list(range(50, 62)), [100, 3, 17],

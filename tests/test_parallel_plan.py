@@ -13,6 +13,7 @@ from tiergen.offload.policy import Policy
 from tiergen.parallel.link import measure_link
 from tiergen.parallel.stage import layer_costs, split_layers
 from tiergen.models import build_model
+from tiergen import calibration
 from tiergen.planner import calibrate
 from tiergen.planner.cost import Workload, estimate
 from tiergen.planner.parallel import plan_parallel, rank_calibration, units
@@ -162,8 +163,8 @@ def test_the_link_is_measured_between_two_ranks():
 
 
 def test_the_link_is_kept_with_the_calibration(tmp_path):
-    path = calibrate.save(CAL, tmp_path / "calibration.json")
-    data = calibrate._read_json(path)
-    assert calibrate._from_dict(data["cpu"]).link == LINK
+    path = calibration.save(CAL, tmp_path / "calibration.json")
+    data = calibration._read_json(path)
+    assert calibration._from_dict(data["cpu"]).link == LINK
     with pytest.raises(ValueError):
-        calibrate._from_dict({**data["cpu"], "link": {"latency": -1}})
+        calibration._from_dict({**data["cpu"], "link": {"latency": -1}})

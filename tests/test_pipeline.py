@@ -175,7 +175,7 @@ def test_prefill_is_cut_so_that_stages_overlap(llama):
     """A pipelined block prefills in chunks small enough that later chunks go through the
     first stage while earlier ones are in the last; the tokens stay those of one process
     prefilling whole prompts."""
-    from tiergen.parallel.pipeline import pipeline_chunk
+    from tiergen.engine.pipeline import pipeline_chunk
 
     assert pipeline_chunk(512, 128, 1) == 512 and pipeline_chunk(None, 128, 1) is None
     assert pipeline_chunk(512, 128, 2) == 32 and pipeline_chunk(None, 128, 2) == 32

@@ -14,8 +14,9 @@ from tiergen.models import build_model
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
 from tiergen.offload.weights import WeightPlan
+from tiergen import calibration, cli
 from tiergen.planner import calibrate, search
-from tiergen.planner.calibrate import Calibration
+from tiergen.calibration import Calibration
 from tiergen.planner.cost import Workload, blocks, estimate, touched_experts
 from tiergen.planner.search import choose_policy, format_plan, kv_cache_line, plan, policy_flags
 from tiergen.weights import open_model
@@ -244,7 +245,7 @@ def test_every_family_is_estimated(tiny):
 def run_plan(argv, monkeypatch, cal=CPU):
     monkeypatch.setattr(calibrate, "load", lambda device: cal)
     parser = argparse.ArgumentParser()
-    search.add_parser(parser.add_subparsers())
+    cli.add_plan_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", *argv])
     return args.func(args)
 
@@ -277,7 +278,7 @@ def test_plan_command_errors(tiny, monkeypatch, argv, match):
 
 
 def test_available_ram_reads_proc_meminfo():
-    ram = search.available_ram()
+    ram = cli.available_ram()
     assert ram is None or ram > 0
 
 
@@ -317,7 +318,7 @@ def test_shipped_configs_have_the_models_sizes(name):
 
 def test_plan_on_paper_for_a_shipped_model_and_machine(capsys):
     parser = argparse.ArgumentParser()
-    search.add_parser(parser.add_subparsers())
+    cli.add_plan_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", "--config", "llama-3.1-70b", "--machine", "t4-flexgen",
                               "--prompt-len", "512", "--gen-len", "32", "--batch", "64"])
     assert args.func(args) == 0
@@ -333,13 +334,13 @@ def test_a_calibration_file_is_a_machine_profile(tmp_path, capsys, monkeypatch):
     from tiergen.planner import paper
 
     cal = dataclasses.replace(CPU, hardware={"cpu": "x", "ram_gib": "24.0"})
-    path = calibrate.save(cal, tmp_path / "calibration.json")  # as tiergen calibrate writes it
+    path = calibration.save(cal, tmp_path / "calibration.json")  # as tiergen calibrate writes it
     machine = paper.load_machine(str(path))
     assert machine.calibration == cal and machine.budgets == Budgets(None, 24 * 2**30)
     # CPU with bfloat16 measured faster than float32: auto picks it, as generate would there
     assert paper.default_dtype(cal, None) == torch.bfloat16
     parser = argparse.ArgumentParser()
-    search.add_parser(parser.add_subparsers())
+    cli.add_plan_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", "--config", "llama-3.1-8b", "--machine", str(path),
                               "--host-memory", "6G", "--prompt-len", "16", "--gen-len", "8",
                               "--batch", "32"])
@@ -355,7 +356,7 @@ def test_a_calibration_file_is_a_machine_profile(tmp_path, capsys, monkeypatch):
      "--device and --machine exclude each other")])
 def test_plan_on_paper_errors(argv, match):
     parser = argparse.ArgumentParser()
-    search.add_parser(parser.add_subparsers())
+    cli.add_plan_parser(parser.add_subparsers())
     args = parser.parse_args(["plan", *argv])
     with pytest.raises(TiergenError, match=match):
         args.func(args)

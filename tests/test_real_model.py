@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiergen import LLM, SamplingParams
-from tiergen.engine.step import StepMeta
+from tiergen.cache.step import StepMeta
 from tiergen.weights import _packaged_file
 
 pytestmark = pytest.mark.slow

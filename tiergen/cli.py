@@ -1,5 +1,7 @@
 """Command line: ``tiergen generate`` for batches of prompts, ``tiergen chat`` to talk,
-``tiergen serve`` for an OpenAI-compatible HTTP server."""
+``tiergen serve`` for an OpenAI-compatible HTTP server, ``tiergen plan`` for the fastest
+policy that fits, ``tiergen calibrate`` to measure this machine, ``tiergen bench`` for
+throughput."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 from tiergen._platform import on_short_lived_thread  # (first: before torch)
 from tiergen.errors import TiergenError
@@ -155,15 +159,15 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
 
 
 def _plan(args: argparse.Namespace, files, prompts: list[str]):
-    from tiergen.engine.llm import _resolve_device, _resolve_dtype
+    from tiergen.devices import resolve_device, resolve_dtype
     from tiergen.offload.memory import Budgets
     from tiergen.offload.policy import parse_size
     from tiergen.planner import calibrate
     from tiergen.planner.cost import Workload
     from tiergen.planner.search import choose_policy, format_plan
 
-    device = _resolve_device(args.device)
-    dtype = _resolve_dtype(args.dtype, device, files.default_dtype)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, files.default_dtype)
     lengths = [len(files.tokenizer.encode(p)) if files.tokenizer else 1 for p in prompts] or [1]
     workload = Workload(max(lengths), args.max_tokens, len(lengths))
     budgets = Budgets(None if args.device_memory is None else parse_size(args.device_memory),
@@ -307,6 +311,297 @@ def cmd_serve(args: argparse.Namespace) -> None:
           verbose=args.verbose, api_key=api_key, queue_timeout=args.queue_timeout)
 
 
+# ----------------------------------------------------------------------------- plan
+
+
+def available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo, or None (no limit) where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``tiergen plan``: the fastest policy for a workload under the memory budgets, for the
+    model and machine here, or on paper (``--config``, ``--machine``)."""
+    from tiergen.offload.memory import Budgets, fmt
+    from tiergen.planner import paper
+    from tiergen.planner.cost import Workload
+    from tiergen.planner.parallel import format_parallel, plan_parallel, with_link
+    from tiergen.planner.search import (SearchRequest, format_plan, nothing_fits, policy_flags,
+                                        search)
+    from tiergen.weights import open_model
+
+    for name in ("prompt_len", "gen_len", "batch", "top", "pipeline_parallel",
+                 "tensor_parallel"):
+        if getattr(args, name) < 1:
+            raise TiergenError(f"--{name.replace('_', '-')} must be a positive integer, "
+                               f"got {getattr(args, name)}")
+    if args.config:
+        (cfg, checkpoint_dtype), source = paper.load_config(args.config), None
+    else:
+        files = open_model(args.model, packed=not getattr(args, "dequantize", False))
+        cfg, checkpoint_dtype, source = files.config, files.default_dtype, files.source
+    workload = Workload(args.prompt_len, args.gen_len, args.batch)
+    if workload.prompt_len + workload.gen_len > cfg.context_length:
+        raise TiergenError(f"--prompt-len {workload.prompt_len} plus --gen-len "
+                           f"{workload.gen_len} exceeds the model's context of "
+                           f"{cfg.context_length} tokens")
+    cal, budgets, dtype = _machine(args, checkpoint_dtype)
+    device_type = cal.device_type
+    compress = not args.no_compression
+    stages, tensor = args.pipeline_parallel, args.tensor_parallel
+    if stages * tensor > 1:
+        if args.host_memory is None and budgets.host is not None:  # ranks share the RAM
+            budgets = Budgets(budgets.device, budgets.host // (stages * tensor))
+        e = plan_parallel(cfg, dtype, workload, cal if args.machine else with_link(cal, True),
+                          budgets, stages, tensor, allow_compression=compress, source=source)
+        print(format_parallel(e, cfg, dtype))
+        return 0
+    request = SearchRequest(cfg, dtype, workload, cal, device_type, budgets,
+                            allow_compression=compress, source=source)
+    found = search(request)
+    if not found.fits:
+        raise nothing_fits(found, request)
+    print(format_plan(found.fits[0], cfg, dtype))
+    for e in found.fits[1:args.top]:
+        print(f"  or         {policy_flags(e.policy)}: {e.total_tok_s:.1f} tok/s, "
+              + ", ".join(f"{t} {fmt(n)}" for t, n in e.memory.items()))
+    return 0
+
+
+def _machine(args: argparse.Namespace, checkpoint_dtype):
+    """The calibration, budgets and compute dtype of the plan: a machine profile's, or this
+    machine's (measured now if it was never calibrated)."""
+    import torch
+
+    from tiergen.devices import resolve_device, resolve_dtype
+    from tiergen.offload.memory import Budgets
+    from tiergen.offload.policy import parse_size
+    from tiergen.planner import calibrate, paper
+
+    def budget(text: str | None, default: int | None) -> int | None:
+        return parse_size(text) if text else default
+
+    if args.machine:
+        m = paper.load_machine(args.machine)
+        if args.device:
+            raise TiergenError("--device and --machine exclude each other: the profile says "
+                               f"which device it describes ({m.calibration.device})")
+        dtype = (paper.default_dtype(m.calibration, checkpoint_dtype) if args.dtype == "auto"
+                 else getattr(torch, args.dtype))
+        print(f"machine: {m.name}" + (f" ({m.note})" if m.note else ""))
+        return (m.calibration, Budgets(budget(args.device_memory, m.budgets.device),
+                                       budget(args.host_memory, m.budgets.host)), dtype)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)
+    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    cal = calibrate.load(device)
+    if cal is None:
+        print(f"tiergen: note: {device} is not calibrated yet; measuring it now (saved for "
+              "next time, or run tiergen calibrate)", file=sys.stderr)
+        cal = calibrate.get(device, progress=True)
+    return cal, Budgets(budget(args.device_memory, gpu),
+                        budget(args.host_memory, available_ram())), dtype
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from tiergen.planner import paper
+
+    p = sub.add_parser(
+        "plan", help="choose the fastest offloading policy that fits the memory budgets",
+        description="Search offloading policies (weights, KV cache and activations over device, "
+                    "host RAM and disk; micro-batch and block sizes; compression) for a workload, "
+                    "predict each one's memory and speed from this machine's calibration, and "
+                    "print the fastest that fits as tiergen generate flags.")
+    p.add_argument("-m", "--model", default="smollm2",
+                   help="short name (smollm2), a model directory or a .gguf file "
+                        "(default: smollm2)")
+    p.add_argument("--config", metavar="CONFIG",
+                   help="plan on paper for a model's Hugging Face config.json instead of --model "
+                        "(no weights needed), or a shipped one: " + ", ".join(paper.names(paper.CONFIGS)))
+    p.add_argument("--machine", metavar="PROFILE",
+                   help="plan for another machine: a profile JSON (tiergen calibrate's output, "
+                        "or the same fields by hand) or a shipped one: "
+                        + ", ".join(paper.names(paper.MACHINES)))
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default: 512)")
+    p.add_argument("--gen-len", type=int, default=128,
+                   help="tokens generated per prompt (default: 128)")
+    p.add_argument("--batch", type=int, default=1, help="number of prompts (default: 1)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="device budget, e.g. 8G (default: the GPU's memory; none on a CPU)")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="host RAM budget, e.g. 16G (default: the RAM available now, or the "
+                        "profile's under --machine)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (default: auto, as tiergen generate picks it)")
+    p.add_argument("--device", default=None,
+                   help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
+    p.add_argument("--no-compression", action="store_true",
+                   help="consider only uncompressed weights and KV cache")
+    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
+                   help="plan P pipeline stages, each a process with its span of layers, its "
+                        "share of the cores and its own budgets (default: 1)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="plan T tensor-parallel shards per stage (default: 1)")
+    p.add_argument("--top", type=int, default=1, metavar="N",
+                   help="also show the next best plans, N in all (default: 1)")
+    p.set_defaults(func=cmd_plan)
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+
+def _busy() -> str:
+    """Why the measurements would run slow now (other processes on the CPUs), or ''."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return ""
+    cores = os.cpu_count() or 1
+    if load >= max(0.5, 0.25 * cores):
+        return f"the machine is busy (load average {load:.1f} on {cores} logical cores)"
+    return ""
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``tiergen calibrate``: measure afresh, print the result, save it to the cache."""
+    import torch
+
+    from tiergen.offload.policy import parse_size
+    from tiergen.parallel import link
+    from tiergen.parallel.group import under_torchrun
+    from tiergen.planner.calibrate import calibrate, format_calibration, save
+
+    if under_torchrun() and os.environ["RANK"] != "0":  # rank 0 measures, with this one
+        link.measure_link(timeout=300.0)
+        return 0
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    size = parse_size(args.size)
+    directory = Path(args.dir).expanduser() if args.dir else None
+    busy = _busy()
+    if busy:
+        print(f"tiergen: note: {busy}; the numbers will be low, calibrate again when it is idle",
+              file=sys.stderr)
+    cal = calibrate(device, directory, size, progress=True)
+    path = save(cal)
+    print(format_calibration(cal))
+    print(f"saved to {path}")
+    return 0
+
+
+def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate", help="measure disk, memory, transfer and compute speeds of this machine",
+        description="Measure disk read, host memory and host<->device copy bandwidth, matmul "
+                    "speed at large and few-row shapes (dense and packed), CPU decode "
+                    "attention and the link between two parallel ranks, print them and save "
+                    "them to ~/.cache/tiergen/calibration.json for the offload planner. "
+                    "Always measures afresh (tens of seconds).")
+    p.add_argument("--device", default=None,
+                   help="compute device to measure, e.g. cpu, cuda or cuda:1 "
+                        "(default: cuda if present, else cpu)")
+    p.add_argument("--size", default="256M", metavar="SIZE",
+                   help="size of the disk test file, e.g. 256M or 1G; larger is more accurate "
+                        "on disks with big caches (default: 256M)")
+    p.add_argument("--dir", default=None, metavar="DIR",
+                   help="directory on the disk to measure, where the test file is written and "
+                        "removed (default: ~/.cache/tiergen)")
+    p.set_defaults(func=cmd_calibrate)
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from tiergen.bench import cpu_description, run
+
+    if min(args.batch + [args.prompt_len, args.gen_len]) < 1:
+        raise TiergenError("--batch, --prompt-len and --gen-len must be positive integers")
+    started = time.perf_counter()
+    llm = _load(args)
+    load_seconds = time.perf_counter() - started
+    info = {**cpu_description(), "model": llm.name, "dtype": str(llm.dtype).removeprefix("torch."),
+            "device": str(llm.device), "load_seconds": load_seconds, "runs": []}
+    run(llm, 1, min(8, args.prompt_len), 2)  # warm-up: kernels built, caches touched
+    for batch in args.batch:
+        info["runs"].append(run(llm, batch, args.prompt_len, args.gen_len))
+    if args.json:
+        print(json.dumps(info))
+        return
+    print(f"{info['model']} on {info['device']} ({info['dtype']}); CPU: {info['cpu']} "
+          f"[{' '.join(info['simd'])}]; loaded in {load_seconds:.2f}s")
+    print(f"{'batch':>5} {'prompt':>6} {'gen':>4} {'decode tok/s':>12} {'total tok/s':>11} "
+          f"{'peak RSS':>9}")
+    for r in info["runs"]:
+        print(f"{r['batch']:5d} {r['prompt_len']:6d} {r['gen_len']:4d} {r['decode_tok_s']:12.1f} "
+              f"{r['total_tok_s']:11.1f} {r['peak_rss_mb']:7.0f}MB")
+    sys.stdout.flush()
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from tiergen import bench
+
+    p = sub.add_parser("bench", help="measure throughput on this machine, batch size by batch size",
+                       description=bench.__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32],
+                   help="batch sizes to run (default: 1 32)")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (default: 128)")
+    p.add_argument("--gen-len", type=int, default=64, help="new tokens per prompt (default: 64)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_perplexity(args: argparse.Namespace) -> None:
+    from tiergen.perplexity import SavedRun, evaluate, report, tokenize
+
+    try:
+        text = Path(args.file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise TiergenError(f"cannot read {args.file}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise TiergenError(f"cannot read {args.file}: it is not UTF-8 text") from None
+    reference = None if args.kl_divergence is None else SavedRun(args.kl_divergence)
+    args.max_tokens = args.ctx  # what a planned policy's cache must hold
+    llm = _load(args)
+    ids, bos = tokenize(llm, text)
+    result = evaluate(llm, ids, args.ctx, args.chunks, progress=True, bos=bos,
+                      save=args.save_logits, reference=reference)
+    print(report(result, args.kl_divergence))
+    if args.save_logits:
+        print(f"saved the log-probabilities to {args.save_logits}", file=sys.stderr)
+
+
+def add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "perplexity", help="perplexity of a text; KL divergence against a saved run",
+        description="Perplexity of a text file in windows of --ctx tokens, each run from an "
+                    "empty cache and scored on its second half, as llama.cpp's llama-perplexity "
+                    "does. --save-logits keeps the log-probabilities; --kl-divergence compares "
+                    "this run with a saved one (e.g. a quantised model or another path against "
+                    "the float path).")
+    g = p.add_argument_group("perplexity")
+    g.add_argument("-f", "--file", required=True, help="the text file (UTF-8)")
+    g.add_argument("--ctx", type=int, default=512,
+                   help="tokens per window; the second half of each is scored (default: 512)")
+    g.add_argument("--chunks", type=int, default=None, metavar="K",
+                   help="score only the first K windows (default: all of the text)")
+    g.add_argument("--save-logits", metavar="FILE",
+                   help="save the tokens and the scored log-probabilities to FILE "
+                        "(safetensors) for a later --kl-divergence")
+    g.add_argument("--kl-divergence", metavar="FILE",
+                   help="compare with a run saved by --save-logits on the same text: mean, p99 "
+                        "and max KL divergence, same top token, both perplexities")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_perplexity)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tiergen", description="Run large language models across device memory, host RAM "
@@ -357,13 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 
-    from tiergen import bench, perplexity
-    from tiergen.planner import calibrate, search
-
-    calibrate.add_parser(sub)
-    search.add_parser(sub)
-    bench.add_parser(sub)
-    perplexity.add_parser(sub)
+    add_calibrate_parser(sub)
+    add_plan_parser(sub)
+    add_bench_parser(sub)
+    add_perplexity_parser(sub)
     return parser
 
 

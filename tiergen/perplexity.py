@@ -16,7 +16,6 @@ the model in its metadata.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -344,51 +343,3 @@ def report(result: Result, reference: str | None = None) -> str:
                   f"max KLD: {k.max:.6f}",
                   f"same top token: {100 * k.same_top:.2f} %"]
     return "\n".join(lines)
-
-
-# -- command line -----------------------------------------------------------------------------
-
-def cmd_perplexity(args: argparse.Namespace) -> None:
-    from tiergen.cli import _load
-
-    try:
-        text = Path(args.file).read_text(encoding="utf-8")
-    except OSError as e:
-        raise TiergenError(f"cannot read {args.file}: {e.strerror or e}") from None
-    except UnicodeDecodeError:
-        raise TiergenError(f"cannot read {args.file}: it is not UTF-8 text") from None
-    reference = None if args.kl_divergence is None else SavedRun(args.kl_divergence)
-    args.max_tokens = args.ctx  # what a planned policy's cache must hold
-    llm = _load(args)
-    ids, bos = tokenize(llm, text)
-    result = evaluate(llm, ids, args.ctx, args.chunks, progress=True, bos=bos,
-                      save=args.save_logits, reference=reference)
-    print(report(result, args.kl_divergence))
-    if args.save_logits:
-        print(f"saved the log-probabilities to {args.save_logits}", file=sys.stderr)
-
-
-def add_parser(sub) -> None:
-    from tiergen.cli import _add_model_options
-
-    p = sub.add_parser(
-        "perplexity", help="perplexity of a text; KL divergence against a saved run",
-        description="Perplexity of a text file in windows of --ctx tokens, each run from an "
-                    "empty cache and scored on its second half, as llama.cpp's llama-perplexity "
-                    "does. --save-logits keeps the log-probabilities; --kl-divergence compares "
-                    "this run with a saved one (e.g. a quantised model or another path against "
-                    "the float path).")
-    g = p.add_argument_group("perplexity")
-    g.add_argument("-f", "--file", required=True, help="the text file (UTF-8)")
-    g.add_argument("--ctx", type=int, default=512,
-                   help="tokens per window; the second half of each is scored (default: 512)")
-    g.add_argument("--chunks", type=int, default=None, metavar="K",
-                   help="score only the first K windows (default: all of the text)")
-    g.add_argument("--save-logits", metavar="FILE",
-                   help="save the tokens and the scored log-probabilities to FILE "
-                        "(safetensors) for a later --kl-divergence")
-    g.add_argument("--kl-divergence", metavar="FILE",
-                   help="compare with a run saved by --save-logits on the same text: mean, p99 "
-                        "and max KL divergence, same top token, both perplexities")
-    _add_model_options(p)
-    p.set_defaults(func=cmd_perplexity)

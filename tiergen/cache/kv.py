@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from tiergen.engine.step import StepMeta
-from tiergen.models.layers import attention
+from tiergen.cache.step import StepMeta
+from tiergen.cache.attention import attention
 
 
 class KVView:
@@ -19,7 +19,7 @@ class KVView:
     def __init__(self, kv: torch.Tensor, sparsity: float = 1.0) -> None:
         self.kv = kv
         self.k, self.v = kv[0], kv[-1]
-        self.sparsity = sparsity  # of decode attention (see models.layers.attention)
+        self.sparsity = sparsity  # of decode attention (see cache.attention)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                meta: StepMeta) -> torch.Tensor:

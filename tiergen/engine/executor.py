@@ -21,7 +21,7 @@ import torch
 
 from tiergen.cache.kv import KVView
 from tiergen.config import ModelConfig
-from tiergen.engine.step import StepMeta
+from tiergen.cache.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.activations import Activations
 from tiergen.offload.experts import HostRates

@@ -9,7 +9,7 @@ import torch
 
 from tiergen.engine.executor import Executor, MicroBatch
 from tiergen.engine.sampler import Sampler, SamplingParams
-from tiergen.engine.step import StepMeta
+from tiergen.cache.step import StepMeta
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tiergen._platform import cpu_has_fast_bfloat16
+from tiergen import calibration
+from tiergen.devices import resolve_device, resolve_dtype
 from tiergen.engine.executor import Executor, MicroBatch, RunStats
 from tiergen.engine.generate import Sequence, StepEvent, make_sequences, run_block
 from tiergen.engine.sampler import SamplingParams
-from tiergen.engine.step import StepMeta
+from tiergen.cache.step import StepMeta
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.layers import use_compiled_gemv
@@ -23,17 +24,14 @@ from tiergen.offload.experts import HostRates
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy, parse_size
 from tiergen.parallel.group import TOKENS, Group, under_torchrun
-from tiergen.parallel.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
-                                      start_ranks)
+from tiergen.engine.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
+                                     start_ranks)
 from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
 from tiergen.weights import ModelFiles, open_model
 
 Prompt = str | list[int]
 Message = dict[str, str]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class GenerationResult:
@@ -64,49 +62,13 @@ class StreamEvent:
     finish_reason: str | None
 
 
-def cpu_auto_dtype(checkpoint: torch.dtype | None, fast_bfloat16: bool) -> torch.dtype:
-    """``dtype="auto"`` on a CPU. Fast (native) bfloat16 halves the bytes read per token and
-    more than doubles batched matmul throughput. Without it a bfloat16 checkpoint still stays
-    bfloat16 (half the bytes to hold and stream; ``linear`` multiplies many rows widened to
-    float32), and others run in float32."""
-    return torch.bfloat16 if fast_bfloat16 or checkpoint == torch.bfloat16 else torch.float32
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device,
-                   checkpoint: torch.dtype | None) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cpu":
-            return cpu_auto_dtype(checkpoint, cpu_has_fast_bfloat16())
-        return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
-    if dtype not in DTYPES:
-        raise TiergenError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def _resolve_device(device: str | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise TiergenError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TiergenError(f"device {device!r} asked for, but torch sees no CUDA GPU; use cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise TiergenError(f"device type {dev.type!r} is not supported; use cpu or cuda")
-    return dev
-
-
 def _expert_rates(device: torch.device) -> HostRates | None:
     """Where routed experts in host RAM should run, from this machine's calibration if one
     is cached (``tiergen calibrate``); only a GPU has the choice."""
     if device.type != "cuda":
         return None
-    from tiergen.planner import calibrate
-
-    gpu, cpu = calibrate.load(device), calibrate.load("cpu")  # the link; the host's own rates
+    gpu = calibration.load(device)  # the link
+    cpu = calibration.load("cpu")  # the host's own rates
     if gpu is None and cpu is None:
         return None
     return HostRates.measured(max(cpu.matmul.values(), default=None) if cpu else None,
@@ -153,7 +115,7 @@ class LLM:
             raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "
                                f"whole prompt at once), got {prefill_chunk_size!r}")
         self.prefill_chunk_size = prefill_chunk_size
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         files = model if isinstance(model, ModelFiles) else open_model(model, packed)
         family, model_id, source = build_model(files.config), files.fingerprint, files.source
         self.group = group = _group
@@ -162,7 +124,7 @@ class LLM:
                 files, pipeline_parallel, tensor_parallel, parallel_timeout, dict(
                     dtype=dtype, device=device, max_batch_size=max_batch_size, policy=policy,
                     device_memory=device_memory, host_memory=host_memory, compile=compile,
-                    prefill_chunk_size=prefill_chunk_size))
+                    prefill_chunk_size=prefill_chunk_size), serve_rank)
         if group is not None:
             costs, head = layer_costs(family)
             span = split_layers(costs, group.pipeline, head)[group.stage]
@@ -189,7 +151,7 @@ class LLM:
         self.name = files.name
         self.config = files.config
         self.tokenizer = files.tokenizer
-        self.dtype = _resolve_dtype(dtype, self.device, files.default_dtype)
+        self.dtype = resolve_dtype(dtype, self.device, files.default_dtype)
         self.eos_token_ids = sorted(set(self.config.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.micro_batch = self.policy.gpu_batch_size or max_batch_size
@@ -298,7 +260,7 @@ class LLM:
         """Rank 0: have every rank run ``command`` with this process; a failure stops them all."""
         self._command(command, *args)
         try:
-            return getattr(self, f"_{command}")(*args)
+            return self._handler(command)(*args)
         except BaseException:
             self.group.close(graceful=False)
             raise
@@ -330,6 +292,17 @@ class LLM:
         finally:
             self.last_stats = self.executor.finish_run()
 
+    def _handler(self, command: str):
+        """What a command from rank 0 runs (on rank 0 too, for those it runs alike). Made on
+        each call: kept on the LLM, its bound methods would keep it alive past its last use."""
+        return {"generate": self._generate, "score": self._score, "step": self._step}[command]
+
+    def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
+        """Ranks other than 0: run rank 0's sequences with it."""
+        for _ in self._run(make_sequences(prompt_ids, params, self.eos_token_ids,
+                                          self.tokenizer)):
+            pass
+
     def _step(self, replay: list[tuple], keys: list[int], chunk: int | None) -> None:
         """Ranks other than 0 under a server: one step of rank 0's scheduler."""
         if self._replica is None:
@@ -340,12 +313,7 @@ class LLM:
     def serve_ranks(self) -> None:
         """Ranks other than 0: run what rank 0 asks until it closes the group."""
         while (command := self.group.next_command()) is not None:
-            if command[0] == "generate":
-                seqs = make_sequences(*command[1:], self.eos_token_ids, self.tokenizer)
-                for _ in self._run(seqs):
-                    pass
-            else:
-                getattr(self, f"_{command[0]}")(*command[1:])
+            self._handler(command[0])(*command[1:])
 
     def close(self) -> None:
         """Stop the other parallel ranks (nothing to do for one process)."""
@@ -455,3 +423,8 @@ class LLM:
             prompts = [self.chat_prompt(m, chat_template) for m in messages]
             return self.generate(prompts, params)
         return self.generate([self.chat_prompt(messages, chat_template)], params)[0]
+
+
+def serve_rank(spec: dict, group: Group) -> None:
+    """What a started rank runs: its share of the model, serving rank 0 until it closes."""
+    LLM(**spec, _group=group).serve_ranks()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from tiergen.engine.executor import MicroBatch
 from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity
-from tiergen.parallel.pipeline import step_ranks
+from tiergen.engine.pipeline import step_ranks
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError

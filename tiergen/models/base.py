@@ -5,15 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from tiergen.cache.kv import KVView
+from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
-from tiergen.engine.step import StepMeta
-
-if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
-    from tiergen.cache.kv import KVView
 
 Weights = dict[str, torch.Tensor]
 

@@ -16,20 +16,17 @@ Per layer: h += o_proj(mla(rms_norm(h))); h += mlp(rms_norm(h)), the MLP dense f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from tiergen.cache.attention import attention
+from tiergen.cache.kv import KVView
+from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
-from tiergen.engine.step import StepMeta
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  pack_causal_lm_globals)
-from tiergen.models.layers import (apply_rope_interleaved, attention, embedding, linear, rms_norm,
+from tiergen.models.layers import (apply_rope_interleaved, embedding, linear, rms_norm,
                                    rope_attention_factor, rope_inv_freq, yarn_mscale)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
-
-if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
-    from tiergen.cache.kv import KVView
 
 
 class DeepseekV2:

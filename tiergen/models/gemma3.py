@@ -13,19 +13,15 @@ Per layer: h += post_attn_norm(o_proj(attn(...over input_norm(h)))),
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 
+from tiergen.cache.kv import KVView
+from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
-from tiergen.engine.step import StepMeta
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  pack_causal_lm_globals)
 from tiergen.models.layers import (apply_rope, cat_rows, embedding, gelu_tanh_mlp,
                                    gemma_rms_norm, linear, rope_cos_sin, rope_inv_freq)
-
-if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
-    from tiergen.cache.kv import KVView
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 

@@ -8,20 +8,16 @@ Per layer: h += o_proj(attn(rope(q), rope(k), v)) over rms_norm(h); h += mlp(rms
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from tiergen.cache.kv import KVView
+from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
-from tiergen.engine.step import StepMeta
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  pack_causal_lm_globals)
 from tiergen.models.layers import (apply_rope, cat_rows, embedding, linear, rms_norm,
                                    rope_cos_sin, rope_inv_freq)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
-
-if TYPE_CHECKING:  # cache.kv imports models.layers, and so this package
-    from tiergen.cache.kv import KVView
 
 
 class Llama:

@@ -8,7 +8,7 @@ import torch
 
 from tiergen.cache.kv import KVView, LatentKVView, RollingKVView
 from tiergen.config import ModelConfig
-from tiergen.engine.step import StepMeta
+from tiergen.cache.step import StepMeta
 from tiergen.offload.compress import pack_rows, packed_width, unpack_rows
 from tiergen.offload.disk import SpillFile
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tiergen.errors import TiergenError
+from tiergen.paths import cache_dir
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
 from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
@@ -59,13 +60,10 @@ def place(sizes: dict[str, int], split: tuple[float, float, float]) -> dict[str,
 
 def offload_root(policy: Policy) -> Path:
     """Where converted weights and spill files go: the policy's offload_dir, or else
-    ~/.cache/tiergen/offload (honouring XDG_CACHE_HOME)."""
+    the cache directory's offload/ (see :func:`tiergen.paths.cache_dir`)."""
     if policy.offload_dir:
         return Path(policy.offload_dir)
-    import os
-
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tiergen" / "offload"
+    return cache_dir() / "offload"
 
 
 @dataclass

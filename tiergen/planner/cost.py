@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiergen.calibration import Calibration
 from tiergen.config import ModelConfig
 from tiergen.engine.executor import block_needs, cache_compression
 from tiergen.errors import TiergenError
@@ -43,7 +44,6 @@ from tiergen.offload.experts import is_expert
 from tiergen.offload.kv import cache_moves, stored_width
 from tiergen.offload.policy import TIERS, Policy, tiers_for
 from tiergen.offload.weights import WeightPlan
-from tiergen.planner.calibrate import Calibration
 
 LAYER_OVERHEAD_S = 1e-4  # Python and kernel dispatch per layer call; dominates small models
 DEQUANT_SLOWDOWN = 2.5  # 4-bit dequantisation vs a memcpy of its output: 1.6-3.6x (idle CPU)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
+from tiergen.calibration import Calibration, _from_dict
 from tiergen.config import ModelConfig, from_hf_config
-from tiergen.engine.llm import cpu_auto_dtype
+from tiergen.devices import cpu_auto_dtype
 from tiergen.errors import TiergenError
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import parse_size
-from tiergen.planner.calibrate import Calibration, _from_dict
 from tiergen.weights import config_dtype, read_json
 
 HERE = Path(__file__).parent

@@ -29,17 +29,20 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tiergen import calibration
+from tiergen.calibration import ONE_THREAD, Calibration
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
-from tiergen.parallel.pipeline import micro_batch_size, pipeline_chunk
+from tiergen.engine.pipeline import micro_batch_size, pipeline_chunk
+from tiergen.parallel import link as rank_link
 from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
-from tiergen.planner.calibrate import ONE_THREAD, Calibration, link_line
+from tiergen.planner.calibrate import link_line
 from tiergen.planner.cost import Estimate, PlacedWeights, Workload, blocks, estimate
-from tiergen.planner.search import _nothing_fits, _search, fmt, policy_flags
+from tiergen.planner.search import SearchRequest, fmt, nothing_fits, policy_flags, search
 
 CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size, the estimate's default)
 # the link where it was never measured: gloo over loopback on a 2-core VM (bench_link.py)
@@ -163,10 +166,11 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
     for rank, span, shard, model, src in ranks:
         mine = policy[rank] if isinstance(policy, (list, tuple)) else policy
         if mine is None:
-            found = _search(model.cfg, dtype, workload, rank_cal, device_type, budgets,
-                            max_batch_size, allow_compression, (4,), model, src)
+            request = SearchRequest(model.cfg, dtype, workload, rank_cal, device_type, budgets,
+                                    max_batch_size, allow_compression, model=model, source=src)
+            found = search(request)
             if not found.fits:
-                e = _nothing_fits(found, workload, budgets, device_type, allow_compression)
+                e = nothing_fits(found, request)
                 raise TiergenError(f"parallel rank {rank} (layers {span.start}-{span.stop - 1}"
                                    f"{f', shard {shard}' if tensor > 1 else ''}): {e}")
             mine = found.fits[0].policy
@@ -268,15 +272,12 @@ def with_link(cal: Calibration, progress: bool = False) -> Calibration:
     """``cal`` with the link measured (and saved) if it was not yet."""
     if cal.link:
         return cal
-    from tiergen.parallel.link import measure_link
-    from tiergen.planner import calibrate
-
     if progress:
         print("tiergen: note: measuring the link between parallel ranks (saved for next time)",
               file=sys.stderr)
-    cal = replace(cal, link=measure_link() or {})
+    cal = replace(cal, link=rank_link.measure_link() or {})
     try:
-        calibrate.save(cal)
+        calibration.save(cal)
     except TiergenError:
         pass  # still good for this run
     return cal

@@ -1,14 +1,12 @@
-"""Search the offloading policies that fit the memory budgets for the fastest one, and the
-``tiergen plan`` command that prints it."""
+"""Search the offloading policies that fit the memory budgets for the fastest one."""
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass, replace
 
 import torch
 
+from tiergen.calibration import Calibration
 from tiergen.config import ModelConfig
 from tiergen.engine.executor import block_needs
 from tiergen.errors import TiergenError
@@ -16,9 +14,8 @@ from tiergen.models import build_model
 from tiergen.models.base import ModelFamily
 from tiergen.offload.memory import Budgets, fmt
 from tiergen.offload.policy import Policy
-from tiergen.planner import paper
-from tiergen.planner.calibrate import Calibration
 from tiergen.planner.cost import Estimate, PlacedWeights, Workload, blocks, estimate
+from tiergen.weights import WeightSource
 
 
 def weight_splits(device_type: str) -> list[tuple[int, int]]:
@@ -72,19 +69,42 @@ def _preference(e: Estimate) -> tuple:
 
 
 @dataclass
-class _Found:
+class SearchRequest:
+    """What a search plans for: a model (``model``: its family, built from ``cfg`` when
+    None), a compute dtype, a workload, a machine (its calibration and device type), the
+    budgets, and what the search may choose. ``source`` (the checkpoint's tensors) lets
+    matrices kept packed count as packed."""
+
+    cfg: ModelConfig
+    dtype: torch.dtype
+    workload: Workload
+    cal: Calibration
+    device_type: str
+    budgets: Budgets
+    max_batch_size: int = 64
+    allow_compression: bool = True
+    bits: tuple[int, ...] = (4,)
+    model: ModelFamily | None = None
+    source: WeightSource | None = None
+
+
+@dataclass
+class Found:
     fits: list[Estimate]
     closest: tuple[int, Policy, dict[str, int]] | None = None  # least over budget
 
 
-def _search(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calibration,
-            device_type: str, budgets: Budgets, max_batch_size: int, allow_compression: bool,
-            bits: tuple[int, ...], model: ModelFamily | None, source=None) -> _Found:
-    model = model or build_model(cfg)
+def search(request: SearchRequest) -> Found:
+    """Every searched policy that fits, fastest first, and the one closest to fitting."""
+    r = request
+    cfg, dtype, workload, cal, device_type, budgets = (r.cfg, r.dtype, r.workload, r.cal,
+                                                        r.device_type, r.budgets)
+    max_batch_size, source = r.max_batch_size, r.source
+    model = r.model or build_model(cfg)
     p, g, batch = workload.prompt_len, workload.gen_len, workload.batch
-    packs = [(False, False, 4)] + [(w, c, b) for b in bits if allow_compression
+    packs = [(False, False, 4)] + [(w, c, b) for b in r.bits if r.allow_compression
                                    for w, c in ((True, False), (False, True), (True, True))]
-    found = _Found([])
+    found = Found([])
 
     def largest_block(policy: Policy, size: int, counts: list[int],
                       placed: PlacedWeights) -> Estimate | None:
@@ -137,8 +157,8 @@ def plan(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calibrat
     ``cache_options``, ``batch_shapes``: for each placement, the largest block that fits for
     each micro-batch size; compression of weights and/or cache at each of ``bits``).
     ``source`` (the checkpoint's tensors) lets matrices kept packed count as packed."""
-    return _search(cfg, dtype, workload, cal, device_type, budgets, max_batch_size,
-                   allow_compression, bits, model_family, source).fits
+    return search(SearchRequest(cfg, dtype, workload, cal, device_type, budgets, max_batch_size,
+                                allow_compression, bits, model_family, source)).fits
 
 
 def choose_policy(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calibration,
@@ -147,22 +167,24 @@ def choose_policy(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
                   model_family: ModelFamily | None = None, source=None
                   ) -> tuple[Policy, Estimate]:
     """The fastest policy that fits, or a TiergenError saying what is missing."""
-    found = _search(cfg, dtype, workload, cal, device_type, budgets, max_batch_size,
-                    allow_compression, bits, model_family, source)
+    request = SearchRequest(cfg, dtype, workload, cal, device_type, budgets, max_batch_size,
+                            allow_compression, bits, model_family, source)
+    found = search(request)
     if not found.fits:
-        raise _nothing_fits(found, workload, budgets, device_type, allow_compression)
+        raise nothing_fits(found, request)
     return found.fits[0].policy, found.fits[0]
 
 
-def _nothing_fits(found: _Found, workload: Workload, budgets: Budgets, device_type: str,
-                  allow_compression: bool) -> TiergenError:
+def nothing_fits(found: Found, request: SearchRequest) -> TiergenError:
+    """The error for a search that found no plan: how far the closest one was over."""
+    workload, budgets = request.workload, request.budgets
     _, policy, needs = found.closest
-    excess = over_budget(needs, budgets, device_type)
+    excess = over_budget(needs, budgets, request.device_type)
     need = {t: getattr(budgets, t) + n for t, n in excess.items()}
     short = " and ".join(f"{fmt(need[t])} of {t} memory (budget {fmt(getattr(budgets, t))})"
                          for t in excess)
     fixes = [f"raise --{t}-memory to at least {fmt(need[t])}" for t in excess]
-    fixes += ["allow compression (drop --no-compression)"] * (not allow_compression)
+    fixes += ["allow compression (drop --no-compression)"] * (not request.allow_compression)
     return TiergenError(
         f"no offloading policy fits {workload.batch} prompt(s) of {workload.prompt_len} + "
         f"{workload.gen_len} tokens in the memory budgets, even with weights and KV cache on "
@@ -225,139 +247,3 @@ def format_plan(estimate: Estimate, cfg: ModelConfig, dtype: torch.dtype) -> str
          f"tok/s, total {e.total_tok_s:.1f} generated tok/s"),
         f"  per layer  (one decode step) {parts}: {e.binds.replace('_', ' ')} binds",
         f"  KV cache   {kv_cache_line(cfg, dtype)}"])
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def available_ram() -> int | None:
-    """MemAvailable from /proc/meminfo, or None (no limit) where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def main(args: argparse.Namespace) -> int:
-    """``tiergen plan``: the fastest policy for a workload under the memory budgets, for the
-    model and machine here, or on paper (``--config``, ``--machine``)."""
-    for name in ("prompt_len", "gen_len", "batch", "top", "pipeline_parallel",
-                 "tensor_parallel"):
-        if getattr(args, name) < 1:
-            raise TiergenError(f"--{name.replace('_', '-')} must be a positive integer, "
-                               f"got {getattr(args, name)}")
-    if args.config:
-        (cfg, checkpoint_dtype), source = paper.load_config(args.config), None
-    else:
-        from tiergen.weights import open_model
-
-        files = open_model(args.model, packed=not getattr(args, "dequantize", False))
-        cfg, checkpoint_dtype, source = files.config, files.default_dtype, files.source
-    workload = Workload(args.prompt_len, args.gen_len, args.batch)
-    if workload.prompt_len + workload.gen_len > cfg.context_length:
-        raise TiergenError(f"--prompt-len {workload.prompt_len} plus --gen-len "
-                           f"{workload.gen_len} exceeds the model's context of "
-                           f"{cfg.context_length} tokens")
-    cal, budgets, dtype = _machine(args, checkpoint_dtype)
-    device_type = cal.device_type
-    compress = not args.no_compression
-    stages, tensor = args.pipeline_parallel, args.tensor_parallel
-    if stages * tensor > 1:
-        from tiergen.planner.parallel import format_parallel, plan_parallel, with_link
-
-        if args.host_memory is None and budgets.host is not None:  # ranks share the RAM
-            budgets = Budgets(budgets.device, budgets.host // (stages * tensor))
-        e = plan_parallel(cfg, dtype, workload, cal if args.machine else with_link(cal, True),
-                          budgets, stages, tensor, allow_compression=compress, source=source)
-        print(format_parallel(e, cfg, dtype))
-        return 0
-    found = _search(cfg, dtype, workload, cal, device_type, budgets, 64, compress, (4,), None,
-                    source)
-    if not found.fits:
-        raise _nothing_fits(found, workload, budgets, device_type, compress)
-    print(format_plan(found.fits[0], cfg, dtype))
-    for e in found.fits[1:args.top]:
-        print(f"  or         {policy_flags(e.policy)}: {e.total_tok_s:.1f} tok/s, "
-              + ", ".join(f"{t} {fmt(n)}" for t, n in e.memory.items()))
-    return 0
-
-
-def _machine(args: argparse.Namespace, checkpoint_dtype: torch.dtype | None
-             ) -> tuple[Calibration, Budgets, torch.dtype]:
-    """The calibration, budgets and compute dtype of the plan: a machine profile's, or this
-    machine's (measured now if it was never calibrated)."""
-    from tiergen.offload.policy import parse_size
-
-    def budget(text: str | None, default: int | None) -> int | None:
-        return parse_size(text) if text else default
-
-    if args.machine:
-        m = paper.load_machine(args.machine)
-        if args.device:
-            raise TiergenError("--device and --machine exclude each other: the profile says "
-                               f"which device it describes ({m.calibration.device})")
-        dtype = (paper.default_dtype(m.calibration, checkpoint_dtype) if args.dtype == "auto"
-                 else getattr(torch, args.dtype))
-        print(f"machine: {m.name}" + (f" ({m.note})" if m.note else ""))
-        return (m.calibration, Budgets(budget(args.device_memory, m.budgets.device),
-                                       budget(args.host_memory, m.budgets.host)), dtype)
-    from tiergen.engine.llm import _resolve_device, _resolve_dtype
-    from tiergen.planner import calibrate
-
-    device = _resolve_device(args.device)
-    dtype = _resolve_dtype(args.dtype, device, checkpoint_dtype)
-    gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    cal = calibrate.load(device)
-    if cal is None:
-        print(f"tiergen: note: {device} is not calibrated yet; measuring it now (saved for "
-              "next time, or run tiergen calibrate)", file=sys.stderr)
-        cal = calibrate.get(device, progress=True)
-    return cal, Budgets(budget(args.device_memory, gpu),
-                        budget(args.host_memory, available_ram())), dtype
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``plan`` on the ``tiergen`` command's subparsers (``func`` = ``main``)."""
-    p = sub.add_parser(
-        "plan", help="choose the fastest offloading policy that fits the memory budgets",
-        description="Search offloading policies (weights, KV cache and activations over device, "
-                    "host RAM and disk; micro-batch and block sizes; compression) for a workload, "
-                    "predict each one's memory and speed from this machine's calibration, and "
-                    "print the fastest that fits as tiergen generate flags.")
-    p.add_argument("-m", "--model", default="smollm2",
-                   help="short name (smollm2), a model directory or a .gguf file "
-                        "(default: smollm2)")
-    p.add_argument("--config", metavar="CONFIG",
-                   help="plan on paper for a model's Hugging Face config.json instead of --model "
-                        "(no weights needed), or a shipped one: " + ", ".join(paper.names(paper.CONFIGS)))
-    p.add_argument("--machine", metavar="PROFILE",
-                   help="plan for another machine: a profile JSON (tiergen calibrate's output, "
-                        "or the same fields by hand) or a shipped one: "
-                        + ", ".join(paper.names(paper.MACHINES)))
-    p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default: 512)")
-    p.add_argument("--gen-len", type=int, default=128,
-                   help="tokens generated per prompt (default: 128)")
-    p.add_argument("--batch", type=int, default=1, help="number of prompts (default: 1)")
-    p.add_argument("--device-memory", default=None, metavar="SIZE",
-                   help="device budget, e.g. 8G (default: the GPU's memory; none on a CPU)")
-    p.add_argument("--host-memory", default=None, metavar="SIZE",
-                   help="host RAM budget, e.g. 16G (default: the RAM available now, or the "
-                        "profile's under --machine)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (default: auto, as tiergen generate picks it)")
-    p.add_argument("--device", default=None,
-                   help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
-    p.add_argument("--no-compression", action="store_true",
-                   help="consider only uncompressed weights and KV cache")
-    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
-                   help="plan P pipeline stages, each a process with its span of layers, its "
-                        "share of the cores and its own budgets (default: 1)")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
-                   help="plan T tensor-parallel shards per stage (default: 1)")
-    p.add_argument("--top", type=int, default=1, metavar="N",
-                   help="also show the next best plans, N in all (default: 1)")
-    p.set_defaults(func=main)

@@ -15,6 +15,7 @@ import torch
 
 from tiergen.config import ModelConfig, as_id_list, from_hf_config
 from tiergen.errors import TiergenError
+from tiergen.paths import cache_dir
 from tiergen.tokenizer import Tokenizer
 
 
@@ -67,15 +68,6 @@ def _package_dir(package: str, short: str) -> Path:
         raise TiergenError(f"model {short!r} is not installed; install it with: "
                            f"{SHORT_NAMES[short][2]}")
     return Path(list(spec.submodule_search_locations)[0])
-
-
-def cache_dir() -> Path:
-    """Where tiergen keeps files it derives (assembled GGUF files): $TIERGEN_CACHE, else
-    $XDG_CACHE_HOME/tiergen, else ~/.cache/tiergen."""
-    if os.environ.get("TIERGEN_CACHE"):
-        return Path(os.environ["TIERGEN_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "tiergen"
 
 
 def _expected_sha256(package_dir: Path, filename: str) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -172,10 +172,12 @@ class Replica:
         self.seqs = {k: q for k, q in self.seqs.items() if q.finish_reason is None}
 
 
-def start_ranks(files, stages: int, tensor: int, timeout: float, options: dict) -> Group:
+def start_ranks(files, stages: int, tensor: int, timeout: float, options: dict,
+                serve: Callable[[dict, Group], None]) -> Group:
     """This process's place in a grid of ``stages`` x ``tensor`` ranks: under torchrun, the
-    rank it was given; otherwise rank 0, with ranks 1.. started here, the cores shared among
-    all. Settings that cannot work are refused before any rank starts."""
+    rank it was given; otherwise rank 0, with ranks 1.. started here, each running
+    ``serve(spec, group)`` (spec: the model and ``options``), the cores shared among all.
+    Settings that cannot work are refused before any rank starts."""
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise TiergenError(f"parallel_timeout must be a number of seconds > 0, got {timeout!r}")
     for r in range(tensor if isinstance(tensor, int) and tensor > 0 else 1):
@@ -198,14 +200,8 @@ def start_ranks(files, stages: int, tensor: int, timeout: float, options: dict) 
     model, packed = files.opened_as
     spec = dict(model=model, packed=packed, pipeline_parallel=stages, tensor_parallel=tensor,
                 parallel_timeout=timeout, **options)
-    group = launch(stages * tensor, tensor, timeout, partial(serve_rank, spec), threads)
+    group = launch(stages * tensor, tensor, timeout, partial(serve, spec), threads)
     group.threads_before = threads_before
     torch.set_num_threads(threads)
     return group
 
-
-def serve_rank(spec: dict, group: Group) -> None:
-    """What a started rank runs: its share of the model, serving rank 0 until it closes."""
-    from tiergen.engine.llm import LLM  # the facade builds on this module
-
-    LLM(**spec, _group=group).serve_ranks()

@@ -1,0 +1,98 @@
+"""Scaled dot-product attention as the layers run it, over the cache's K/V views (below
+both the cache, which attends on a layer's behalf, and the model families)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tiergen import kernels
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              sparsity: float = 1.0, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, H, T, D) over k (B, KVH, S, D), v (B, KVH, S, Dv),
+    scaled by D**-0.5 (a layer wanting another scale pre-scales q).
+
+    ``mask`` (B, 1, T, S) is True where a query may attend; None means plain causal.
+    Grouped-query attention shares each K/V head among H/KVH query heads without
+    repeating K/V in memory. ``sparsity`` < 1 (decode only) keeps that fraction of each
+    query's largest attention weights, renormalised, and reads only their V rows.
+    ``key_valid`` (B, S), given when the keys are timeline slots [0, S) ending with the
+    query's own T tokens (a prompt chunk after the first), says which slots hold tokens; it
+    lets a chunk skip the masked path (see ``_chunk_attention``).
+    """
+    B, H, T, D = q.shape
+    kvh = k.shape[1]
+    if T == 1 and sparsity == 1 and (out := kernels.decode_attention(q, k, v, mask)) is not None:
+        return out  # float32 on a CPU: one call
+    if T == 1:
+        # Decode: fold the query heads of a group into rows of one batched matmul
+        # (B, KVH, G, D) @ (B, KVH, D, S); much faster on CPU than SDPA's kernels.
+        scores = torch.matmul(q.view(B, kvh, H // kvh, D), k.transpose(-1, -2)) * D**-0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if sparsity < 1:
+            return _sparse_output(probs, v, sparsity).view(B, H, 1, v.shape[-1])
+        return torch.matmul(probs.to(q.dtype), v).view(B, H, 1, v.shape[-1])
+    gqa = H != kvh
+    if key_valid is not None and k.shape[2] > T and q.device.type == "cpu":
+        return _chunk_attention(q, k, v, mask, key_valid)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     key_valid: torch.Tensor) -> torch.Tensor:
+    """A prompt chunk's attention over the cache before it plus itself, without SDPA's masked
+    path (on a CPU it computes every query against every key, and slowly).
+
+    Two flash passes: the chunk against the earlier slots, unmasked (a key-only mask where
+    rows are left-padded), with the query heads of a group folded into one head's rows; and
+    the chunk against itself, causal. Their outputs are merged by their log-sum-exps:
+    softmax over the union of keys = w1 * out1 + w2 * out2 with wi = exp(lse_i - lse).
+    """
+    B, H, T, D = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    group, start = H // kvh, S - T
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    earlier = key_valid[:, :start]
+    pad = None
+    if not bool(earlier.all()):  # left padding: an additive key mask, broadcast over queries
+        pad = torch.zeros(B, 1, 1, start, dtype=q.dtype, device=q.device)
+        pad.masked_fill_(~earlier[:, None, None], float("-inf"))
+    out1, lse1 = flash(q.reshape(B, kvh, group * T, D), k[:, :, :start], v[:, :, :start],
+                       attn_mask=pad)
+    out1, lse1 = out1.reshape(B, H, T, -1), lse1.reshape(B, H, T)
+    own_k, own_v = k[:, :, start:], v[:, :, start:]
+    if group > 1:
+        own_k, own_v = own_k.repeat_interleave(group, 1), own_v.repeat_interleave(group, 1)
+    if bool(key_valid[:, start:].all()):
+        out2, lse2 = flash(q, own_k, own_v, is_causal=True)
+    else:  # padding inside the chunk: the step's own causal-and-valid mask
+        own = torch.zeros(B, 1, T, T, dtype=q.dtype, device=q.device)
+        own.masked_fill_(~mask[..., start:], float("-inf"))
+        out2, lse2 = flash(q, own_k, own_v, attn_mask=own)
+    lse1, lse2 = lse1.float(), lse2.reshape(B, H, T).float()
+    if pad is not None:  # a row with no earlier key gets out1 = 0 and lse1 = 0: make it -inf
+        lse1 = lse1.masked_fill(~earlier.any(-1)[:, None, None], float("-inf"))
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - lse)[..., None], torch.exp(lse2 - lse)[..., None]
+    return (out1.float() * w1 + out2.float() * w2).to(q.dtype)
+
+
+def _sparse_output(probs: torch.Tensor, v: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """probs (B, KVH, G, S) float32 over v (B, KVH, S, Dv): the top ceil(sparsity * S) weights
+    of each row, renormalised, against only the V rows they pick."""
+    valid = int((probs > 0).sum(-1).max())  # keys a query may see (the rest are masked)
+    keep = max(1, math.ceil(sparsity * valid))
+    weights, idx = probs.topk(keep, dim=-1)  # (B, KVH, G, keep)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    B, kvh, G, _ = idx.shape
+    rows = v.gather(2, idx.reshape(B, kvh, G * keep, 1).expand(-1, -1, -1, v.shape[-1]))
+    rows = rows.view(B, kvh, G, keep, -1)  # (B, KVH, G, keep, Dv)
+    return (weights.to(v.dtype).unsqueeze(-2) @ rows).squeeze(-2)
