@@ -29,6 +29,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize", action="store_true",
                    help="decode a GGUF's quantised matrices to --dtype at load instead of keeping "
                         "them packed (more memory; the float path)")
+    g.add_argument("--activations", default="auto", choices=["auto", "float32", "int8", "int16"],
+                   help="how products with a GGUF's quantised matrices treat their inputs: int8 "
+                        "or int16 (quantised per row and multiplied by the integer kernels, on a "
+                        "CPU), float32 (decode-then-multiply) or auto (int8 on a CPU; default)")
+    g.add_argument("--exact", action="store_const", const="float32", dest="activations",
+                   help="the float path for quantised matrices: --activations float32")
     g.add_argument("--compile", action="store_true",
                    help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
                         "seconds of compilation on first use")
@@ -141,7 +147,7 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
                    max_batch_size=args.max_batch_size, policy=policy,
                    device_memory=args.device_memory, host_memory=args.host_memory,
                    compile=args.compile, prefill_chunk_size=args.prefill_chunk_size,
-                   pipeline_parallel=getattr(args, "pipeline_parallel", 1),
+                   activations=args.activations, pipeline_parallel=getattr(args, "pipeline_parallel", 1),
                    tensor_parallel=getattr(args, "tensor_parallel", 1),
                    parallel_timeout=getattr(args, "parallel_timeout", 60.0))
 
@@ -167,7 +173,7 @@ def _plan(args: argparse.Namespace, files, prompts: list[str]):
     from tiergen.planner.search import choose_policy, format_plan
 
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device, files.default_dtype)
+    dtype = resolve_dtype(args.dtype, device, files.default_dtype, files.packed)
     lengths = [len(files.tokenizer.encode(p)) if files.tokenizer else 1 for p in prompts] or [1]
     workload = Workload(max(lengths), args.max_tokens, len(lengths))
     budgets = Budgets(None if args.device_memory is None else parse_size(args.device_memory),
@@ -527,6 +533,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     llm = _load(args)
     load_seconds = time.perf_counter() - started
     info = {**cpu_description(), "model": llm.name, "dtype": str(llm.dtype).removeprefix("torch."),
+            "activations": llm.activations,
             "device": str(llm.device), "load_seconds": load_seconds, "runs": []}
     run(llm, 1, min(8, args.prompt_len), 2)  # warm-up: kernels built, caches touched
     for batch in args.batch:

@@ -21,6 +21,7 @@ import torch
 
 from tiergen.cache.kv import KVView
 from tiergen.config import ModelConfig
+from tiergen.kernels import set_activations
 from tiergen.cache.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.activations import Activations
@@ -111,8 +112,10 @@ def block_needs(weights: WeightPlan, cfg: ModelConfig, dtype: torch.dtype, polic
 class Executor:
     def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
                  policy: Policy | None = None, model_id: str = "",
-                 budgets: Budgets | None = None, expert_rates: HostRates | None = None) -> None:
+                 budgets: Budgets | None = None, expert_rates: HostRates | None = None,
+                 activations: str = "float32") -> None:
         self.model = model
+        self.activations = activations  # for packed products: kernels.set_activations
         self.cfg = model.cfg
         self.dtype = dtype
         self.device = device
@@ -183,6 +186,7 @@ class Executor:
         model starts from ``hidden``, the hidden states the stage before it returned, and
         one that does not end the model returns its hidden states instead of logits.
         """
+        set_activations(self.activations)  # this thread computes the block
         model, t = self.model, self.stats
         started = time.perf_counter()
         # callers may build ids and metadata on the CPU: bring them to the device (no-op there)

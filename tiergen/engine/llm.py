@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen import calibration
-from tiergen.devices import resolve_device, resolve_dtype
+from tiergen.devices import resolve_activations, resolve_device, resolve_dtype
 from tiergen.engine.executor import Executor, MicroBatch, RunStats
 from tiergen.engine.generate import Sequence, StepEvent, make_sequences, run_block
 from tiergen.engine.sampler import SamplingParams
@@ -86,7 +86,11 @@ class LLM:
     attend to the cache plus themselves, so prefill memory grows with chunk x context rather
     than context squared (None: whole prompts at once). ``packed=False`` decodes a GGUF's
     quantised matrices at load (by default they stay in their blocks and are multiplied
-    packed).
+    packed). ``activations`` says how those products treat their inputs: "auto" (int8 on a
+    CPU, float32 elsewhere), "int8" (quantised to 8 bits, a scale per 4 values, and
+    multiplied by the integer kernels: the fast path, within a KL divergence of about 1e-3
+    of the float path), "int16" (16 bits as two int8 halves: slower, within about 1e-5) or
+    "float32" (the float path: products equal decode-then-multiply).
 
     ``pipeline_parallel=P`` splits the layers into P consecutive spans, each run by its own
     process (rank); ``tensor_parallel=T`` splits every layer's heads, MLP columns and experts
@@ -106,8 +110,9 @@ class LLM:
                  policy: Policy | None = None, device_memory: int | str | None = None,
                  host_memory: int | str | None = None, compile: bool = False,
                  prefill_chunk_size: int | None = 512, packed: bool = True,
-                 pipeline_parallel: int = 1, tensor_parallel: int = 1,
-                 parallel_timeout: float = 60.0, *, _group: Group | None = None) -> None:
+                 activations: str = "auto", pipeline_parallel: int = 1,
+                 tensor_parallel: int = 1, parallel_timeout: float = 60.0, *,
+                 _group: Group | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
@@ -116,6 +121,7 @@ class LLM:
                                f"whole prompt at once), got {prefill_chunk_size!r}")
         self.prefill_chunk_size = prefill_chunk_size
         self.device = resolve_device(device)
+        self.activations = resolve_activations(activations, self.device)
         files = model if isinstance(model, ModelFiles) else open_model(model, packed)
         family, model_id, source = build_model(files.config), files.fingerprint, files.source
         self.group = group = _group
@@ -124,7 +130,7 @@ class LLM:
                 files, pipeline_parallel, tensor_parallel, parallel_timeout, dict(
                     dtype=dtype, device=device, max_batch_size=max_batch_size, policy=policy,
                     device_memory=device_memory, host_memory=host_memory, compile=compile,
-                    prefill_chunk_size=prefill_chunk_size), serve_rank)
+                    prefill_chunk_size=prefill_chunk_size, activations=activations), serve_rank)
         if group is not None:
             costs, head = layer_costs(family)
             span = split_layers(costs, group.pipeline, head)[group.stage]
@@ -151,7 +157,7 @@ class LLM:
         self.name = files.name
         self.config = files.config
         self.tokenizer = files.tokenizer
-        self.dtype = resolve_dtype(dtype, self.device, files.default_dtype)
+        self.dtype = resolve_dtype(dtype, self.device, files.default_dtype, files.packed)
         self.eos_token_ids = sorted(set(self.config.eos_token_ids) |
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.micro_batch = self.policy.gpu_batch_size or max_batch_size
@@ -160,7 +166,7 @@ class LLM:
 
         def executor() -> Executor:
             return Executor(family, source, self.dtype, self.device, self.policy, model_id,
-                            budgets, _expert_rates(self.device))
+                            budgets, _expert_rates(self.device), self.activations)
 
         if compile:  # process-wide, like torch's own backend switches
             use_compiled_gemv(True)

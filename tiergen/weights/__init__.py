@@ -33,6 +33,7 @@ class ModelFiles:
     tokenizer: Tokenizer | None
     default_dtype: torch.dtype | None  # the checkpoint's own dtype, if it says
     fingerprint: str  # changes when the weight files change
+    packed: bool = False  # some matrices stay in their quantised blocks (tiergen.weights.packed)
     opened_as: tuple[str, bool] | None = None  # open_model's arguments, to open it again
 
 
@@ -179,7 +180,8 @@ def _from_gguf(path: Path, packed: bool = True) -> ModelFiles:
 
     source = GGUFSource(path, packed)
     return ModelFiles(path.stem, source.config, source,
-                      Tokenizer.from_gguf_metadata(source.file.metadata), None, fingerprint([path]))
+                      Tokenizer.from_gguf_metadata(source.file.metadata), None, fingerprint([path]),
+                      packed=source.keeps_any_packed())
 
 
 def _download(repo_id: str) -> Path:

@@ -187,6 +187,9 @@ class GGUFSource:
     def has(self, name: str) -> bool:
         return name in self._names
 
+    def keeps_any_packed(self) -> bool:
+        return any(self._keeps_packed(name) for name in self._names)
+
     def _keeps_packed(self, name: str) -> bool:
         info = self.file.tensors[self._names[name]]
         return self.packed and len(info.shape) == 2 and info.ggml_type in PACKED_TYPES
