@@ -99,7 +99,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=32, help="prompt rows per product (<= 32)")
-    ap.add_argument("--no-token-by-token", action="store_true")
+    ap.add_argument("--runs", default="int8,int16,int8-rows,int16-rows,llama.cpp",
+                    help="which runs besides the float path: int8, int16 (prompt chunks), "
+                         "int8-rows, int16-rows (token by token), llama.cpp")
     args = ap.parse_args()
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}); {TEXT.name}, windows of {args.ctx}, "
@@ -124,18 +126,17 @@ def main() -> None:
                   f"{100 * s.same_top:.1f} % | {ppl.value:.3f} |", flush=True)
 
         row("float path (reference)", ref)
-        runs = [("int8", args.chunk), ("int16", args.chunk)]
-        if not args.no_token_by_token:
-            runs += [("int8", 1), ("int16", 1)]
-        for activations, chunk in runs:
-            how = "token by token" if chunk == 1 else f"chunks of {chunk}"
+        for name in args.runs.split(","):
+            if name == "llama.cpp":
+                if not LLAMA_PYTHON.exists():
+                    sys.exit(f"{LLAMA_PYTHON} is missing: run ../shared/peers/build_llamacpp.sh")
+                row("llama.cpp", llama_cpp_run(model, ids, bos, args.ctx, args.windows))
+                continue
+            activations, _, rows = name.partition("-")
+            chunk = 1 if rows else args.chunk
+            how = "token by token" if chunk == 1 else f"prompt chunks of {chunk}"
             row(f"{activations} activations, {how}",
                 tiergen_run(model, ids, bos, args.ctx, args.windows, chunk, activations))
-        if LLAMA_PYTHON.exists():
-            row("llama.cpp", llama_cpp_run(model, ids, bos, args.ctx, args.windows))
-        else:
-            print(f"(llama.cpp: {LLAMA_PYTHON} missing; run ../shared/peers/build_llamacpp.sh)",
-                  file=sys.stderr)
 
 
 if __name__ == "__main__":
