@@ -1,8 +1,8 @@
 """Packed weights against llama.cpp on the same GGUF files, same machine, same run.
 
 128-token prompts, 64 greedy new tokens (EOS ignored), batch 1 and 32, 2 threads. tiergen runs
-through ``tiergen bench --json`` with its packed matrices (the default) and with them decoded
-to float32 at load (``--dequantize``); llama.cpp through llama-cpp-python's low-level API
+through ``tiergen bench --json`` with its packed matrices on the integer path (the default),
+on the float path (``--exact``), and with them decoded to float32 at load (``--dequantize``); llama.cpp through llama-cpp-python's low-level API
 (one sequence id per row, a KV cache split per sequence, prompts fed 512 tokens per
 ``llama_decode``). Every (engine, model,
 batch) runs in a fresh process, so peak RSS is its own.
@@ -104,21 +104,22 @@ def main() -> None:
     rows, cpu = [], None
     for model in args.models:
         for batch in args.batches:
-            packed = run_tiergen(model, batch, [])
-            cpu = f"{packed['cpu']} [{' '.join(packed['simd'])}]"
-            dense = run_tiergen(model, batch, ["--dequantize"])
-            peer = run_llama_cpp(model, batch)
-            rows.append((model, batch, packed, dense, peer))
-            print(f"{model} batch {batch}: packed {packed['decode_tok_s']:.1f} decode / "
-                  f"{packed['total_tok_s']:.1f} total tok/s, {packed['peak_rss_mb']:.0f} MB; "
-                  f"float32 {dense['decode_tok_s']:.1f} / {dense['total_tok_s']:.1f}, "
-                  f"{dense['peak_rss_mb']:.0f} MB; llama.cpp {peer['decode_tok_s']:.1f} / "
-                  f"{peer['total_tok_s']:.1f}, {peer['peak_rss_mb']:.0f} MB", flush=True)
+            runs = {"tiergen packed, int8": run_tiergen(model, batch, []),
+                    "tiergen packed, --exact": run_tiergen(model, batch, ["--exact"]),
+                    "tiergen float32": run_tiergen(model, batch, ["--dequantize"]),
+                    "llama.cpp": run_llama_cpp(model, batch)}
+            first = runs["tiergen packed, int8"]
+            cpu = f"{first['cpu']} [{' '.join(first['simd'])}]"
+            rows.append((model, batch, runs))
+            print(f"{model} batch {batch}: " + "; ".join(
+                f"{name} {r['decode_tok_s']:.1f} decode / {r['total_tok_s']:.1f} total tok/s, "
+                f"{r['peak_rss_mb']:.0f} MB" for name, r in runs.items()), flush=True)
     print(f"\nCPU: {cpu}\n")
     print("| model | batch | engine | decode tok/s | total tok/s | peak RSS | vs llama.cpp (decode / total) |")
     print("|---|---|---|---|---|---|---|")
-    for model, batch, packed, dense, peer in rows:
-        for name, r in (("tiergen packed", packed), ("tiergen float32", dense), ("llama.cpp", peer)):
+    for model, batch, runs in rows:
+        peer = runs["llama.cpp"]
+        for name, r in runs.items():
             ratio = (f"{r['decode_tok_s'] / peer['decode_tok_s']:.2f}x / "
                      f"{r['total_tok_s'] / peer['total_tok_s']:.2f}x") if r is not peer else "-"
             print(f"| {model} | {batch} | {name} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} "

@@ -194,7 +194,7 @@ def gemma_path():
 
 @pytest.fixture(scope="module")
 def gemma(gemma_path) -> LLM:
-    return LLM("gemma3-270m", dtype="float32")
+    return LLM("gemma3-270m", dtype="float32", activations="float32")  # the float path
 
 
 @pytest.fixture(scope="module")

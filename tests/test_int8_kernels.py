@@ -108,15 +108,22 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind, monkeypatch):
     try:
         approx = kernels.packed_linear(x, w)
         many = torch.randn(kernels.ROW_THRESHOLD + 1, 512)
-        assert torch.equal(kernels.packed_linear(many, w), kernels.packed_linear(many, w))
     finally:
         kernels.set_activations("float32")
     assert torch.equal(approx, kernels.integer_linear(x, w, None, *kernels.ACTIVATION_FORMATS[kind]))
     err = ((approx - exact).abs().max() / exact.abs().max()).item()
     assert 0 < err < (0.02 if kind == "int8" else 1e-4)
-    # more rows than ROW_THRESHOLD: arithmetic-bound, the float32 BLAS
-    torch.testing.assert_close(kernels.packed_linear(many, w), many @ w.dequantize().T,
+    # more rows than ROW_THRESHOLD: the float32 BLAS, over the same quantised values
+    kernels.set_activations(kind)
+    try:
+        got_many = kernels.packed_linear(many, w)
+    finally:
+        kernels.set_activations("float32")
+    fmt = kernels.ACTIVATION_FORMATS[kind]
+    torch.testing.assert_close(got_many[:3], kernels.integer_linear(many[:3], w, None, *fmt),
                                rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        got_many, kernels.quantized_values(many, *fmt) @ w.dequantize().T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="float32, int8, int16"):
         kernels.set_activations("int4")
 

@@ -16,7 +16,7 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("smollm2", dtype="float32")
+    return LLM("smollm2", dtype="float32", activations="float32")  # the float path
 
 
 @pytest.fixture(scope="module")

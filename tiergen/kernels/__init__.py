@@ -199,11 +199,21 @@ def quantize_activations(x: torch.Tensor, block: int, wide: bool = False) -> Int
     return rows
 
 
+def quantized_values(x: torch.Tensor, block: int, wide: bool) -> torch.Tensor:
+    """``x`` (float32) rounded as :func:`quantize_activations` rounds it: the values the
+    integer kernels multiply."""
+    rows = quantize_activations(x.reshape(-1, x.shape[-1]), block, wide)
+    q = rows.q.float() if rows.low is None else 255 * rows.q.float() + rows.low.float()
+    return (q.view(-1, q.shape[1] // 4, 4) * rows.scales[..., None]).view(x.shape)
+
+
 def set_activations(kind: str) -> None:
     """How packed products on this thread treat their activations (an LLM sets it for its
     compute): "float32" (the default: decoded weights times float32 activations), "int8" or
-    "int16" (:data:`ACTIVATION_FORMATS`: the integer kernels, on a CPU, for up to
-    ``ROW_THRESHOLD`` rows; more rows are arithmetic-bound and take the float32 BLAS)."""
+    "int16" (:data:`ACTIVATION_FORMATS`, on a CPU: activations quantised per row, multiplied
+    by the integer kernels up to ``ROW_THRESHOLD`` rows; more rows are bound by arithmetic,
+    and the float32 BLAS multiplies the same quantised values faster there). Either way a row
+    gets the same numbers whatever the batch around it, within float rounding."""
     if kind not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {kind!r}")
     _arith.kind = kind
@@ -239,11 +249,12 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
     """``F.linear(x, w.dequantize(), bias)`` without inflating ``w`` when few rows multiply it;
     with integer activations set (:func:`set_activations`), the integer kernels' product."""
     rows = x.shape[:-1].numel()
-    lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
-    if lib is not None and w.shape[1] % 32 == 0:
-        fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
-        if fmt is not None:
+    fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
+    if fmt is not None and x.device.type == "cpu" and w.shape[1] % 32 == 0 and library():
+        if rows <= ROW_THRESHOLD:
             return integer_linear(x, w, bias, *fmt)
+        x = quantized_values(x, *fmt)  # the same numbers; the BLAS multiplies them faster
+    lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
         if x.device.type == "cpu":  # the C decoder writes float32; the BLAS multiplies it best
             dense = dequantize_into(w, _scratch_buffer(w.shape, torch.float32, x.device))
