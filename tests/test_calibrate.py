@@ -96,7 +96,7 @@ def test_calibrate_cpu_gives_positive_finite_numbers(fast, disk):
     assert datetime.fromisoformat(cal.measured_at).tzinfo is not None
     assert list(disk.iterdir()) == []  # the test file is gone
     threads = ("", " x1") if torch.get_num_threads() > 1 else ("",)
-    assert set(cal.linear_rows) == {f"{p}{d}{t}" for p in ("", "packed-")
+    assert set(cal.linear_rows) == {f"{p}{d}{t}" for p in ("", "packed-", "packed-exact-")
                                     for d in ("float32", "bfloat16") for t in threads}
     for table in cal.linear_rows.values():
         assert list(table) == [str(r) for r in compute.LINEAR_ROWS]

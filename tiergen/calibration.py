@@ -53,8 +53,9 @@ class Calibration:
     # ("reduce_latency", "reduce_bandwidth"); empty where not measured
     link: dict[str, float] = field(default_factory=dict)
     # weight parameters/s of tiergen's linear at each row count of LINEAR_ROWS ("1", "2",
-    # ...): by compute dtype name, and "packed-<dtype>" for GGML Q4_0 blocks multiplied packed;
-    # the same with ONE_THREAD appended, measured with one thread (on a CPU of several)
+    # ...): by compute dtype name, and "packed-<dtype>" for GGML Q4_0 blocks multiplied packed
+    # as an LLM does by default (on a CPU the integer path; "packed-exact-<dtype>": the float
+    # path); the same with ONE_THREAD appended, measured with one thread (on a CPU of several)
     linear_rows: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property

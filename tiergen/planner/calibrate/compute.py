@@ -12,6 +12,8 @@ from tiergen.cache.kv import KVView
 from tiergen.cache.step import StepMeta
 from tiergen.calibration import ONE_THREAD
 from tiergen.config import ModelConfig
+from tiergen.devices import resolve_activations
+from tiergen.kernels import activations, set_activations
 from tiergen.models import layers
 from tiergen.models.llama import Llama
 from tiergen.offload.compress import dequantize, pack_rows, quantize, unpack_rows
@@ -103,16 +105,24 @@ def measure_linear_rows(dev: torch.device, dtype: torch.dtype, packed: bool = Fa
 
 def products(dev: torch.device, dtype: torch.dtype, name: str) -> dict[str, dict[str, float]]:
     """linear_rows's tables for ``dtype``: dense and packed, with all threads and (on a CPU
-    of several) with one."""
+    of several) with one. Packed products are measured as an LLM runs them by default
+    (``activations="auto"``: the integer path on a CPU), and on a CPU on the float path too
+    ("packed-exact-")."""
     out = {}
-    threads = torch.get_num_threads()
+    threads, before = torch.get_num_threads(), activations()
+    paths = [("packed-", resolve_activations("auto", dev))]
+    if dev.type == "cpu":
+        paths.append(("packed-exact-", "float32"))
     for suffix, n in [("", threads)] + [(ONE_THREAD, 1)] * (dev.type == "cpu" and threads > 1):
         torch.set_num_threads(n)
         try:
             out[name + suffix] = measure_linear_rows(dev, dtype)
-            out[f"packed-{name}{suffix}"] = measure_linear_rows(dev, dtype, packed=True)
+            for prefix, kind in paths:
+                set_activations(kind)
+                out[f"{prefix}{name}{suffix}"] = measure_linear_rows(dev, dtype, packed=True)
         finally:
             torch.set_num_threads(threads)
+            set_activations(before)
     return out
 
 
