@@ -214,7 +214,7 @@ class Scheduler:
     def _step_tokens(self, seqs: list[Sequence]) -> int:
         """Most tokens per row a step of these sequences feeds (their prefill chunk)."""
         longest = max(len(s.prompt_ids) for s in seqs)
-        return min(longest, self.llm.prefill_chunk_size or longest)
+        return self.llm.prefill_chunk(longest)
 
     def _fits(self, group: list[Sequence], merging: tuple[MicroBatchState, ...] = ()) -> bool:
         """Whether the running micro-batches, with a new one of ``group`` or with the two of
