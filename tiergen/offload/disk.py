@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen.errors import TiergenError
+from tiergen.weights import WeightSource
 from tiergen.weights.quant import tensor_nbytes
 
 FORMAT = 2
@@ -248,7 +249,7 @@ def _runs(t: torch.Tensor, names: list[str], specs: Mapping[str, tuple[int, ...]
 Entry = tuple[tuple[int, ...], torch.dtype, list[tuple[Path, int, int]]]  # shape, dtype, ranges
 
 
-def in_place_entries(source, layer_specs: list[dict[str, tuple[int, ...]]],
+def in_place_entries(source: WeightSource, layer_specs: list[dict[str, tuple[int, ...]]],
                      segments: list[dict[str, Segments]], dtype: torch.dtype,
                      blocks: list[dict[str, tuple[tuple[int, int], ...]]]) -> dict[str, Entry]:
     """The packed layer tensors (``segments``: each layer's, from :func:`layer_segments`)
@@ -256,8 +257,6 @@ def in_place_entries(source, layer_specs: list[dict[str, tuple[int, ...]]],
     (those in ``blocks``, kept in GGML blocks) in the blocks' types. Keyed as
     ``OffloadedWeights.key``; a tensor that is anything else is left out."""
     entries: dict[str, Entry] = {}
-    if not hasattr(source, "locate"):
-        return entries
     for j, (specs, layer) in enumerate(zip(layer_specs, segments)):
         for name, runs in layer.items():
             entry = _entry(source, specs, runs, dtype, blocks[j].get(name))
@@ -266,7 +265,7 @@ def in_place_entries(source, layer_specs: list[dict[str, tuple[int, ...]]],
     return entries
 
 
-def _entry(source, specs: dict[str, tuple[int, ...]], runs: Segments, dtype: torch.dtype,
+def _entry(source: WeightSource, specs: dict[str, tuple[int, ...]], runs: Segments, dtype: torch.dtype,
            parts_wanted: tuple[tuple[int, int], ...] | None) -> Entry | None:
     ranges, rows, width, parts = [], 0, None, []
     for raw, first, count in runs:

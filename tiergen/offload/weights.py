@@ -19,12 +19,13 @@ from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, Offl
                                   Segments, in_place_entries, layer_segments)
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
+from tiergen.weights import WeightSource
 from tiergen.weights.packed import Packed, Parts, cat_rows, packed_nbytes
 
 Specs = dict[str, tuple[int, ...]]
 
 
-def load_tensors(source, specs: Specs, dtype: torch.dtype, device: torch.device | str) -> Weights:
+def load_tensors(source: WeightSource, specs: Specs, dtype: torch.dtype, device: torch.device | str) -> Weights:
     """Read the named tensors, check their shapes, and convert them (packed matrices stay
     packed: they only move)."""
     out = {}
@@ -37,7 +38,7 @@ def load_tensors(source, specs: Specs, dtype: torch.dtype, device: torch.device 
     return out
 
 
-def meta_tensors(source, specs: Specs, dtype: torch.dtype) -> Weights:
+def meta_tensors(source: WeightSource, specs: Specs, dtype: torch.dtype) -> Weights:
     """The tensors :func:`load_tensors` would give, as layouts without data (meta device)."""
     return {n: source.meta(n) or torch.empty(s, dtype=dtype, device="meta")
             for n, s in specs.items()}
@@ -84,12 +85,12 @@ class WeightPlan:
 
     @classmethod
     def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
-             device: torch.device, source=None) -> WeightPlan:
+             device: torch.device, source: WeightSource | None = None) -> WeightPlan:
         layers = range(model.cfg.num_layers)
         shapes = [model.packed_specs(j) for j in layers]
         compress = (policy.compress_bits, policy.compress_group_size) if policy.compress_weights else None
         blocks = [packed_layouts(model.pack_layer(j, meta_tensors(source, model.layer_specs(j), dtype)))
-                  if hasattr(source, "meta") else {} for j in layers]
+                  if source is not None else {} for j in layers]
         plan = cls(shapes, [], dtype.itemsize, 0, device.type, compress, blocks)
         for j, layer in enumerate(shapes):
             sizes = {n: plan.nbytes(j, n) for n in layer}
@@ -97,7 +98,7 @@ class WeightPlan:
             placed = place({n: b for n, b in sizes.items() if n not in pinned}, policy.weight_split)
             plan.tiers.append({n: pinned.get(n) or placed[n] for n in layer})
         specs = model.global_specs()
-        raw = meta_tensors(source, specs, dtype) if hasattr(source, "meta") else {}
+        raw = meta_tensors(source, specs, dtype) if source is not None else {}
         plan.global_bytes = sum(raw[n].nbytes if isinstance(raw.get(n), Packed) else
                                 torch.Size(s).numel() * dtype.itemsize for n, s in specs.items())
         return plan
@@ -179,7 +180,7 @@ class TieredWeights:
     final norm, LM head) stay on the device.
     """
 
-    def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
+    def __init__(self, model: ModelFamily, source: WeightSource, dtype: torch.dtype, device: torch.device,
                  policy: Policy, plan: WeightPlan, model_id: str, io_threads: int = 2,
                  expert_rates: HostRates | None = None) -> None:
         self.device, self.dtype, self.policy, self.plan = device, dtype, policy, plan
