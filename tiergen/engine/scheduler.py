@@ -87,7 +87,7 @@ class Pacer:
     in over many steps and never freezes the streams for its whole prefill."""
 
     stretch: float = 1.3  # the streams' p99 gap is about twice their p50 already: 1.3 keeps
-    # it near 3x their p50 alone (benchmarks/bench_mixed.py; docs/BENCHMARKS.md)
+    # it near 3x their p50 alone (benchmarks/bench_mixed.py; docs/BENCHMARKS-HISTORY.md)
     min_tokens: int = 8  # below this a chunk's matmuls waste more than the streams gain (the
     # packed kernels multiply 8 rows at ~80 % of their per-row speed at 32)
     decode_s: float | None = None  # a step of only decoding rows
