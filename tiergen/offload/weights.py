@@ -69,13 +69,13 @@ def offload_root(policy: Policy) -> Path:
 
 @dataclass
 class WeightPlan:
-    """Which tier each packed tensor of each layer goes to, and the bytes that makes per tier.
+    """Which tier each fused tensor of each layer goes to, and the bytes that makes per tier.
 
     Routed experts (MoE) are not streamed with their layer: off the device they stay where
     they are and the layer asks for the experts it routes to (:mod:`tiergen.offload.experts`).
     """
 
-    shapes: list[Specs]  # packed tensor shapes of each layer
+    shapes: list[Specs]  # fused tensor shapes of each layer
     tiers: list[dict[str, str]]
     itemsize: int
     global_bytes: int
@@ -87,9 +87,9 @@ class WeightPlan:
     def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
              device: torch.device, source: WeightSource | None = None) -> WeightPlan:
         layers = range(model.cfg.num_layers)
-        shapes = [model.packed_specs(j) for j in layers]
+        shapes = [model.fused_specs(j) for j in layers]
         compress = (policy.compress_bits, policy.compress_group_size) if policy.compress_weights else None
-        blocks = [packed_layouts(model.pack_layer(j, meta_tensors(source, model.layer_specs(j), dtype)))
+        blocks = [packed_layouts(model.fuse_layer(j, meta_tensors(source, model.layer_specs(j), dtype)))
                   if source is not None else {} for j in layers]
         plan = cls(shapes, [], dtype.itemsize, 0, device.type, compress, blocks)
         for j, layer in enumerate(shapes):
@@ -156,7 +156,7 @@ class WeightPlan:
             return sum(torch.Size(s).numel() * (d.itemsize if d else self.itemsize)
                        for s, d in specs.values())
 
-        # compressed matrices are unpacked into one dense set for the layer in use; packed
+        # compressed matrices are dequantised into one dense set for the layer in use; packed
         # ones, multiplied by many rows, are decoded one at a time into one buffer
         device = total["device"] + self.global_bytes + max(
             (sum(self.dense_bytes(j, n) for n in self.shapes[j] if self.compressed(j, n))
@@ -172,7 +172,7 @@ class WeightPlan:
 
 
 class TieredWeights:
-    """Owns every layer's packed weights on the tier the policy gives each tensor.
+    """Owns every layer's fused weights on the tier the policy gives each tensor.
 
     ``prefetch(j)`` starts bringing layer j to the compute device on an I/O thread (disk
     reads into one of two reusable buffer sets, host-to-device copies on a side stream);
@@ -187,7 +187,7 @@ class TieredWeights:
         cfg = model.cfg
         self.num_layers = cfg.num_layers
         self.tiers = plan.tiers
-        self.globals = model.pack_globals(load_tensors(source, model.global_specs(), dtype, device))
+        self.globals = model.fuse_globals(load_tensors(source, model.global_specs(), dtype, device))
 
         def stored(j: int, n: str, t: torch.Tensor | Packed) -> torch.Tensor:
             """A tensor in stored form (compressed ones quantised, and packed ones their
@@ -197,8 +197,8 @@ class TieredWeights:
 
         def produce(j: int) -> Weights:
             """Layer j's tensors in stored form."""
-            packed = model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
-            return {n: stored(j, n, t) for n, t in packed.items()}
+            fused = model.fuse_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
+            return {n: stored(j, n, t) for n, t in fused.items()}
 
         def produce_some(j: int, names: list[str], runs: dict[str, Segments]) -> Weights:
             """Layer j's tensors ``names`` in stored form, reading only the checkpoint tensors
@@ -218,7 +218,7 @@ class TieredWeights:
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
                                  .encode()).hexdigest()[:16]
             specs = [model.layer_specs(j) for j in range(cfg.num_layers)]
-            segments = [layer_segments(lambda raw, j=j: model.pack_layer(j, raw), specs[j])
+            segments = [layer_segments(lambda raw, j=j: model.fuse_layer(j, raw), specs[j])
                         for j in range(cfg.num_layers)]
             found = {} if plan.compress else in_place_entries(source, specs, segments, dtype,
                                                               plan.blocks)
@@ -257,7 +257,7 @@ class TieredWeights:
                             for n, (s, d) in shapes.items()})
         self._expert_buffers = {n: torch.empty(s, dtype=d or dtype, pin_memory=pin)
                                 for n, (s, d) in plan.buffer_shapes("disk", experts=True).items()}
-        self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are unpacked
+        self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are dequantised
         self._views: dict[int, Weights] = {}  # layers read where they live, as handed out
         self.expert_rates = expert_rates or HostRates()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")

@@ -198,8 +198,8 @@ class Shard:
             specs[LM_HEAD] = (len(self.plan.vocab[self.plan.rank]), self.cfg.hidden_size)
         return specs
 
-    def pack_globals(self, raw: Weights) -> Weights:
-        w = self.model.pack_globals(raw)
+    def fuse_globals(self, raw: Weights) -> Weights:
+        w = self.model.fuse_globals(raw)
         embed = w["embed"]
         if self.full.tie_word_embeddings and tuple(embed.shape) == (self.full.vocab_size,
                                                                      self.full.hidden_size):
@@ -211,11 +211,11 @@ class Shard:
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         return self.model.layer_specs(i)
 
-    def packed_specs(self, i: int) -> dict[str, tuple[int, ...]]:
-        return self.model.packed_specs(i)
+    def fused_specs(self, i: int) -> dict[str, tuple[int, ...]]:
+        return self.model.fused_specs(i)
 
-    def pack_layer(self, i: int, raw: Weights) -> Weights:
-        return self.model.pack_layer(i, raw)
+    def fuse_layer(self, i: int, raw: Weights) -> Weights:
+        return self.model.fuse_layer(i, raw)
 
     def prepare(self, meta, dtype: torch.dtype) -> object:
         return self.model.prepare(meta, dtype)
