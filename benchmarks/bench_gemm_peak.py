@@ -1,5 +1,6 @@
 """float32 matrix-product rate of this CPU on SmolLM2's shapes, and the best total tokens/s at
-batch 32 that it allows: the bound behind docs/BENCHMARKS.md's reading of the batch-32 target.
+batch 32 that it allows: the bound behind docs/BENCHMARKS-HISTORY.md's reading of the batch-32
+target.
 
 Prefill multiplies 32 x 128 prompt tokens through the layer weights (4096-row products);
 decode multiplies 32 rows through every weight, LM head included, once per new token. With

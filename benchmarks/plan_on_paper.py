@@ -4,7 +4,7 @@ profile, printed as a markdown table (the plan's flags, memory per tier and pred
 generated tokens/s, with and without compression).
 
 The workload defaults to FlexGen's published benchmark (prompts of 512 tokens, 32 generated,
-effective batch up to 256), whose figures docs/BENCHMARKS.md puts beside these predictions.
+effective batch up to 256), whose figures docs/BENCHMARKS-HISTORY.md puts beside these predictions.
 
     python benchmarks/plan_on_paper.py [--machines t4-flexgen,gpu-24g-workstation]
         [--models llama-3.1-70b,...] [--prompt-len 512] [--gen-len 32] [--batch 256]

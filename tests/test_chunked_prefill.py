@@ -127,3 +127,12 @@ def test_chunk_attention_equals_the_masked_path(start, num_tokens):
     want = attention(q, k, v, meta.mask)
     got = attention(q, k, v, meta.mask, key_valid=valid[:, :meta.end])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_chunks_cover_the_prompt_once():
+    from tiergen.engine.generate import chunks, prefill_chunk
+
+    assert prefill_chunk(None, 37) == 37 and prefill_chunk(16, 37) == 16
+    assert prefill_chunk(512, 37) == 37
+    assert [(c.start, c.stop) for c in chunks(16, 37)] == [(0, 16), (16, 32), (32, 37)]
+    assert [(c.start, c.stop) for c in chunks(None, 5)] == [(0, 5)]

@@ -79,11 +79,11 @@ def test_policy_matches_all_on_device(model_dir, reference, name, tmp_path):
     assert not list((tmp_path / "spill").glob("*")), "spill files left behind"
 
 
-def test_packed_specs_describe_pack_layer(model_dir):
-    """Plans are made from packed_specs without loading; they must match what packing makes."""
+def test_fused_specs_describe_fuse_layer(model_dir):
+    """Plans are made from fused_specs without loading; they must match what fusing makes."""
     ex = LLM(model_dir, dtype="float32").executor
     for j, layer in enumerate(ex.weights.resident):
-        assert {n: tuple(t.shape) for n, t in layer.items()} == ex.model.packed_specs(j)
+        assert {n: tuple(t.shape) for n, t in layer.items()} == ex.model.fused_specs(j)
 
 
 # Dense layers of the Llama and Gemma 3 families are row ranges of checkpoint tensors (fused
@@ -96,9 +96,9 @@ IN_PLACE = {"llama-mha", "llama-gqa-tied", "llama-mqa-headdim", "llama3-rope", "
 
 
 def test_weights_on_disk_are_read_in_place_where_they_lie(model_dir, tmp_path, request):
-    """Weights on disk come straight from the checkpoint's files where a packed tensor is
+    """Weights on disk come straight from the checkpoint's files where a fused tensor is
     row ranges of checkpoint tensors in the compute dtype (nothing converted or copied); only
-    the others are converted. Either way they are exactly what packing makes."""
+    the others are converted. Either way they are exactly what fusing makes."""
     from tiergen.offload.disk import CheckpointWeights
 
     resident = LLM(model_dir, dtype="float32").executor.weights.resident
@@ -128,8 +128,8 @@ def test_a_dtype_other_than_the_checkpoints_is_converted(model_dir, tmp_path):
 
 @pytest.mark.parametrize("change", [lambda t: t * 2, lambda t: t + 1, lambda t: -t,
                                     lambda t: t * 3 - 256, lambda t: t.to(torch.float32)])
-def test_a_tensor_packing_changes_is_not_read_in_place(change):
-    """Values changed by packing are found out; rows only joined (or reordered) are ranges."""
+def test_a_tensor_fusing_changes_is_not_read_in_place(change):
+    """Values changed by fusing are found out; rows only joined (or reordered) are ranges."""
     from tiergen.offload.disk import layer_segments
 
     specs = {"a": (6, 4), "b": (3, 4), "n": (4,)}

@@ -16,7 +16,7 @@ from tiergen.config import ModelConfig, MoEConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import Policy
 from tiergen.parallel.shard import ShardPlan, even_ranges
-from tiergen.weights.packed import Packed, cat_rows
+from tiergen.weights.packed import Packed, cat_rows, narrow
 from tiergen.weights.quant import GGMLType
 
 from test_packed import random_packed
@@ -116,6 +116,33 @@ def test_packed_rows_and_columns_are_cut_without_decoding():
     cols = qk.narrow(1, 256, 512)
     torch.testing.assert_close(cols.dequantize(), dense[:, 256:], rtol=0, atol=0)
     assert qk.narrow(1, 0, 128) is None  # through a 256-value block: the caller decodes
+    decoded = narrow(qk, 1, range(0, 128))
+    torch.testing.assert_close(decoded, dense[:, :128], rtol=0, atol=0)
+
+
+def test_every_weight_source_answers_the_protocol(tmp_path):
+    """Safetensors, GGUF and a shard of either answer every WeightSource method."""
+    from tiergen.parallel.shard import ShardedSource
+    from tiergen.weights import open_model
+
+    build("qwen2", tmp_path)
+    name = "model.layers.0.mlp.down_proj.weight"
+    for files in (open_model(tmp_path), open_model("smollm2")):
+        shard = ShardedSource(files.source, ShardPlan.make(files.config, 1, 0), files.config)
+        for source in (files.source, shard):
+            full = source.get(name)
+            dense = full.dequantize() if isinstance(full, Packed) else full
+            part = source.get_slice(name, 0, range(1, 3))
+            part = part.dequantize() if isinstance(part, Packed) else part
+            torch.testing.assert_close(part, dense[1:3], rtol=0, atol=0)
+            meta = source.meta(name)
+            if isinstance(full, Packed):
+                assert (meta.shape, meta.parts) == (full.shape, full.parts)
+            else:
+                assert meta is None
+            where = source.locate(name)
+            assert where is None or tuple(where[3]) == tuple(full.shape)
+        assert shard.locate(name) is None
 
 
 def test_a_killed_shard_stops_the_others_with_its_name(tmp_path):

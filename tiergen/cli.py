@@ -38,7 +38,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
                         "seconds of compilation on first use")
-    g.add_argument("--prefill-chunk-size", type=int, default=512,
+    g.add_argument("--prefill-chunk-size", type=int, default=None,
                    help="feed prompts in chunks of this many tokens, bounding prefill memory "
                         "(default: 512)")
     g.add_argument("--max-batch-size", type=int, default=64,
@@ -137,16 +137,18 @@ def _policy(args: argparse.Namespace):
 def _load(args: argparse.Namespace, prompts: list[str] | None = None):
     """The LLM of the command line, with a planned policy under --policy auto (or when the
     default policy does not fit the budgets and no --percent was given)."""
+    from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK
     from tiergen.engine.llm import LLM
     from tiergen.weights import open_model
 
     files = open_model(args.model, packed=not args.dequantize)  # once, planned or not
+    chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk_size is None else args.prefill_chunk_size
 
     def load(policy):
         return LLM(files, dtype=args.dtype, device=args.device,
                    max_batch_size=args.max_batch_size, policy=policy,
                    device_memory=args.device_memory, host_memory=args.host_memory,
-                   compile=args.compile, prefill_chunk_size=args.prefill_chunk_size,
+                   compile=args.compile, prefill_chunk_size=chunk,
                    activations=args.activations, pipeline_parallel=getattr(args, "pipeline_parallel", 1),
                    tensor_parallel=getattr(args, "tensor_parallel", 1),
                    parallel_timeout=getattr(args, "parallel_timeout", 60.0))

@@ -12,6 +12,20 @@ from tiergen.engine.sampler import Sampler, SamplingParams
 from tiergen.cache.step import StepMeta
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
 
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size)
+
+
+def prefill_chunk(chunk_size: int | None, tokens: int) -> int:
+    """Tokens per prefill step over a prompt of ``tokens``: at most ``chunk_size`` (the
+    LLM's prefill_chunk_size), or all of them at once when it is None."""
+    return min(tokens, chunk_size or tokens)
+
+
+def chunks(chunk_size: int | None, tokens: int) -> list[range]:
+    """The positions of each prefill step over a prompt of ``tokens``, in order."""
+    step = max(1, prefill_chunk(chunk_size, tokens))
+    return [range(start, min(start + step, tokens)) for start in range(0, tokens, step)]
+
 
 @dataclass
 class Sequence:
@@ -83,7 +97,7 @@ class MicroBatchState:
     """The sequences of one micro-batch between steps: next input, slot validity, cache."""
 
     def __init__(self, executor: Executor, seqs: list[Sequence],
-                 prefill_chunk: int | None = None, key: int = 0) -> None:
+                 chunk_size: int | None = None, key: int = 0) -> None:
         self.key = key  # the scheduler's name for it, the same on every rank
         device = executor.device
         longest = max(len(s.prompt_ids) for s in seqs)
@@ -95,12 +109,12 @@ class MicroBatchState:
             valid[row, longest - len(s.prompt_ids):longest] = True
         self.executor = executor
         self.prompt, self.valid = ids.to(device), valid.to(device)
-        self.chunk = prefill_chunk or longest
+        self.chunk = prefill_chunk(chunk_size, longest)
         self.cache = executor.new_cache(len(seqs), slots)
         self.sampler = Sampler([s.params for s in seqs], [s.prompt_ids for s in seqs],
                                executor.cfg.vocab_size, device)
         self.live = list(seqs)
-        self.start, self.num_tokens = 0, min(self.chunk, longest)
+        self.start, self.num_tokens = 0, self.chunk
         self.ids = self.prompt[:, :self.num_tokens]
         self.done = False
 
@@ -197,7 +211,7 @@ class MicroBatchState:
 
 
 def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
-              prefill_chunk: int | None = None) -> Iterator[StepEvent]:
+              chunk_size: int | None = None) -> Iterator[StepEvent]:
     """Generate for a block of sequences, yielding each new token as it is produced.
 
     The block is cut into micro-batches of ``micro_batch`` sequences (the last may be
@@ -207,7 +221,7 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
     groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
     longest = max(len(s.prompt_ids) for s in seqs)
     executor.check_block([(len(g), capacity(g)) for g in groups], longest)
-    states = [MicroBatchState(executor, g, prefill_chunk) for g in groups]
+    states = [MicroBatchState(executor, g, chunk_size) for g in groups]
     try:
         while states:
             logits = executor.forward_block([s.work() for s in states])

@@ -14,7 +14,8 @@ from tqdm import tqdm
 from tiergen import calibration
 from tiergen.devices import resolve_activations, resolve_device, resolve_dtype
 from tiergen.engine.executor import Executor, MicroBatch, RunStats
-from tiergen.engine.generate import Sequence, StepEvent, make_sequences, run_block
+from tiergen.engine.generate import (DEFAULT_PREFILL_CHUNK, Sequence, StepEvent, chunks,
+                                     make_sequences, prefill_chunk, run_block)
 from tiergen.engine.sampler import SamplingParams
 from tiergen.cache.step import StepMeta
 from tiergen.errors import TiergenError
@@ -109,7 +110,7 @@ class LLM:
                  device: str | None = None, max_batch_size: int = 64,
                  policy: Policy | None = None, device_memory: int | str | None = None,
                  host_memory: int | str | None = None, compile: bool = False,
-                 prefill_chunk_size: int | None = 512, packed: bool = True,
+                 prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, packed: bool = True,
                  activations: str = "auto", pipeline_parallel: int = 1,
                  tensor_parallel: int = 1, parallel_timeout: float = 60.0, *,
                  _group: Group | None = None) -> None:
@@ -236,6 +237,10 @@ class LLM:
             if p.stop and self.tokenizer is None:
                 raise TiergenError("stop strings need a tokenizer; this model has none")
         return prompts, make_sequences(ids, plist, self.eos_token_ids, self.tokenizer)
+
+    def prefill_chunk(self, tokens: int) -> int:
+        """Tokens per prefill step over prompts of up to ``tokens`` tokens."""
+        return prefill_chunk(self.prefill_chunk_size, tokens)
 
     def _blocks(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
         """Blocks of num_gpu_batches micro-batches, prompts of similar length together so
@@ -383,12 +388,11 @@ class LLM:
         tokens = torch.tensor([ids])
         valid = torch.ones(1, len(ids), dtype=torch.bool)
         cache = self.executor.new_cache(1, len(ids))
-        chunk = self.prefill_chunk_size or len(ids)
         nll, logits = torch.zeros((), dtype=torch.float64), []
         self.executor.start_run()
         try:
-            for start in range(0, len(ids), chunk):
-                piece = tokens[:, start:start + chunk]
+            for span in chunks(self.prefill_chunk_size, len(ids)):
+                start, piece = span.start, tokens[:, span.start:span.stop]
                 meta = StepMeta.build(valid, start, piece.shape[1])
                 block = [MicroBatch(piece, meta, cache)]
                 out = self.executor.forward_block(block, True) if group is None else \

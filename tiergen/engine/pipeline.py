@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tiergen.engine.executor import Executor, MicroBatch
-from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity
+from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity, prefill_chunk
 from tiergen.errors import TiergenError
 from tiergen.parallel.group import (HIDDEN, TOKENS, Group, join_torchrun, launch, run_stages,
                                     under_torchrun)
@@ -39,15 +39,16 @@ PIPELINE_CHUNKS = 2  # prompt chunks per unit and stage at least, so prefill ove
 MIN_CHUNK = 16  # tokens: smaller chunks would cost more in calls than the overlap saves
 
 
-def pipeline_chunk(prefill_chunk: int | None, longest: int, stages: int) -> int | None:
-    """Prompt tokens per prefill step of a pipelined block. A prompt in one chunk leaves
-    stages idle while the first units fill the pipeline and the last drain it (with 2 units
-    over 2 stages, a third of the time); cut into a few chunks, the later ones go through the
-    first stages while earlier ones are in the last."""
+def pipeline_chunk(chunk_size: int | None, longest: int, stages: int) -> int:
+    """Prompt tokens per prefill step of a pipelined block whose longest prompt has
+    ``longest`` tokens (``chunk_size``: the LLM's prefill_chunk_size). A prompt in one chunk
+    leaves stages idle while the first units fill the pipeline and the last drain it (with 2
+    units over 2 stages, a third of the time); cut into a few chunks, the later ones go
+    through the first stages while earlier ones are in the last."""
+    chunk = prefill_chunk(chunk_size, longest)
     if stages == 1:
-        return prefill_chunk
-    short = max(MIN_CHUNK, -(-longest // (PIPELINE_CHUNKS * stages)))
-    return min(prefill_chunk or longest, short)
+        return chunk
+    return min(chunk, max(MIN_CHUNK, -(-longest // (PIPELINE_CHUNKS * stages))))
 
 
 def stage_forward(executor: Executor, group: Group, block: list[MicroBatch],
@@ -66,7 +67,7 @@ def stage_forward(executor: Executor, group: Group, block: list[MicroBatch],
 
 
 def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_batch: int,
-                  prefill_chunk: int | None = None) -> Iterator[StepEvent]:
+                  chunk_size: int | None = None) -> Iterator[StepEvent]:
     """Generate for a block of sequences over the pipeline (the counterpart of
     :func:`tiergen.engine.generate.run_block`); rank 0's events are the ones that count.
     Time spent waiting for other stages counts as prefill or decode time, like computing."""
@@ -74,7 +75,7 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
     groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
     longest = max(len(s.prompt_ids) for s in seqs)
     group.agree(lambda: executor.check_block([(len(g), capacity(g)) for g in groups], longest))
-    chunk = pipeline_chunk(prefill_chunk, longest, group.pipeline)
+    chunk = pipeline_chunk(chunk_size, longest, group.pipeline)
     states = [MicroBatchState(executor, g, chunk) for g in groups]
     units = [states[u::group.pipeline] for u in range(min(group.pipeline, len(states)))]
     waiting: dict[int, tuple[list[MicroBatchState], bool]] = {}  # tokens on their way here
@@ -148,8 +149,9 @@ class Replica:
     """A rank other than 0 under a server: its copy of rank 0's running micro-batches,
     kept in step by replaying what the scheduler did before each step."""
 
-    def __init__(self, executor: Executor, group: Group, make_sequences, prefill_chunk) -> None:
-        self.executor, self.group, self.prefill_chunk = executor, group, prefill_chunk
+    def __init__(self, executor: Executor, group: Group, make_sequences,
+                 chunk_size: int | None) -> None:
+        self.executor, self.group, self.chunk_size = executor, group, chunk_size
         self.make_sequences = make_sequences  # (prompts, params) -> sequences, as rank 0's
         self.states: dict[int, MicroBatchState] = {}
         self.seqs: dict[int, Sequence] = {}
@@ -160,7 +162,7 @@ class Replica:
                 key, requests = args
                 seqs = self.make_sequences([r[1] for r in requests], [r[2] for r in requests])
                 self.seqs.update(zip((r[0] for r in requests), seqs))
-                self.states[key] = MicroBatchState(self.executor, seqs, self.prefill_chunk, key)
+                self.states[key] = MicroBatchState(self.executor, seqs, self.chunk_size, key)
             elif op == "merge":
                 self.states[args[0]].merge(self.states.pop(args[1]))
             elif op == "cancel" and args[0] in self.seqs:

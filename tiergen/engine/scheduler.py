@@ -87,7 +87,7 @@ class Pacer:
     in over many steps and never freezes the streams for its whole prefill."""
 
     stretch: float = 1.3  # the streams' p99 gap is about twice their p50 already: 1.3 keeps
-    # it near 3x their p50 alone (benchmarks/bench_mixed.py; docs/BENCHMARKS.md)
+    # it near 3x their p50 alone (benchmarks/bench_mixed.py; docs/BENCHMARKS-HISTORY.md)
     min_tokens: int = 8  # below this a chunk's matmuls waste more than the streams gain (the
     # packed kernels multiply 8 rows at ~80 % of their per-row speed at 32)
     decode_s: float | None = None  # a step of only decoding rows
@@ -214,7 +214,7 @@ class Scheduler:
     def _step_tokens(self, seqs: list[Sequence]) -> int:
         """Most tokens per row a step of these sequences feeds (their prefill chunk)."""
         longest = max(len(s.prompt_ids) for s in seqs)
-        return min(longest, self.llm.prefill_chunk_size or longest)
+        return self.llm.prefill_chunk(longest)
 
     def _fits(self, group: list[Sequence], merging: tuple[MicroBatchState, ...] = ()) -> bool:
         """Whether the running micro-batches, with a new one of ``group`` or with the two of

@@ -30,7 +30,7 @@ def causal_lm_global_specs(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return specs
 
 
-def pack_causal_lm_globals(cfg: ModelConfig, raw: Weights) -> Weights:
+def fuse_causal_lm_globals(cfg: ModelConfig, raw: Weights) -> Weights:
     """Embeddings, final norm and LM head (the embeddings again when they are tied)."""
     embed = raw["model.embed_tokens.weight"]
     return {"embed": embed, "norm": raw["model.norm.weight"],
@@ -49,16 +49,16 @@ class ModelFamily(Protocol):
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         """Checkpoint names and shapes of layer i's tensors."""
 
-    def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of what :meth:`pack_layer` returns for a layer, for planning
+    def fused_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of what :meth:`fuse_layer` returns for a layer, for planning
         without loading. Routed experts, if any, are "experts.gate_up" (E, 2I, H) and
         "experts.down" (E, H, I); the executor hands them to the layer as one
         :class:`tiergen.models.moe.Experts` under "experts"."""
 
-    def pack_globals(self, raw: Weights) -> Weights:
+    def fuse_globals(self, raw: Weights) -> Weights:
         """Rename/fuse loaded global tensors into the form :meth:`embed`/:meth:`head` use."""
 
-    def pack_layer(self, i: int, raw: Weights) -> Weights:
+    def fuse_layer(self, i: int, raw: Weights) -> Weights:
         """Rename/fuse layer i's loaded tensors into the form :meth:`layer` uses."""
 
     def prepare(self, meta: StepMeta, dtype: torch.dtype) -> object:

@@ -23,10 +23,10 @@ from tiergen.cache.kv import KVView
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
-                                 pack_causal_lm_globals)
+                                 fuse_causal_lm_globals)
 from tiergen.models.layers import (apply_rope_interleaved, embedding, linear, rms_norm,
                                    rope_attention_factor, rope_inv_freq, yarn_mscale)
-from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
+from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
 
 
 class DeepseekV2:
@@ -61,7 +61,7 @@ class DeepseekV2:
             specs[a + "q_proj.weight"] = (heads * self.qk_dim, h)
         return specs | {p + n: s for n, s in ffn_checkpoint_specs(c, i).items()}
 
-    def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
+    def fused_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The projections reading x fused into "qkv_a": [q_a | kv_a] with q_lora_rank, else
         [q | kv_a]; kv_b split into W_UK (H, nope, rank) and W_UV (H, v, rank)."""
         c, m = self.cfg, self.mla
@@ -73,12 +73,12 @@ class DeepseekV2:
                  "post_norm": (h,)}
         if m.q_lora_rank:
             specs |= {"q_norm": (m.q_lora_rank,), "q_b": (heads * self.qk_dim, m.q_lora_rank)}
-        return specs | ffn_packed_specs(c, layer)
+        return specs | ffn_fused_specs(c, layer)
 
-    def pack_globals(self, raw: Weights) -> Weights:
-        return pack_causal_lm_globals(self.cfg, raw)
+    def fuse_globals(self, raw: Weights) -> Weights:
+        return fuse_causal_lm_globals(self.cfg, raw)
 
-    def pack_layer(self, i: int, raw: Weights) -> Weights:
+    def fuse_layer(self, i: int, raw: Weights) -> Weights:
         c, m = self.cfg, self.mla
         r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
         a = "self_attn."
@@ -92,7 +92,7 @@ class DeepseekV2:
              "o": r[a + "o_proj.weight"], "post_norm": r["post_attention_layernorm.weight"]}
         if m.q_lora_rank:
             w["q_norm"], w["q_b"] = r[a + "q_a_layernorm.weight"], r[a + "q_b_proj.weight"]
-        return w | pack_ffn(c, i, r)
+        return w | fuse_ffn(c, i, r)
 
     def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (B, 1, T, rope/2) in float32, with YaRN's magnitude factor folded in."""

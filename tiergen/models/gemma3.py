@@ -19,7 +19,7 @@ from tiergen.cache.kv import KVView
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
-                                 pack_causal_lm_globals)
+                                 fuse_causal_lm_globals)
 from tiergen.models.layers import (apply_rope, cat_rows, embedding, gelu_tanh_mlp,
                                    gemma_rms_norm, linear, rope_cos_sin, rope_inv_freq)
 
@@ -59,8 +59,8 @@ class Gemma3:
             p + "post_feedforward_layernorm.weight": (h,),
         }
 
-    def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of what :meth:`pack_layer` returns (the same for every layer)."""
+    def fused_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of what :meth:`fuse_layer` returns (the same for every layer)."""
         c = self.cfg
         q, kv, i, h = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                        c.intermediate_size, c.hidden_size)
@@ -69,10 +69,10 @@ class Gemma3:
                 "pre_ffw_norm": (h,), "gate_up": (2 * i, h), "down": (h, i),
                 "post_ffw_norm": (h,)}
 
-    def pack_globals(self, raw: Weights) -> Weights:
-        return pack_causal_lm_globals(self.cfg, raw)
+    def fuse_globals(self, raw: Weights) -> Weights:
+        return fuse_causal_lm_globals(self.cfg, raw)
 
-    def pack_layer(self, i: int, raw: Weights) -> Weights:
+    def fuse_layer(self, i: int, raw: Weights) -> Weights:
         r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
         return {
             "input_norm": r["input_layernorm.weight"],

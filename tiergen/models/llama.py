@@ -14,10 +14,10 @@ from tiergen.cache.kv import KVView
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
-                                 pack_causal_lm_globals)
+                                 fuse_causal_lm_globals)
 from tiergen.models.layers import (apply_rope, cat_rows, embedding, linear, rms_norm,
                                    rope_cos_sin, rope_inv_freq)
-from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_packed_specs, pack_ffn
+from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
 
 
 class Llama:
@@ -51,13 +51,13 @@ class Llama:
                       p + "self_attn.k_norm.weight": (c.head_dim,)}
         return specs
 
-    def packed_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of what :meth:`pack_layer` returns."""
+    def fused_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Names and shapes of what :meth:`fuse_layer` returns."""
         c = self.cfg
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         specs = {"input_norm": (c.hidden_size,), "qkv": (q + 2 * kv, c.hidden_size),
                  "o": (c.hidden_size, q), "post_norm": (c.hidden_size,),
-                 **ffn_packed_specs(c, layer)}
+                 **ffn_fused_specs(c, layer)}
         if c.qkv_bias:
             specs["qkv_bias"] = (q + 2 * kv,)
         if c.o_bias:
@@ -66,10 +66,10 @@ class Llama:
             specs["q_norm"] = specs["k_norm"] = (c.head_dim,)
         return specs
 
-    def pack_globals(self, raw: Weights) -> Weights:
-        return pack_causal_lm_globals(self.cfg, raw)
+    def fuse_globals(self, raw: Weights) -> Weights:
+        return fuse_causal_lm_globals(self.cfg, raw)
 
-    def pack_layer(self, i: int, raw: Weights) -> Weights:
+    def fuse_layer(self, i: int, raw: Weights) -> Weights:
         """Fuse q/k/v and gate/up into single matrices: fewer, larger matmuls."""
         r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
         w = {
@@ -77,7 +77,7 @@ class Llama:
             "qkv": cat_rows([r[f"self_attn.{n}_proj.weight"] for n in "qkv"]),
             "o": r["self_attn.o_proj.weight"],
             "post_norm": r["post_attention_layernorm.weight"],
-            **pack_ffn(self.cfg, i, r),
+            **fuse_ffn(self.cfg, i, r),
         }
         if self.cfg.qkv_bias:
             w["qkv_bias"] = cat_rows([r[f"self_attn.{n}_proj.bias"] for n in "qkv"])

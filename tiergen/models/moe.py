@@ -132,8 +132,8 @@ def ffn_checkpoint_specs(cfg: ModelConfig, layer: int) -> Specs:
     return specs
 
 
-def ffn_packed_specs(cfg: ModelConfig, layer: int) -> Specs:
-    """Names and shapes of what :func:`pack_ffn` returns (gate and up fused)."""
+def ffn_fused_specs(cfg: ModelConfig, layer: int) -> Specs:
+    """Names and shapes of what :func:`fuse_ffn` returns (gate and up fused)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     if cfg.is_moe_layer(layer):
         return moe_specs(cfg.moe, h)
@@ -143,10 +143,10 @@ def ffn_packed_specs(cfg: ModelConfig, layer: int) -> Specs:
     return specs
 
 
-def pack_ffn(cfg: ModelConfig, layer: int, r: dict[str, torch.Tensor]) -> dict:
-    """A layer's feed-forward tensors (checkpoint names, layer prefix removed), packed."""
+def fuse_ffn(cfg: ModelConfig, layer: int, r: dict[str, torch.Tensor]) -> dict:
+    """A layer's feed-forward tensors (checkpoint names, layer prefix removed), fused."""
     if cfg.is_moe_layer(layer):
-        return pack_moe(cfg.moe, r, CHECKPOINT_NAMES[cfg.architecture])
+        return fuse_moe(cfg.moe, r, CHECKPOINT_NAMES[cfg.architecture])
     w = {"gate_up": cat_rows([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
          "down": r["mlp.down_proj.weight"]}
     if cfg.mlp_bias:
@@ -175,8 +175,8 @@ def moe_specs(cfg: MoEConfig, hidden: int) -> Specs:
     return specs
 
 
-def pack_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) -> dict:
-    """Stack checkpoint experts into the packed MoE tensors.
+def fuse_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) -> dict:
+    """Stack checkpoint experts into the fused MoE tensors.
 
     ``names`` gives the checkpoint names (layer prefix removed) with ``{e}`` for the expert
     index: keys "router", "gate", "up", "down", and "shared_gate"/"shared_up"/"shared_down"/
@@ -197,7 +197,7 @@ def pack_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) 
 
 def checkpoint_moe_specs(cfg: MoEConfig, hidden: int, names: dict[str, str]
                          ) -> dict[str, tuple[int, ...]]:
-    """Checkpoint names (as in :func:`pack_moe`) and shapes of a MoE MLP."""
+    """Checkpoint names (as in :func:`fuse_moe`) and shapes of a MoE MLP."""
     i = cfg.intermediate_size
     specs = {names["router"]: (cfg.num_experts, hidden)}
     for e in cfg.local_experts:

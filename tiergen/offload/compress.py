@@ -155,13 +155,13 @@ def dequantize(q: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def packed_width(width: int, bits: int, group_size: int) -> int:
-    """Bytes per row of ``width`` numbers in the :func:`pack_rows` form."""
+def quantized_width(width: int, bits: int, group_size: int) -> int:
+    """Bytes per row of ``width`` numbers in the :func:`quantize_rows` form."""
     return quantized_nbytes((width,), bits, group_size)
 
 
-def pack_rows(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Quantise x (..., width) row by row into one uint8 tensor (..., packed_width): each
+def quantize_rows(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Quantise x (..., width) row by row into one uint8 tensor (..., quantized_width): each
     row's codes, then its scales, then its minima. Rows stay independent, so a KV cache can
     be written and read a slot range at a time like an ordinary tensor."""
     q = quantize(x, bits, group_size)
@@ -171,13 +171,14 @@ def pack_rows(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def unpack_rows(packed: torch.Tensor, width: int, bits: int, group_size: int,
-                dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The inverse of :func:`pack_rows`: (..., packed_width) uint8 -> (..., width) ``dtype``."""
-    lead = packed.shape[:-1]
+def dequantize_rows(rows: torch.Tensor, width: int, bits: int, group_size: int,
+                    dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of :func:`quantize_rows`: (..., quantized_width) uint8 -> (..., width)
+    ``dtype``."""
+    lead = rows.shape[:-1]
     codes, groups = width * bits // 8, width // group_size
-    data, scale, minimum = packed.split([codes, 4 * groups, 4 * groups], dim=-1)
-    n = packed[..., 0].numel()
+    data, scale, minimum = rows.split([codes, 4 * groups, 4 * groups], dim=-1)
+    n = rows[..., 0].numel()
     q = Quantized(data.reshape(n * groups, -1), scale.contiguous().view(PARAM_DTYPE).reshape(-1, 1),
                   minimum.contiguous().view(PARAM_DTYPE).reshape(-1, 1), (*lead, width), dtype,
                   bits, group_size)

@@ -1,8 +1,8 @@
-"""The disk tier: a model's packed layer weights read straight from the checkpoint where they
+"""The disk tier: a model's fused layer weights read straight from the checkpoint where they
 lie there as they are used, else from a converted copy; and spill files for KV cache and
 activations.
 
-Read in place (``CheckpointWeights``): a packed tensor that is a concatenation of row ranges of
+Read in place (``CheckpointWeights``): a fused tensor that is a concatenation of row ranges of
 checkpoint tensors stored as it is used (a Llama layer's fused q/k/v is q, k and v one after
 the other; in the compute dtype, or in a GGUF file's quantised blocks kept packed) is read
 range by range from the checkpoint's files into the buffer, so there is nothing to convert
@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen.errors import TiergenError
+from tiergen.weights import WeightSource
 from tiergen.weights.quant import tensor_nbytes
 
 FORMAT = 2
@@ -195,13 +196,13 @@ _ROW = 256
 _MARK = 0.5  # scaling or shifting a code moves it off the mark
 
 
-def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
+def layer_segments(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
                    specs: Mapping[str, tuple[int, ...]]) -> dict[str, Segments]:
-    """For each tensor ``pack`` makes of a layer's checkpoint tensors (``specs``: their names
+    """For each tensor ``fuse`` makes of a layer's checkpoint tensors (``specs``: their names
     and shapes), the row ranges of checkpoint tensors that, one after the other, are its rows;
     a tensor that is anything else (scaled, transposed, stacked, cast) is left out.
 
-    Found by packing probe tensors of one column whose rows hold codes naming (tensor, row):
+    Found by fusing probe tensors of one column whose rows hold codes naming (tensor, row):
     exact in float64, and spaced so that any arithmetic on them shows."""
     names = list(specs)
     probe = {}
@@ -209,11 +210,11 @@ def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
         rows = torch.arange(shape[0], dtype=torch.float64) * _ROW + i * _CODE + _MARK
         probe[name] = rows.reshape(-1, *[1] * (len(shape) - 1))
     try:
-        packed = pack(probe)
-    except Exception:  # a family whose packing needs real shapes: convert instead
+        fused = fuse(probe)
+    except Exception:  # a family whose fusing needs real shapes: convert instead
         return {}
     out = {}
-    for name, t in packed.items():
+    for name, t in fused.items():
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float64 or t.dim() > 2 or (
                 t.dim() == 2 and t.shape[1] != 1):
             continue
@@ -225,7 +226,7 @@ def layer_segments(pack: Callable[[dict], Mapping[str, torch.Tensor]],
 
 def _runs(t: torch.Tensor, names: list[str], specs: Mapping[str, tuple[int, ...]]
           ) -> Segments | None:
-    """Decode a packed probe's row codes into runs (tensor, first row, rows); None when a code
+    """Decode a fused probe's row codes into runs (tensor, first row, rows); None when a code
     is off its mark (the rows were changed) or names no row of a tensor of t's rank."""
     codes = t.reshape(-1)
     index = torch.floor(codes / _CODE)  # exact: powers of two, codes well under 2**53
@@ -248,16 +249,14 @@ def _runs(t: torch.Tensor, names: list[str], specs: Mapping[str, tuple[int, ...]
 Entry = tuple[tuple[int, ...], torch.dtype, list[tuple[Path, int, int]]]  # shape, dtype, ranges
 
 
-def in_place_entries(source, layer_specs: list[dict[str, tuple[int, ...]]],
+def in_place_entries(source: WeightSource, layer_specs: list[dict[str, tuple[int, ...]]],
                      segments: list[dict[str, Segments]], dtype: torch.dtype,
                      blocks: list[dict[str, tuple[tuple[int, int], ...]]]) -> dict[str, Entry]:
-    """The packed layer tensors (``segments``: each layer's, from :func:`layer_segments`)
-    that are row ranges of checkpoint tensors stored as packing leaves them: in ``dtype``, or
+    """The fused layer tensors (``segments``: each layer's, from :func:`layer_segments`)
+    that are row ranges of checkpoint tensors stored as fusing leaves them: in ``dtype``, or
     (those in ``blocks``, kept in GGML blocks) in the blocks' types. Keyed as
     ``OffloadedWeights.key``; a tensor that is anything else is left out."""
     entries: dict[str, Entry] = {}
-    if not hasattr(source, "locate"):
-        return entries
     for j, (specs, layer) in enumerate(zip(layer_specs, segments)):
         for name, runs in layer.items():
             entry = _entry(source, specs, runs, dtype, blocks[j].get(name))
@@ -266,7 +265,7 @@ def in_place_entries(source, layer_specs: list[dict[str, tuple[int, ...]]],
     return entries
 
 
-def _entry(source, specs: dict[str, tuple[int, ...]], runs: Segments, dtype: torch.dtype,
+def _entry(source: WeightSource, specs: dict[str, tuple[int, ...]], runs: Segments, dtype: torch.dtype,
            parts_wanted: tuple[tuple[int, int], ...] | None) -> Entry | None:
     ranges, rows, width, parts = [], 0, None, []
     for raw, first, count in runs:

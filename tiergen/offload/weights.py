@@ -19,12 +19,13 @@ from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, Offl
                                   Segments, in_place_entries, layer_segments)
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
+from tiergen.weights import WeightSource
 from tiergen.weights.packed import Packed, Parts, cat_rows, packed_nbytes
 
 Specs = dict[str, tuple[int, ...]]
 
 
-def load_tensors(source, specs: Specs, dtype: torch.dtype, device: torch.device | str) -> Weights:
+def load_tensors(source: WeightSource, specs: Specs, dtype: torch.dtype, device: torch.device | str) -> Weights:
     """Read the named tensors, check their shapes, and convert them (packed matrices stay
     packed: they only move)."""
     out = {}
@@ -37,7 +38,7 @@ def load_tensors(source, specs: Specs, dtype: torch.dtype, device: torch.device 
     return out
 
 
-def meta_tensors(source, specs: Specs, dtype: torch.dtype) -> Weights:
+def meta_tensors(source: WeightSource, specs: Specs, dtype: torch.dtype) -> Weights:
     """The tensors :func:`load_tensors` would give, as layouts without data (meta device)."""
     return {n: source.meta(n) or torch.empty(s, dtype=dtype, device="meta")
             for n, s in specs.items()}
@@ -68,13 +69,13 @@ def offload_root(policy: Policy) -> Path:
 
 @dataclass
 class WeightPlan:
-    """Which tier each packed tensor of each layer goes to, and the bytes that makes per tier.
+    """Which tier each fused tensor of each layer goes to, and the bytes that makes per tier.
 
     Routed experts (MoE) are not streamed with their layer: off the device they stay where
     they are and the layer asks for the experts it routes to (:mod:`tiergen.offload.experts`).
     """
 
-    shapes: list[Specs]  # packed tensor shapes of each layer
+    shapes: list[Specs]  # fused tensor shapes of each layer
     tiers: list[dict[str, str]]
     itemsize: int
     global_bytes: int
@@ -84,12 +85,12 @@ class WeightPlan:
 
     @classmethod
     def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
-             device: torch.device, source=None) -> WeightPlan:
+             device: torch.device, source: WeightSource | None = None) -> WeightPlan:
         layers = range(model.cfg.num_layers)
-        shapes = [model.packed_specs(j) for j in layers]
+        shapes = [model.fused_specs(j) for j in layers]
         compress = (policy.compress_bits, policy.compress_group_size) if policy.compress_weights else None
-        blocks = [packed_layouts(model.pack_layer(j, meta_tensors(source, model.layer_specs(j), dtype)))
-                  if hasattr(source, "meta") else {} for j in layers]
+        blocks = [packed_layouts(model.fuse_layer(j, meta_tensors(source, model.layer_specs(j), dtype)))
+                  if source is not None else {} for j in layers]
         plan = cls(shapes, [], dtype.itemsize, 0, device.type, compress, blocks)
         for j, layer in enumerate(shapes):
             sizes = {n: plan.nbytes(j, n) for n in layer}
@@ -97,7 +98,7 @@ class WeightPlan:
             placed = place({n: b for n, b in sizes.items() if n not in pinned}, policy.weight_split)
             plan.tiers.append({n: pinned.get(n) or placed[n] for n in layer})
         specs = model.global_specs()
-        raw = meta_tensors(source, specs, dtype) if hasattr(source, "meta") else {}
+        raw = meta_tensors(source, specs, dtype) if source is not None else {}
         plan.global_bytes = sum(raw[n].nbytes if isinstance(raw.get(n), Packed) else
                                 torch.Size(s).numel() * dtype.itemsize for n, s in specs.items())
         return plan
@@ -155,7 +156,7 @@ class WeightPlan:
             return sum(torch.Size(s).numel() * (d.itemsize if d else self.itemsize)
                        for s, d in specs.values())
 
-        # compressed matrices are unpacked into one dense set for the layer in use; packed
+        # compressed matrices are dequantised into one dense set for the layer in use; packed
         # ones, multiplied by many rows, are decoded one at a time into one buffer
         device = total["device"] + self.global_bytes + max(
             (sum(self.dense_bytes(j, n) for n in self.shapes[j] if self.compressed(j, n))
@@ -171,7 +172,7 @@ class WeightPlan:
 
 
 class TieredWeights:
-    """Owns every layer's packed weights on the tier the policy gives each tensor.
+    """Owns every layer's fused weights on the tier the policy gives each tensor.
 
     ``prefetch(j)`` starts bringing layer j to the compute device on an I/O thread (disk
     reads into one of two reusable buffer sets, host-to-device copies on a side stream);
@@ -179,14 +180,14 @@ class TieredWeights:
     final norm, LM head) stay on the device.
     """
 
-    def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
+    def __init__(self, model: ModelFamily, source: WeightSource, dtype: torch.dtype, device: torch.device,
                  policy: Policy, plan: WeightPlan, model_id: str, io_threads: int = 2,
                  expert_rates: HostRates | None = None) -> None:
         self.device, self.dtype, self.policy, self.plan = device, dtype, policy, plan
         cfg = model.cfg
         self.num_layers = cfg.num_layers
         self.tiers = plan.tiers
-        self.globals = model.pack_globals(load_tensors(source, model.global_specs(), dtype, device))
+        self.globals = model.fuse_globals(load_tensors(source, model.global_specs(), dtype, device))
 
         def stored(j: int, n: str, t: torch.Tensor | Packed) -> torch.Tensor:
             """A tensor in stored form (compressed ones quantised, and packed ones their
@@ -196,8 +197,8 @@ class TieredWeights:
 
         def produce(j: int) -> Weights:
             """Layer j's tensors in stored form."""
-            packed = model.pack_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
-            return {n: stored(j, n, t) for n, t in packed.items()}
+            fused = model.fuse_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
+            return {n: stored(j, n, t) for n, t in fused.items()}
 
         def produce_some(j: int, names: list[str], runs: dict[str, Segments]) -> Weights:
             """Layer j's tensors ``names`` in stored form, reading only the checkpoint tensors
@@ -217,7 +218,7 @@ class TieredWeights:
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
                                  .encode()).hexdigest()[:16]
             specs = [model.layer_specs(j) for j in range(cfg.num_layers)]
-            segments = [layer_segments(lambda raw, j=j: model.pack_layer(j, raw), specs[j])
+            segments = [layer_segments(lambda raw, j=j: model.fuse_layer(j, raw), specs[j])
                         for j in range(cfg.num_layers)]
             found = {} if plan.compress else in_place_entries(source, specs, segments, dtype,
                                                               plan.blocks)
@@ -256,7 +257,7 @@ class TieredWeights:
                             for n, (s, d) in shapes.items()})
         self._expert_buffers = {n: torch.empty(s, dtype=d or dtype, pin_memory=pin)
                                 for n, (s, d) in plan.buffer_shapes("disk", experts=True).items()}
-        self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are unpacked
+        self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are dequantised
         self._views: dict[int, Weights] = {}  # layers read where they live, as handed out
         self.expert_rates = expert_rates or HostRates()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")

@@ -26,7 +26,8 @@ from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.parallel.stage import LM_HEAD
-from tiergen.weights.packed import Packed
+from tiergen.weights import WeightSource
+from tiergen.weights.packed import Packed, narrow
 
 
 def even_ranges(n: int, parts: int, what: str, unit: int = 1) -> list[range]:
@@ -131,18 +132,12 @@ class ShardPlan:
         return rules
 
 
-def _narrow(t: torch.Tensor | Packed, dim: int, r: range) -> torch.Tensor | Packed:
-    if isinstance(t, Packed):  # columns that cut through blocks: decoded to float
-        return t.narrow(dim, r.start, r.stop) or t.dequantize().narrow(dim, r.start, len(r))
-    return t.narrow(dim, r.start, len(r)).contiguous()
-
-
 class ShardedSource:
     """A checkpoint as one rank of tensor parallelism reads it: each tensor only as far as
     its :meth:`ShardPlan.rules` say (a safetensors file reads just those rows or columns; a
     GGUF's packed rows are views of the mapped file)."""
 
-    def __init__(self, source, plan: ShardPlan, cfg: ModelConfig) -> None:
+    def __init__(self, source: WeightSource, plan: ShardPlan, cfg: ModelConfig) -> None:
         self.source, self.rules = source, plan.rules(cfg)
 
     def _rule(self, name: str) -> tuple[int, range] | None | bool:
@@ -159,14 +154,18 @@ class ShardedSource:
             return self.source.get(name)
         if rule is None:
             return torch.zeros_like(self.source.get(name))
-        dim, r = rule
-        if hasattr(self.source, "get_slice"):
-            return self.source.get_slice(name, dim, r)
-        return _narrow(self.source.get(name), dim, r)
+        return self.source.get_slice(name, *rule)
+
+    def get_slice(self, name: str, dim: int, rows: range) -> torch.Tensor | Packed:
+        return narrow(self.get(name), dim, rows)
+
+    def locate(self, name: str) -> None:
+        """None: a shard's tensors are cut from the checkpoint's, not read as they lie."""
+        return None
 
     def meta(self, name: str) -> Packed | None:
         """The layout of a packed tensor as :meth:`get` gives it (None: not packed)."""
-        full = self.source.meta(name) if hasattr(self.source, "meta") else None
+        full = self.source.meta(name)
         rule = self._rule(name)
         if full is None or rule is True:
             return full
@@ -190,7 +189,7 @@ class Shard:
         if group is not None:
             self.model.reduce = group.all_reduce
 
-    def source(self, source) -> ShardedSource:
+    def source(self, source: WeightSource) -> ShardedSource:
         return ShardedSource(source, self.plan, self.full)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
@@ -199,8 +198,8 @@ class Shard:
             specs[LM_HEAD] = (len(self.plan.vocab[self.plan.rank]), self.cfg.hidden_size)
         return specs
 
-    def pack_globals(self, raw: Weights) -> Weights:
-        w = self.model.pack_globals(raw)
+    def fuse_globals(self, raw: Weights) -> Weights:
+        w = self.model.fuse_globals(raw)
         embed = w["embed"]
         if self.full.tie_word_embeddings and tuple(embed.shape) == (self.full.vocab_size,
                                                                      self.full.hidden_size):
@@ -212,11 +211,11 @@ class Shard:
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         return self.model.layer_specs(i)
 
-    def packed_specs(self, i: int) -> dict[str, tuple[int, ...]]:
-        return self.model.packed_specs(i)
+    def fused_specs(self, i: int) -> dict[str, tuple[int, ...]]:
+        return self.model.fused_specs(i)
 
-    def pack_layer(self, i: int, raw: Weights) -> Weights:
-        return self.model.pack_layer(i, raw)
+    def fuse_layer(self, i: int, raw: Weights) -> Weights:
+        return self.model.fuse_layer(i, raw)
 
     def prepare(self, meta, dtype: torch.dtype) -> object:
         return self.model.prepare(meta, dtype)

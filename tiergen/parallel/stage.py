@@ -17,7 +17,7 @@ def layer_costs(model: ModelFamily) -> tuple[list[float], float]:
     cfg = model.cfg
     share = cfg.moe.top_k / cfg.moe.num_experts if cfg.moe else 1.0
     costs = [float(sum(torch.Size(s).numel() * (share if n.startswith("experts.") else 1.0)
-                       for n, s in model.packed_specs(j).items() if len(s) > 1))
+                       for n, s in model.fused_specs(j).items() if len(s) > 1))
              for j in range(cfg.num_layers)]
     return costs, float(cfg.vocab_size * cfg.hidden_size)
 
@@ -68,18 +68,18 @@ class Stage:
             | ({LM_HEAD} if self.last else set())
         return {n: s for n, s in self.model.global_specs().items() if n in keep}
 
-    def pack_globals(self, raw: Weights) -> Weights:
+    def fuse_globals(self, raw: Weights) -> Weights:
         missing = {n: torch.empty(0) for n in self.model.global_specs() if n not in raw}
-        return self.model.pack_globals({**raw, **missing})
+        return self.model.fuse_globals({**raw, **missing})
 
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         return self.model.layer_specs(self.layers[i])
 
-    def packed_specs(self, i: int) -> dict[str, tuple[int, ...]]:
-        return self.model.packed_specs(self.layers[i])
+    def fused_specs(self, i: int) -> dict[str, tuple[int, ...]]:
+        return self.model.fused_specs(self.layers[i])
 
-    def pack_layer(self, i: int, raw: Weights) -> Weights:
-        return self.model.pack_layer(self.layers[i], raw)
+    def fuse_layer(self, i: int, raw: Weights) -> Weights:
+        return self.model.fuse_layer(self.layers[i], raw)
 
     def prepare(self, meta, dtype: torch.dtype) -> object:
         return self.model.prepare(meta, dtype)

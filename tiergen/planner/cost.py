@@ -37,6 +37,7 @@ import torch
 from tiergen.calibration import Calibration
 from tiergen.config import ModelConfig
 from tiergen.engine.executor import block_needs, cache_compression
+from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK, chunks
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.base import ModelFamily
@@ -299,7 +300,8 @@ def _step(groups: Counter, rows: list[int], act_tiers: list[str], new: int, befo
 
 def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Workload,
              cal: Calibration, device_type: str = "cpu", max_batch_size: int = 64,
-             placed: PlacedWeights | None = None, prefill_chunk: int | None = 512,
+             placed: PlacedWeights | None = None,
+             prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
              head: int | None = None) -> Estimate:
     """Memory and speed of running ``workload`` under ``policy`` (``placed``: the policy's
     weight placement, when the caller already made it; ``head``: the LM head's parameters,
@@ -319,9 +321,8 @@ def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Wor
     per_layer: dict[str, float] = {}
     for rows in cut:
         acts = tiers_for(len(rows), policy.activation_split)
-        chunk = prefill_chunk or p
-        for start in range(0, p, chunk):
-            prefill += _step(groups, rows, acts, min(chunk, p - start), start, env)[0]
+        for span in chunks(prefill_chunk, p):
+            prefill += _step(groups, rows, acts, len(span), span.start, env)[0]
         seconds, parts = _step(groups, rows, acts, 1, p + g / 2, env)  # mean context
         decode += (g - 1) * seconds
         per_layer = per_layer or parts

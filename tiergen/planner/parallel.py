@@ -36,6 +36,7 @@ from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
+from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK, chunks
 from tiergen.engine.pipeline import micro_batch_size, pipeline_chunk
 from tiergen.parallel import link as rank_link
 from tiergen.parallel.shard import Shard
@@ -44,7 +45,6 @@ from tiergen.planner.calibrate import link_line
 from tiergen.planner.cost import Estimate, PlacedWeights, Workload, blocks, estimate
 from tiergen.planner.search import SearchRequest, fmt, nothing_fits, policy_flags, search
 
-CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size, the estimate's default)
 # the link where it was never measured: gloo over loopback on a 2-core VM (bench_link.py)
 DEFAULT_LINK = dict(latency=3e-4, bandwidth=1.5e9, reduce_latency=1e-3, reduce_bandwidth=1.5e9)
 
@@ -179,7 +179,7 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
     # need less memory, so every rank still fits)
     shape = min(chosen, key=lambda p: (p.gpu_batch_size or max_batch_size) * p.num_gpu_batches)
     cut = units(shape, workload.batch, max_batch_size, stages)
-    chunk = pipeline_chunk(CHUNK, workload.prompt_len, stages)
+    chunk = pipeline_chunk(DEFAULT_PREFILL_CHUNK, workload.prompt_len, stages)
     link = cal.link or DEFAULT_LINK
     prefill = decode = 0.0
     plans = []
@@ -231,8 +231,7 @@ def _unit_seconds(model: Stage, placed: PlacedWeights, policy: Policy, rows: lis
     if tensor > 1:
         c, p = model.cfg, workload.prompt_len
         for r in rows:
-            prefill += sum(_reduces(link, c, r, r * min(chunk, p - start), head)
-                           for start in range(0, p, chunk))
+            prefill += sum(_reduces(link, c, r, r * len(span), head) for span in chunks(chunk, p))
             decode += (workload.gen_len - 1) * _reduces(link, c, r, r, head)
     return prefill, decode
 

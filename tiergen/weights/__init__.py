@@ -17,12 +17,31 @@ from tiergen.config import ModelConfig, as_id_list, from_hf_config
 from tiergen.errors import TiergenError
 from tiergen.paths import cache_dir
 from tiergen.tokenizer import Tokenizer
+from tiergen.weights.packed import Packed
 
 
 class WeightSource(Protocol):
-    def has(self, name: str) -> bool: ...
+    """A checkpoint's tensors by their Hugging Face names."""
 
-    def get(self, name: str) -> torch.Tensor: ...
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds tensor ``name``."""
+
+    def get(self, name: str) -> torch.Tensor | Packed:
+        """Tensor ``name``, as the models use it (kept in GGML blocks where the source
+        keeps it packed)."""
+
+    def get_slice(self, name: str, dim: int, rows: range) -> torch.Tensor | Packed:
+        """Rows (dim 0) or columns (dim 1) ``rows`` of tensor ``name``, as :meth:`get`
+        would give them, reading no more of the file than the source must."""
+
+    def meta(self, name: str) -> Packed | None:
+        """The layout :meth:`get` gives tensor ``name`` when it is kept packed, without
+        its data; None when it is not."""
+
+    def locate(self, name: str) -> tuple[Path, int, torch.dtype | int, tuple[int, ...]] | None:
+        """Where the bytes of tensor ``name`` lie as :meth:`get` gives them: (file, offset,
+        stored, shape), ``stored`` the torch dtype of plain row-major data or the GGML type
+        of a packed matrix; None when they lie nowhere as they are (read and changed)."""
 
 
 @dataclass

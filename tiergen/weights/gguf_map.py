@@ -14,7 +14,7 @@ import torch
 from tiergen.config import ModelConfig, RopeConfig
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf import GGUFFile
-from tiergen.weights.packed import PACKED_TYPES, Packed, packed_like
+from tiergen.weights.packed import PACKED_TYPES, Packed, narrow, packed_like
 from tiergen.weights.quant import FLOAT_TYPES, GGMLType
 
 # general.architecture -> Hugging Face architecture
@@ -236,3 +236,8 @@ class GGUFSource:
             t = self.file.read(gguf_name)
         change = self._change(name)
         return t if change is None else change(t)
+
+    def get_slice(self, name: str, dim: int, rows: range) -> torch.Tensor | Packed:
+        """Rows or columns ``rows`` of :meth:`get`'s tensor (packed rows: a view of the
+        mapped file)."""
+        return narrow(self.get(name), dim, rows)

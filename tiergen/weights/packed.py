@@ -125,6 +125,15 @@ class Packed:
         return replace(self, data=self.data.view(self.shape[0], -1)[perm].reshape(-1))
 
 
+def narrow(t: torch.Tensor | Packed, dim: int, rows: range) -> torch.Tensor | Packed:
+    """Rows (dim 0) or columns (dim 1) ``rows`` of a matrix; a packed one stays packed
+    unless the bounds cut through its blocks, when it is decoded to float32."""
+    if isinstance(t, Packed):
+        return t.narrow(dim, rows.start, rows.stop) or \
+            t.dequantize().narrow(dim, rows.start, len(rows))
+    return t.narrow(dim, rows.start, len(rows)).contiguous()
+
+
 @lru_cache(maxsize=4096)
 def layout(shape: tuple[int, int], parts: Parts) -> tuple[tuple[int, int, int, int, int], ...]:
     """(ggml type, first row, rows, first byte, end byte) of each part (cached: the kernels

@@ -88,6 +88,10 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def meta(self, name: str) -> None:
+        """Nothing is kept packed: every tensor is plain data."""
+        return None
+
     def get(self, name: str) -> torch.Tensor:
         return self._read(name, lambda f: f.get_tensor(name))
 

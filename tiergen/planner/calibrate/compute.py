@@ -16,7 +16,7 @@ from tiergen.devices import resolve_activations
 from tiergen.kernels import activations, set_activations
 from tiergen.models import layers
 from tiergen.models.llama import Llama
-from tiergen.offload.compress import dequantize, pack_rows, quantize, unpack_rows
+from tiergen.offload.compress import dequantize, dequantize_rows, quantize, quantize_rows
 from tiergen.planner.calibrate.timing import seconds
 from tiergen.weights.packed import Packed
 from tiergen.weights.quant import GGMLType
@@ -133,14 +133,14 @@ def measure_dequant(dev: torch.device, dtype: torch.dtype) -> tuple[float, float
     q = quantize(torch.randn(3072, 576, device=dev).to(dtype), 4, 64)
     out = torch.empty(3072, 576, device=dev, dtype=dtype)
     count = max(1, math.ceil(GEMV_BYTES / 8 / out.nbytes))
-    rows = pack_rows(torch.randn(2, 32, 4, 96, 64, device=dev).to(dtype), 4, 64)
+    rows = quantize_rows(torch.randn(2, 32, 4, 96, 64, device=dev).to(dtype), 4, 64)
 
     def run() -> None:
         for _ in range(count):
             dequantize(q, out)
 
     def run_rows() -> None:
-        unpack_rows(rows, 64, 4, 64, dtype)
+        dequantize_rows(rows, 64, 4, 64, dtype)
 
     return (count * out.nbytes / seconds(run, dev),
             2 * 32 * 4 * 96 * 64 * dtype.itemsize / seconds(run_rows, dev))
@@ -152,7 +152,7 @@ def measure_layer_overhead(dev: torch.device) -> float:
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, max_position=64)
     model = Llama(cfg)
-    w = {n: torch.randn(shape, device=dev) for n, shape in model.packed_specs(0).items()}
+    w = {n: torch.randn(shape, device=dev) for n, shape in model.fused_specs(0).items()}
     kv = torch.zeros(2, 1, 1, 16, 4, device=dev)
     valid = torch.ones(1, 16, dtype=torch.bool, device=dev)
     meta = StepMeta.build(valid, 8, 1)
