@@ -39,16 +39,17 @@ PIPELINE_CHUNKS = 2  # prompt chunks per unit and stage at least, so prefill ove
 MIN_CHUNK = 16  # tokens: smaller chunks would cost more in calls than the overlap saves
 
 
-def pipeline_chunk(chunk_size: int | None, longest: int, stages: int) -> int:
-    """Prompt tokens per prefill step of a pipelined block whose longest prompt has
-    ``longest`` tokens (``chunk_size``: the LLM's prefill_chunk_size). A prompt in one chunk
-    leaves stages idle while the first units fill the pipeline and the last drain it (with 2
-    units over 2 stages, a third of the time); cut into a few chunks, the later ones go
-    through the first stages while earlier ones are in the last."""
-    chunk = prefill_chunk(chunk_size, longest)
+def pipeline_chunk(chunk_size: int | None, longest: int, stages: int) -> int | None:
+    """The prefill chunk size of a pipelined block whose longest prompt has ``longest``
+    tokens (``chunk_size``: the LLM's prefill_chunk_size; each micro-batch then cuts its
+    prompts by :func:`~tiergen.engine.generate.prefill_chunk`). A prompt in one chunk leaves
+    stages idle while the first units fill the pipeline and the last drain it (with 2 units
+    over 2 stages, a third of the time); cut into a few chunks, the later ones go through the
+    first stages while earlier ones are in the last."""
     if stages == 1:
-        return chunk
-    return min(chunk, max(MIN_CHUNK, -(-longest // (PIPELINE_CHUNKS * stages))))
+        return chunk_size
+    return min(prefill_chunk(chunk_size, longest),
+               max(MIN_CHUNK, -(-longest // (PIPELINE_CHUNKS * stages))))
 
 
 def stage_forward(executor: Executor, group: Group, block: list[MicroBatch],
