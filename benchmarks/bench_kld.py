@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first bfloat16 matmul)
-from tiergen import LLM
+from tiergen import LLM, kernels
 from tiergen.bench import cpu_description
 from tiergen.perplexity import Perplexity, kl_stats, token_nll, tokenize, window_logprobs
 
@@ -102,10 +102,14 @@ def main() -> None:
     ap.add_argument("--runs", default="int8,int16,int8-rows,int16-rows,llama.cpp",
                     help="which runs besides the float path: int8, int16 (prompt chunks), "
                          "int8-rows, int16-rows (token by token), llama.cpp")
+    ap.add_argument("--int8-block", type=int, default=None, choices=[4, 8, 16],
+                    help="values per scale of the int8 runs (default: tiergen's, 4)")
     args = ap.parse_args()
+    if args.int8_block:  # the kernels take 4, 8 or 16; tiergen uses 4
+        kernels.ACTIVATION_FORMATS["int8"] = (args.int8_block, False)
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}); {TEXT.name}, windows of {args.ctx}, "
-          f"{args.windows} windows")
+          f"{args.windows} windows; int8: a scale per {kernels.ACTIVATION_FORMATS['int8'][0]}")
     print("| model | run | mean KLD | p99 KLD | max KLD | same top | perplexity |")
     print("|---|---|---|---|---|---|---|")
     for model in args.models:
