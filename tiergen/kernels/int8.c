@@ -1,23 +1,27 @@
 /* Integer products on packed (GGML block) weights, for the CPU.
  *
- * The activation rows are quantised once per product to int8 in blocks of QA = 16 values,
- * each with a float scale s = max|x| / 127 and the float block sum s * sum(q) (what a weight
- * block's minimum multiplies). A weight block decodes to small integers q and, per sub-block,
- * a scale a and an offset c (value = a * q + c, blocks.h), so one block of 16 contributes
+ * The activation rows are quantised once per product: to int8 in blocks of qa values (4, 8
+ * or 16), each with a float scale s = max|x| / 127, or to 16 bits as two int8 halves
+ * (255 hi + lo, s = max|x| / 32512); the float sums s * sum(q) over every 16 values go with
+ * them (what a weight block's minimum multiplies). A weight block decodes to small integers
+ * q and, per sub-block, a scale a and an offset c (value = a * q + c, blocks.h), so each
+ * activation block contributes
  *
  *     a * s * (q . xq)  +  c * (s * sum(xq))
  *
  * with q . xq an integer dot product: AVX2 `maddubs` + `madd`, or AVX-VNNI / AVX-512 VNNI
  * `dpbusd` (unsigned weights times signed activations; Q8_0's signed weights go through
- * abs and sign), and a portable C loop elsewhere. Activation blocks of 16 are finer than
- * llama.cpp's (32, and 256 for K-quants): the per-lane scales cost no more than a broadcast.
+ * abs and sign), and a portable C loop elsewhere.
  *
- * Few rows (decode): each weight row's chunk is decoded to bytes once, then dotted with every
- * activation row. More rows (prefill, large batches): eight weight rows are decoded and
+ * One or two rows (decode): each weight block is decoded to bytes once and dotted with every
+ * activation row, 32 values per instruction; its 32-bit lanes hold 4 values each, so each
+ * lane takes its own scale from a vector load: a scale per 4 values costs nothing more than
+ * one per 32. More rows (batches, prompt chunks): eight weight rows are decoded and
  * interleaved four bytes at a time, so one 32-byte vector holds four values of each of the
  * eight rows and each 32-bit lane accumulates its own output; every activation row then
- * broadcasts four of its bytes against that tile. Either way each weight block is decoded once
- * per product, whatever the number of rows.
+ * broadcasts four of its bytes against that tile, and each activation block's sum is scaled
+ * as it ends. Either way each weight block is decoded once per product, whatever the number
+ * of rows.
  */
 #include <math.h>
 
@@ -25,8 +29,7 @@
 
 #define SB 16     /* values per activation block sum, and per weight scale in a tile */
 #define IKC 1024  /* weight values decoded at a time (a multiple of every block size) */
-#define FEWI 2    /* most rows the row-by-row kernel takes */
-#define FEW_ROWS 2 /* up to this many rows: the row-by-row kernel (more: the tiles) */
+#define FEWI 2    /* up to this many rows: the row-by-row kernel (more: the tiles) */
 #define TR 8      /* weight rows per interleaved tile */
 #define MI 4      /* activation rows per pass over a tile */
 
@@ -179,6 +182,7 @@ tile_rows(const int ROWS, const int QA, const int SIGNED, const int WIDE,
     for (int64_t t = 0; t < len / SB; t++) {
         __m256 part[MI];
         __m256i isum[MI], lsum[MI];
+        for (int i = 0; i < MI; i++) isum[i] = lsum[i] = _mm256_setzero_si256();
         for (int i = 0; i < ROWS; i++) part[i] = _mm256_setzero_ps();
         for (int g = 0; g < SB / 4; g++) {
             const __m256i w = load32(tile + (SB / 4 * t + g) * 4 * TR);
@@ -361,7 +365,7 @@ int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
                const int8_t *xl, const float *xs4, const float *xsum, int qa, int64_t m,
                float *y, int64_t ldy) {
     if (m <= 0) return 0;
-    if (m <= FEW_ROWS) IDISPATCH(type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
+    if (m <= FEWI) IDISPATCH(type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
     IDISPATCH(type, _tiled, (w, n, k, xq, xl, xs4, xsum, m, y, ldy, qa))
 }
 
