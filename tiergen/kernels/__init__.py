@@ -10,6 +10,10 @@ many times slower, and the decoder writes float32). The C library is compiled on
 with the machine's C compiler for its own SIMD (-march=native) and cached; without a
 compiler, or on a GPU, every product takes the decode-then-multiply path in plain torch.
 
+``int8.c``, in the same library, multiplies packed blocks by activations quantised to 8 (or
+16) bits with integer instructions (:func:`set_activations`, :func:`integer_linear`): the
+default for an LLM on a CPU, judged by its KL divergence from the float path.
+
 ``decode.c``, in the same library, does a float32 RMSNorm, a rotary embedding and one new
 token's attention over the cache in one call each (:func:`rms_norm`, :func:`rope`,
 :func:`decode_attention`): at batch 1, torch's dispatch of the several operations they
@@ -48,9 +52,10 @@ _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
 _arith = threading.local()  # .kind: this thread's activations (set_activations)
 # The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 4
-# values: free in the row kernel, whose lanes are 4 values each, and 4-6x closer to the float
-# path than blocks of 16 or 32 (benchmarks/bench_int8.py). 16-bit ones, two int8 halves
-# dotted apart, agree with it to about 1e-5.
+# values: free in the row kernel, whose lanes are 4 values each, and about 4x closer to the
+# float path than blocks of 16 (KL divergence: benchmarks/bench_kld.py --int8-block; speed:
+# benchmarks/bench_int8.py). 16-bit ones, two int8 halves dotted apart, agree with it to
+# about 1e-5.
 ACTIVATION_FORMATS = {"int8": (4, False), "int16": (16, True)}
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 
