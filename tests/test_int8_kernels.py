@@ -99,27 +99,21 @@ def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, bloc
 
 
 @pytest.mark.parametrize("kind", ["int8", "int16"])
-def test_packed_products_take_the_integer_kernels_when_asked(kind, monkeypatch):
+def test_packed_products_take_the_integer_kernels_when_asked(kind):
     w = random_packed(GGMLType.Q4_K, 64, 512, 1)
     x = torch.randn(3, 512)
+    many = torch.randn(kernels.ROW_THRESHOLD + 1, 512)
     exact = kernels.packed_linear(x, w)
     assert kernels.activations() == "float32"
-    kernels.set_activations(kind)
-    try:
+    with kernels.activations_set(kind):
         approx = kernels.packed_linear(x, w)
-        many = torch.randn(kernels.ROW_THRESHOLD + 1, 512)
-    finally:
-        kernels.set_activations("float32")
-    assert torch.equal(approx, kernels.integer_linear(x, w, None, *kernels.ACTIVATION_FORMATS[kind]))
+        got_many = kernels.packed_linear(many, w)
+    assert kernels.activations() == "float32"
+    fmt = kernels.ACTIVATION_FORMATS[kind]
+    assert torch.equal(approx, kernels.integer_linear(x, w, None, *fmt))
     err = ((approx - exact).abs().max() / exact.abs().max()).item()
     assert 0 < err < (0.02 if kind == "int8" else 1e-4)
     # more rows than ROW_THRESHOLD: the float32 BLAS, over the same quantised values
-    kernels.set_activations(kind)
-    try:
-        got_many = kernels.packed_linear(many, w)
-    finally:
-        kernels.set_activations("float32")
-    fmt = kernels.ACTIVATION_FORMATS[kind]
     torch.testing.assert_close(got_many[:3], kernels.integer_linear(many[:3], w, None, *fmt),
                                rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(

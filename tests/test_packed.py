@@ -172,6 +172,7 @@ def test_integer_path_is_the_same_through_every_tier(packed_gguf, policy, tmp_pa
         else:
             assert (got - want).abs().max() < 0.02 * want.abs().max()
         assert 0 < (got - exact).abs().max() < 0.05 * exact.abs().max()
+    assert kernels.activations() == "float32"  # the thread is left as it was
 
 
 def test_packed_weights_on_disk_are_read_from_the_gguf(packed_gguf, tmp_path):

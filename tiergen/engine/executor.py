@@ -21,7 +21,7 @@ import torch
 
 from tiergen.cache.kv import KVView
 from tiergen.config import ModelConfig
-from tiergen.kernels import set_activations
+from tiergen.kernels import activations_set
 from tiergen.cache.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.activations import Activations
@@ -115,7 +115,7 @@ class Executor:
                  budgets: Budgets | None = None, expert_rates: HostRates | None = None,
                  activations: str = "float32") -> None:
         self.model = model
-        self.activations = activations  # for packed products: kernels.set_activations
+        self.activations = activations  # how packed products treat their inputs
         self.cfg = model.cfg
         self.dtype = dtype
         self.device = device
@@ -186,7 +186,11 @@ class Executor:
         model starts from ``hidden``, the hidden states the stage before it returned, and
         one that does not end the model returns its hidden states instead of logits.
         """
-        set_activations(self.activations)  # this thread computes the block
+        with activations_set(self.activations):  # on this thread, which computes the block
+            return self._forward_block(block, all_positions, hidden)
+
+    def _forward_block(self, block: list[MicroBatch], all_positions: bool,
+                       hidden: list[torch.Tensor] | None) -> list[torch.Tensor]:
         model, t = self.model, self.stats
         started = time.perf_counter()
         # callers may build ids and metadata on the CPU: bring them to the device (no-op there)

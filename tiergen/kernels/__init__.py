@@ -31,6 +31,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,6 +228,17 @@ def set_activations(kind: str) -> None:
 
 def activations() -> str:
     return getattr(_arith, "kind", "float32")
+
+
+@contextmanager
+def activations_set(kind: str) -> Iterator[None]:
+    """:func:`set_activations` for the ``with`` block, then what was set before."""
+    before = activations()
+    set_activations(kind)
+    try:
+        yield
+    finally:
+        _arith.kind = before
 
 
 def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,

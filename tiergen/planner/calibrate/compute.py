@@ -13,7 +13,7 @@ from tiergen.cache.step import StepMeta
 from tiergen.calibration import ONE_THREAD
 from tiergen.config import ModelConfig
 from tiergen.devices import resolve_activations
-from tiergen.kernels import activations, set_activations
+from tiergen.kernels import activations_set
 from tiergen.models import layers
 from tiergen.models.llama import Llama
 from tiergen.offload.compress import dequantize, dequantize_rows, quantize, quantize_rows
@@ -109,7 +109,7 @@ def products(dev: torch.device, dtype: torch.dtype, name: str) -> dict[str, dict
     (``activations="auto"``: the integer path on a CPU), and on a CPU on the float path too
     ("packed-exact-")."""
     out = {}
-    threads, before = torch.get_num_threads(), activations()
+    threads = torch.get_num_threads()
     paths = [("packed-", resolve_activations("auto", dev))]
     if dev.type == "cpu":
         paths.append(("packed-exact-", "float32"))
@@ -118,11 +118,10 @@ def products(dev: torch.device, dtype: torch.dtype, name: str) -> dict[str, dict
         try:
             out[name + suffix] = measure_linear_rows(dev, dtype)
             for prefix, kind in paths:
-                set_activations(kind)
-                out[f"{prefix}{name}{suffix}"] = measure_linear_rows(dev, dtype, packed=True)
+                with activations_set(kind):
+                    out[f"{prefix}{name}{suffix}"] = measure_linear_rows(dev, dtype, packed=True)
         finally:
             torch.set_num_threads(threads)
-            set_activations(before)
     return out
 
 
