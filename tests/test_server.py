@@ -53,9 +53,11 @@ def params_of(case: dict) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # float32: in bfloat16 the logits move with the batch a request shares (by ~1e-2), enough
-    # to flip an occasional seeded sample between the server's batches and generate()'s.
-    return LLM(MODEL, dtype="float32")
+    # float32 and the float path: in bfloat16 the logits move with the batch a request shares
+    # (by ~1e-2), enough to flip an occasional seeded sample or greedy token between the
+    # server's batches and generate()'s; on the integer path a float rounding that differs
+    # with the batch can move an activation across an 8-bit step, which does the same.
+    return LLM(MODEL, dtype="float32", activations="float32")
 
 
 @pytest.fixture(scope="module")
