@@ -9,7 +9,8 @@ best of several runs, one thread unless --threads says otherwise.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from tiergen import kernels
 from tiergen.bench import cpu_description
 from tiergen.weights.packed import Packed
 from tiergen.weights.quant import GGMLType, ggml_type_sizes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_widen import best_ms  # noqa: E402
 
 FORMATS = {"int8/4": (4, False), "int8/8": (8, False), "int8/16": (16, False),
            "int16": (16, True)}
@@ -35,16 +39,6 @@ def random_packed(ggml_type: int, rows: int, cols: int) -> Packed:
     if ggml_type in (GGMLType.Q4_1, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K):
         blocks[:, 2:4] = scale.reshape(-1, 2)
     return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
-
-
-def best(f, n: int) -> float:
-    f()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e3
 
 
 def main() -> None:
@@ -70,10 +64,10 @@ def main() -> None:
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k)
                 runs = 5 if m > 32 else 30
-                base = best(lambda: kernels.packed_linear(x, w), runs)
+                base = best_ms(lambda: kernels.packed_linear(x, w), runs)
                 cells = []
                 for block, wide in FORMATS.values():
-                    t = best(lambda: kernels.integer_linear(x, w, None, block, wide), runs)
+                    t = best_ms(lambda: kernels.integer_linear(x, w, None, block, wide), runs)
                     cells.append(f"{t:.3f} ({base / t:.2f})")
                 print(f"| {name} | {n}x{k} | {m} | {base:.3f} | " + " | ".join(cells) + " |",
                       flush=True)

@@ -89,8 +89,9 @@ class LLM:
     quantised matrices at load (by default they stay in their blocks and are multiplied
     packed). ``activations`` says how those products treat their inputs: "auto" (int8 on a
     CPU, float32 elsewhere), "int8" (quantised to 8 bits, a scale per 4 values, and
-    multiplied by the integer kernels: the fast path, within a KL divergence of about 1e-3
-    of the float path), "int16" (16 bits as two int8 halves: slower, within about 1e-5) or
+    multiplied by the integer kernels: the fast path, a KL divergence below 1e-3 from the
+    float path on the packaged models), "int16" (16 bits as two int8 halves: slower, below
+    5e-6) or
     "float32" (the float path: products equal decode-then-multiply).
 
     ``pipeline_parallel=P`` splits the layers into P consecutive spans, each run by its own

@@ -56,8 +56,7 @@ _arith = threading.local()  # .kind: this thread's activations (set_activations)
 # The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 4
 # values: free in the row kernel, whose lanes are 4 values each, and about 4x closer to the
 # float path than blocks of 16 (KL divergence: benchmarks/bench_kld.py --int8-block; speed:
-# benchmarks/bench_int8.py). 16-bit ones, two int8 halves dotted apart, agree with it to
-# about 1e-5.
+# benchmarks/bench_int8.py). 16-bit ones, two int8 halves dotted apart, land below 5e-6.
 ACTIVATION_FORMATS = {"int8": (4, False), "int16": (16, True)}
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 

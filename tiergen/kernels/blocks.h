@@ -171,4 +171,19 @@ static inline void un_q6_k(const uint8_t *R b, int8_t *R q, float *R a, float *R
     }
 }
 
+/* PREFIX_<type>SUFFIX ARGS for a GGML type id (ggml.h: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8,
+ * Q4_K 12, Q5_K 13, Q6_K 14), then return 0; -1 for a type without a kernel. */
+#define DISPATCH(PREFIX, TYPE, SUFFIX, ARGS)                                                  \
+    switch (TYPE) {                                                                           \
+    case 2: PREFIX##_q4_0##SUFFIX ARGS; return 0;                                             \
+    case 3: PREFIX##_q4_1##SUFFIX ARGS; return 0;                                             \
+    case 6: PREFIX##_q5_0##SUFFIX ARGS; return 0;                                             \
+    case 7: PREFIX##_q5_1##SUFFIX ARGS; return 0;                                             \
+    case 8: PREFIX##_q8_0##SUFFIX ARGS; return 0;                                             \
+    case 12: PREFIX##_q4_k##SUFFIX ARGS; return 0;                                            \
+    case 13: PREFIX##_q5_k##SUFFIX ARGS; return 0;                                            \
+    case 14: PREFIX##_q6_k##SUFFIX ARGS; return 0;                                            \
+    default: return -1;                                                                       \
+    }
+
 #endif

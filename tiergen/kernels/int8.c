@@ -347,26 +347,13 @@ IKERNELS(im_q4_k, 256, 32, 144, un_q4_k, 0)
 IKERNELS(im_q5_k, 256, 32, 176, un_q5_k, 0)
 IKERNELS(im_q6_k, 256, 16, 210, un_q6_k, 0)
 
-#define IDISPATCH(TYPE, SUFFIX, ARGS)                                                         \
-    switch (TYPE) {                                                                           \
-    case 2: im_q4_0##SUFFIX ARGS; return 0;                                                   \
-    case 3: im_q4_1##SUFFIX ARGS; return 0;                                                   \
-    case 6: im_q5_0##SUFFIX ARGS; return 0;                                                   \
-    case 7: im_q5_1##SUFFIX ARGS; return 0;                                                   \
-    case 8: im_q8_0##SUFFIX ARGS; return 0;                                                   \
-    case 12: im_q4_k##SUFFIX ARGS; return 0;                                                  \
-    case 13: im_q5_k##SUFFIX ARGS; return 0;                                                  \
-    case 14: im_q6_k##SUFFIX ARGS; return 0;                                                  \
-    default: return -1;                                                                       \
-    }
-
 /* y (m rows, row stride ldy) = the quantised activations (m, k) @ W(n, k)^T. */
 int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                const int8_t *xl, const float *xs4, const float *xsum, int qa, int64_t m,
                float *y, int64_t ldy) {
     if (m <= 0) return 0;
-    if (m <= FEWI) IDISPATCH(type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
-    IDISPATCH(type, _tiled, (w, n, k, xq, xl, xs4, xsum, m, y, ldy, qa))
+    if (m <= FEWI) DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
+    DISPATCH(im, type, _tiled, (w, n, k, xq, xl, xs4, xsum, m, y, ldy, qa))
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */

@@ -171,29 +171,15 @@ KERNELS(mm_q4_k, 256, 32, 144, un_q4_k)
 KERNELS(mm_q5_k, 256, 32, 176, un_q5_k)
 KERNELS(mm_q6_k, 256, 16, 210, un_q6_k)
 
-/* GGML type ids (ggml.h): Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14. */
-#define DISPATCH(TYPE, SUFFIX, ARGS)                                                          \
-    switch (TYPE) {                                                                           \
-    case 2: mm_q4_0##SUFFIX ARGS; return 0;                                                   \
-    case 3: mm_q4_1##SUFFIX ARGS; return 0;                                                   \
-    case 6: mm_q5_0##SUFFIX ARGS; return 0;                                                   \
-    case 7: mm_q5_1##SUFFIX ARGS; return 0;                                                   \
-    case 8: mm_q8_0##SUFFIX ARGS; return 0;                                                   \
-    case 12: mm_q4_k##SUFFIX ARGS; return 0;                                                  \
-    case 13: mm_q5_k##SUFFIX ARGS; return 0;                                                  \
-    case 14: mm_q6_k##SUFFIX ARGS; return 0;                                                  \
-    default: return -1;                                                                       \
-    }
-
 /* y (m rows, row stride ldy) = x (m, k) @ W(n, k)^T; W's rows are k / QK blocks each. */
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy) {
     if (m <= 0) return 0;
-    if (m <= FEW) DISPATCH(type, _few, (w, n, k, x, m, y, ldy))
-    DISPATCH(type, _tiled, (w, n, k, x, m, y, ldy))
+    if (m <= FEW) DISPATCH(mm, type, _few, (w, n, k, x, m, y, ldy))
+    DISPATCH(mm, type, _tiled, (w, n, k, x, m, y, ldy))
 }
 
 /* out (nblocks * QK floats) = the values of nblocks consecutive blocks. */
 int tg_dequant(int type, const uint8_t *w, int64_t nblocks, float *out) {
-    DISPATCH(type, _dequant, (w, nblocks, out))
+    DISPATCH(mm, type, _dequant, (w, nblocks, out))
 }
