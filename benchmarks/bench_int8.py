@@ -1,14 +1,17 @@
 """Packed products with float32 activations against the integer kernels' activation formats,
 side by side on the same matrices: 8-bit activations with a scale per 4, 8 or 16 values, and
 16-bit ones as two int8 halves. Shapes of SmolLM2 and Gemma 3 270M's layers; times are the
-best of several runs, one thread unless --threads says otherwise.
+best of several runs, one thread unless --threads says otherwise. --cold cycles through copies
+of each matrix (256 MiB in all), so that every product reads its weights from memory, as a
+model's layers do, instead of from a cache warmed by the run before.
 
-    python benchmarks/bench_int8.py [--threads 2] [--types Q4_1,Q4_K,Q6_K,Q8_0] [--rows 1,2,32,512]
+    python benchmarks/bench_int8.py [--threads 2] [--types Q4_1,Q4_K,Q6_K,Q8_0] [--rows 1,2,32,512] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -46,11 +49,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--types", default="Q4_1,Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,2,32,512")
+    ap.add_argument("--cold", action="store_true", help="weights from memory, not cache")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
-    print(f"threads {args.threads}; integer kernels: "
+    print(f"threads {args.threads}; {'weights from memory' if args.cold else 'warm'}; integer kernels: "
           f"{['portable C', 'AVX2', 'VNNI'][kernels.library().tg_int8_isa()]}")
     print("| type | matrix | rows | float32 ms | " + " | ".join(f"{f} ms (x)" for f in FORMATS)
           + " |")
@@ -61,13 +65,17 @@ def main() -> None:
             if k % ggml_type_sizes(ggml_type)[0]:
                 continue
             w = random_packed(ggml_type, n, k)
+            copies = max(1, (256 << 20) // w.data.numel()) if args.cold else 1
+            ws = itertools.cycle([w] + [Packed(w.data.clone(), w.shape, w.parts)
+                                        for _ in range(copies - 1)])
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k)
                 runs = 5 if m > 32 else 30
-                base = best_ms(lambda: kernels.packed_linear(x, w), runs)
+                base = best_ms(lambda: kernels.packed_linear(x, next(ws)), runs)
                 cells = []
                 for block, wide in FORMATS.values():
-                    t = best_ms(lambda: kernels.integer_linear(x, w, None, block, wide), runs)
+                    t = best_ms(
+                        lambda: kernels.integer_linear(x, next(ws), None, block, wide), runs)
                     cells.append(f"{t:.3f} ({base / t:.2f})")
                 print(f"| {name} | {n}x{k} | {m} | {base:.3f} | " + " | ".join(cells) + " |",
                       flush=True)

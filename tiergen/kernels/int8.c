@@ -282,6 +282,7 @@ tile_pass(const int SIGNED, int qa, int rows, const uint8_t *restrict tile,
         ACC_T acc[FEWI];                                                                      \
         for (int i = 0; i < ROWS; i++) acc[i] = ACC_ZERO;                                     \
         for (int64_t b = 0; b < nb; b++) {                                                    \
+            PREFETCH(wr + b * BYTES);                                                         \
             UNPACK(wr + b * BYTES, q, a, c);                                                  \
             block_dot(ROWS, SIGNED, WIDE, QK, L, q, a, c, xq + b * QK, xl + b * QK,           \
                       xs4 + b * QK / 4, xsum + b * QK / SB, k, mins, acc);                    \

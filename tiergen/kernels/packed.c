@@ -108,6 +108,7 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
         float a[QK / L], c[QK / L];                                                           \
         vf acc[FEW][CH] = {{{0}}};                                                            \
         for (int64_t b = 0; b < nb; b++) {                                                    \
+            PREFETCH(wr + b * BYTES);                                                         \
             UNPACK(wr + b * BYTES, q, a, c);                                                  \
             few(ROWS, QK, L, q, a, c, x + b * QK, k, acc);                                    \
         }                                                                                     \
