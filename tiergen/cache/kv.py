@@ -34,6 +34,17 @@ class KVView:
         k_all, v_all = self.update(k, v, meta)
         return attention(q, k_all, v_all, meta.mask, self.sparsity, meta.valid[:, :meta.end])
 
+    def decode_slots(self, meta: StepMeta) -> tuple[int, torch.Tensor] | None:
+        """For a step of one new token per row that attends to the buffers as they are once
+        it is written (what a fused decode layer does itself): the slot it is written to and
+        the mask (B, 1, 1, S) of the slots it sees. None for any other step."""
+        if meta.start == 0 or meta.positions.shape[1] != 1 or self.sparsity < 1:
+            return None
+        return self._decode_slot(meta)
+
+    def _decode_slot(self, meta: StepMeta) -> tuple[int, torch.Tensor]:
+        return meta.start, meta.mask
+
     def update(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, KVH, T, D) and return what the step attends to: its own
         k, v when it starts the sequence, the whole buffer when it decodes one token, else the
@@ -73,6 +84,17 @@ class RollingKVView(KVView):
         mask |= key_slots == q_slots  # a padding query sees itself, so its row stays finite
         return mask[:, None]
 
+    def _decode_mask(self, meta: StepMeta) -> torch.Tensor:
+        """The mask of a decode step over the ring once its token is written (the same for
+        every layer with this window: made once per step)."""
+        key = ("ring", self.window)
+        if key not in meta.derived:
+            meta.derived[key] = self._mask(self._slots(meta.end, self.k.device), meta)
+        return meta.derived[key]
+
+    def _decode_slot(self, meta: StepMeta) -> tuple[int, torch.Tensor]:
+        return (meta.end - 1) % self.window, self._decode_mask(meta)
+
     def _write(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> None:
         keep = min(k.shape[2], self.window)
         idx = torch.arange(meta.end - keep, meta.end, device=k.device) % self.window
@@ -82,8 +104,7 @@ class RollingKVView(KVView):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         if k.shape[2] == 1:  # decode: write first, then the ring is exactly the window
             self._write(k, v, meta)
-            return attention(q, self.k, self.v, self._mask(self._slots(meta.end, q.device), meta),
-                             self.sparsity)
+            return attention(q, self.k, self.v, self._decode_mask(meta), self.sparsity)
         key_slots = torch.cat([self._slots(meta.start, q.device),
                                torch.arange(meta.start, meta.end, device=q.device)])
         out = attention(q, torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
@@ -112,6 +133,9 @@ class LatentKVView(KVView):
         self.k[:, :, meta.start:meta.end] = k
         rows = k if meta.start == 0 else self.k if k.shape[2] == 1 else self.k[:, :, :meta.end]
         return rows, rows
+
+    def decode_slots(self, meta: StepMeta) -> None:
+        return None  # the latent rows are no K/V a fused layer writes
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 meta: StepMeta) -> torch.Tensor:

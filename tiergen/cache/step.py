@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,8 @@ class StepMeta:
     positions: torch.Tensor  # (B, T) int64
     mask: torch.Tensor | None  # (B, 1, T, keys) bool, True = attend
     valid: torch.Tensor  # (B, capacity) bool: which timeline slots hold real tokens
+    # what the layers derive from the above once per step and share (a ring's mask)
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def end(self) -> int:

@@ -17,7 +17,8 @@ default for an LLM on a CPU, judged by its KL divergence from the float path.
 ``decode.c``, in the same library, does a float32 RMSNorm, a rotary embedding and one new
 token's attention over the cache in one call each (:func:`rms_norm`, :func:`rope`,
 :func:`decode_attention`): at batch 1, torch's dispatch of the several operations they
-otherwise take is most of a step outside the products.
+otherwise take is most of a step outside the products. ``layer.c`` chains them with the
+products into a whole decode layer in one call (:mod:`tiergen.kernels.layer`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from tiergen.weights.quant import ggml_type_sizes
 
 log = logging.getLogger("tiergen")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "decode.c", "int8.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "decode.c", "int8.c", "layer.c")]
 HEADERS = [Path(__file__).with_name("blocks.h")]
 ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
 # rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
@@ -143,6 +144,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_rope.restype = None
     lib.tg_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                         ptr, ptr, f32, ptr]
+    lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
     return lib
 
 

@@ -91,6 +91,8 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
         float best[G], total[G];
         for (int64_t j = 0; j < G; j++) best[j] = -INFINITY, total[j] = 0.0f;
         for (int64_t s = 0; s < S; s++) {
+            __builtin_prefetch(kb + (s + 8) * ks[2]);  /* the rows come from memory */
+            __builtin_prefetch(kb + (s + 8) * ks[2] + 16);
             if (mb && !mb[s]) continue;
             for (int64_t j = 0; j < G; j++) {
                 const float e = dot(qg + j * D, kb + s * ks[2], D) * scale;
@@ -109,6 +111,8 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
             for (; c + 32 <= Dv; c += 32) {
                 v8 acc[3][4] = {{{0}}};
                 for (int64_t s = 0; s < S; s++) {
+                    __builtin_prefetch(vb + (s + 8) * vs[2] + c);
+                    __builtin_prefetch(vb + (s + 8) * vs[2] + c + 16);
                     if (mb && !mb[s]) continue;
                     const float *vr = vb + s * vs[2] + c;
                     const v8 x0 = load8(vr), x1 = load8(vr + 8), x2 = load8(vr + 16),

@@ -77,6 +77,7 @@ void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, i
 #define DECODE_CHUNK(UNPACK, QK, L, BYTES, src, nblk, q, a16, c16)                            \
     for (int64_t b_ = 0; b_ < (nblk); b_++) {                                                 \
         float a_[QK / L], c_[QK / L];                                                         \
+        PREFETCH((src) + b_ * BYTES);                                                         \
         UNPACK((src) + b_ * BYTES, (q) + b_ * QK, a_, c_);                                    \
         for (int s_ = 0; s_ < QK / SB; s_++) {                                                \
             (a16)[b_ * (QK / SB) + s_] = a_[s_ * SB / L];                                     \

@@ -20,10 +20,16 @@ from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
-from tiergen.models.layers import (apply_rope, cat_rows, embedding, gelu_tanh_mlp,
-                                   gemma_rms_norm, linear, rope_cos_sin, rope_inv_freq)
+from tiergen.models.layers import (LayerKind, apply_rope, cat_rows, embedding, fused_decode,
+                                   gelu_tanh_mlp, gemma_rms_norm, linear, rope_cos_sin,
+                                   rope_inv_freq)
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+# the names of tiergen.kernels.layer -> this family's (see fuse_layer)
+FUSED_NAMES = {"attn_norm": "input_norm", "q_norm": "q_norm", "k_norm": "k_norm",
+               "attn_out_norm": "post_attn_norm", "ffn_norm": "pre_ffw_norm",
+               "ffn_out_norm": "post_ffw_norm", "qkv": "qkv", "o": "o", "gate_up": "gate_up",
+               "down": "down"}
 
 
 class Gemma3:
@@ -35,6 +41,8 @@ class Gemma3:
         # query_pre_attn_scalar**-0.5, so q is pre-scaled by the ratio (1 when they agree).
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim
         self.q_scale = math.sqrt(cfg.head_dim / scalar)
+        self.kind = LayerKind(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                              shift=1.0, q_scale=self.q_scale, gelu=True)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
         return causal_lm_global_specs(self.cfg)
@@ -104,12 +112,15 @@ class Gemma3:
         c = self.cfg
         eps = c.rms_norm_eps
         B, T, _ = h.shape
+        cos, sin = shared[bool(c.window(i))]
+        if T == 1 and self.reduce is no_reduce and (out := fused_decode(
+                self.kind, FUSED_NAMES, w, h, meta, cache, (cos, sin))) is not None:
+            return out
         x = gemma_rms_norm(h, w["input_norm"], eps)
         q, k, v = linear(x, w["qkv"]).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                                               c.num_kv_heads * c.head_dim], dim=-1)
         q = gemma_rms_norm(q.view(B, T, c.num_heads, c.head_dim), w["q_norm"], eps)
         k = gemma_rms_norm(k.view(B, T, c.num_kv_heads, c.head_dim), w["k_norm"], eps)
-        cos, sin = shared[bool(c.window(i))]
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KVH, T, D)
         if self.q_scale != 1.0:

@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 from tiergen import kernels
 from tiergen._platform import cpu_has_fast_bfloat16
+from tiergen.cache.kv import KVView
+from tiergen.cache.step import StepMeta
+from tiergen.kernels.layer import LayerKind, decode_layer
 from tiergen.config import RopeConfig
 from tiergen.weights.packed import Packed, cat_rows  # noqa: F401  (cat_rows: for the families)
 
@@ -102,6 +105,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | 
             and x.shape[:-1].numel() >= UPCAST_ROWS and not cpu_has_fast_bfloat16()):
         return _widened_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def fused_decode(kind: LayerKind, names: dict[str, str], w: dict, h: torch.Tensor,
+                 meta: StepMeta, cache: KVView, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                 ) -> torch.Tensor | None:
+    """A decode step's layer in one native call, or None where that cannot run it. ``names``
+    maps the names of :mod:`tiergen.kernels.layer` to the family's own in ``w``."""
+    slots = cache.decode_slots(meta) if h.shape[1] == 1 else None
+    if slots is None:
+        return None
+    named = {native: w.get(own) for native, own in names.items()}
+    return decode_layer(kind, named, h, *cos_sin, cache.k, cache.v, *slots)
 
 
 def embedding(weight: torch.Tensor | Packed, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

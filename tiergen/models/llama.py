@@ -15,15 +15,22 @@ from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
-from tiergen.models.layers import (apply_rope, cat_rows, embedding, linear, rms_norm,
-                                   rope_cos_sin, rope_inv_freq)
+from tiergen.models.layers import (LayerKind, apply_rope, cat_rows, embedding, fused_decode,
+                                   linear, rms_norm, rope_cos_sin, rope_inv_freq)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
+
+# the names of tiergen.kernels.layer -> this family's (see fuse_layer)
+FUSED_NAMES = {"attn_norm": "input_norm", "q_norm": "q_norm", "k_norm": "k_norm",
+               "ffn_norm": "post_norm", "qkv": "qkv", "o": "o", "gate_up": "gate_up",
+               "down": "down", "qkv_bias": "qkv_bias", "o_bias": "o_bias",
+               "gate_up_bias": "gate_up_bias", "down_bias": "down_bias"}
 
 
 class Llama:
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.reduce = cfg, no_reduce
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        self.kind = LayerKind(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
         return causal_lm_global_specs(self.cfg)
@@ -96,8 +103,11 @@ class Llama:
 
     def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
               shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        c = self.cfg
         B, T, _ = h.shape
+        c = self.cfg
+        if T == 1 and self.reduce is no_reduce and not c.is_moe_layer(i) and (out := fused_decode(
+                self.kind, FUSED_NAMES, w, h, meta, cache, shared)) is not None:
+            return out
         x = rms_norm(h, w["input_norm"], c.rms_norm_eps)
         qkv = linear(x, w["qkv"], w.get("qkv_bias"))
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,

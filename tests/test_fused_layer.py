@@ -1,0 +1,117 @@
+"""The decode layer in one native call (tiergen/kernels/layer.c) computes what the layer run
+operation by operation computes: within float32 rounding on the float path, and on the
+integer path as close to the float path as the operation-by-operation integer path is."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import pytest
+import torch
+
+import tiergen.models.layers as layers
+from tiergen import LLM
+from test_gguf_model import GGUF_ARCH, write_model_gguf
+from test_offload import prefill_and_decode_logits
+from tiny_models import build
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, "
+        "there lived a family of four who kept bees and sold honey at the market. ")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the decode layers run natively; ``calls.off()`` runs them op by op instead."""
+    class Calls:
+        n = 0
+        native = True
+
+        def off(self):
+            self.native = False
+
+        def on(self):
+            self.native = True
+
+    c, real = Calls(), layers.decode_layer
+
+    def counted(*args, **kw):
+        if not c.native:
+            return None
+        out = real(*args, **kw)
+        c.n += out is not None
+        return out
+
+    monkeypatch.setattr(layers, "decode_layer", counted)
+    return c
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(p || q) of the next-token distributions."""
+    p, q = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+@pytest.mark.parametrize("case", sorted(GGUF_ARCH))
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_fused_decode_equals_layer_by_operation(case, qtype, calls, tmp_path):
+    """Every Llama-family variant (GQA, MHA, q/k/v biases, q/k norms), batches of prompts of
+    different lengths (left padding, the mask), prefill then decode steps."""
+    hf = build(case, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_model_gguf(hf, GGUF_ARCH[case], path, gguf.GGMLQuantizationType[qtype])
+    for activations in ("float32", "int16"):
+        llm = LLM(path, dtype="float32", activations=activations)
+        fused = prefill_and_decode_logits(llm)
+        assert calls.n > 0
+        calls.off()
+        by_op = prefill_and_decode_logits(llm)
+        calls.on()
+        for got, want in zip(fused, by_op):
+            if activations == "float32":
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            else:  # 16-bit rounding steps of 1/32512: a step's flip moves a logit by ~1e-5
+                assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3-270m"])
+def packaged(request):
+    return request.param
+
+
+def token_by_token(llm: LLM) -> torch.Tensor:
+    return llm.logits(TEXT)
+
+
+def test_packaged_models_fused_on_both_paths(packaged, calls):
+    """The packaged models scored one token at a time (every step a decode layer): the fused
+    layer equals the layer by operation on the float path, and on the integer path stays as
+    close to the float path as the layer by operation does."""
+    exact = LLM(packaged, activations="float32", prefill_chunk_size=1)
+    fused_exact = token_by_token(exact)
+    assert calls.n > 0
+    calls.off()
+    by_op_exact = token_by_token(exact)
+    calls.on()
+    scale = by_op_exact.abs().max()
+    assert (fused_exact - by_op_exact).abs().max() < 1e-5 * scale
+    int8 = LLM(packaged, activations="int8", prefill_chunk_size=1)
+    fused = kl(by_op_exact, token_by_token(int8)).mean()
+    calls.off()
+    by_op = kl(by_op_exact, token_by_token(int8)).mean()
+    assert 0 < fused < 1.5 * by_op + 1e-4, (fused, by_op)
+
+
+def test_rolling_window_decode(calls, monkeypatch):
+    """Gemma 3's sliding layers as rings shorter than the text: the fused layer writes the
+    ring slot and masks it as the ring view does."""
+    llm = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1)
+    llm.executor.cfg = cfg = dataclasses.replace(llm.executor.cfg, sliding_window=8)
+    monkeypatch.setattr(llm.executor.model, "cfg", cfg)
+    fused = token_by_token(llm)
+    assert calls.n > 0
+    calls.off()
+    by_op = token_by_token(llm)
+    assert (fused - by_op).abs().max() < 1e-5 * by_op.abs().max()
+    full = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1)
+    assert (token_by_token(full) - by_op).abs().max() > 1e-2  # the window did bite

@@ -1,0 +1,155 @@
+/* A whole decode layer in one call, for the CPU: one new token per row, packed (GGML block)
+ * matrices, float32 activations between them, the KV cache in float32.
+ *
+ * At batch 1 the products of a small model take a few milliseconds a step; the same step
+ * run as a layer of torch operations and kernel calls per matrix spends as long again in
+ * dispatch between them. Here the layer's operations follow each other in C, with the same
+ * kernels as the layer-by-operation path (tg_rms_norm, tg_rope, tg_decode_attention,
+ * tg_quantize_act with tg_qmatmul, or tg_matmul), so the two paths compute the same numbers:
+ * only the activation functions (SiLU, GELU) are C's instead of torch's, within float
+ * rounding.
+ *
+ * The layer is the pre-norm block of the Llama family and Gemma 3:
+ *   x = norm(h); q, k, v = x Wqkv (+ b); q, k = norm_q(q), norm_k(k) (optional);
+ *   q, k = rope(q), rope(k); q *= q_scale; cache[slot] = k, v;
+ *   o = attention(q, cache); y = o Wo (+ b); y = norm(y) (optional, Gemma); h += y
+ *   x = norm(h); g, u = x Wgate_up (+ b); y = (act(g) * u) Wdown (+ b);
+ *   y = norm(y) (optional, Gemma); h += y
+ * with every norm x / rms(x) * (w + shift) (shift 1: Gemma's).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t n, float eps,
+                 float *out);
+void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T, int64_t D,
+             const float *cos, const float *sin, float *out);
+int tg_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask,
+                        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
+                        const int64_t *ks, const int64_t *vs, float scale, float *out);
+void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
+                     float *xs4, float *xsum);
+int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+               const int8_t *xl, const float *xs4, const float *xsum, int qa, int64_t m,
+               float *y, int64_t ldy);
+int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+              float *y, int64_t ldy);
+
+/* A packed matrix (n rows of k values): {n, k, parts, then (ggml type, rows, address) for
+ * each part, its rows in order}. */
+typedef const int64_t *matrix;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps, shift, q_scale;
+    int32_t gelu;        /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
+    int32_t qa, wide;    /* activations: qa = 0 float32, else int8 blocks of qa (wide: 16-bit) */
+    const float *attn_norm, *q_norm, *k_norm, *attn_out_norm, *ffn_norm, *ffn_out_norm;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    matrix qkv, o, gate_up, down;
+} tg_layer;
+
+typedef struct {  /* the quantised activations' buffers, sized for the widest product */
+    int8_t *q, *low;
+    float *s4, *sum;
+} act_buffers;
+
+/* y (m, n) = x (m, k) W^T (+ bias): nonzero for a type without a kernel. */
+static int product(const tg_layer *L, matrix w, const float *x, int64_t m, float *y,
+                   const float *bias, act_buffers *a) {
+    const int64_t n = w[0], k = w[1], parts = w[2];
+    if (L->qa) tg_quantize_act(x, m, k, L->qa, a->q, L->wide ? a->low : NULL, a->s4, a->sum);
+    int64_t row = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        const int type = (int)w[3 + 3 * p];
+        const int64_t rows = w[4 + 3 * p];
+        const uint8_t *data = (const uint8_t *)(intptr_t)w[5 + 3 * p];
+        const int err = L->qa ? tg_qmatmul(type, data, rows, k, a->q, L->wide ? a->low : NULL,
+                                           a->s4, a->sum, L->qa, m, y + row, n)
+                              : tg_matmul(type, data, rows, k, x, m, y + row, n);
+        if (err) return err;
+        row += rows;
+    }
+    if (bias)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) y[i * n + j] += bias[j];
+    return 0;
+}
+
+static void norm_rows(const tg_layer *L, const float *w, float *x, int64_t m, int64_t n) {
+    if (w) tg_rms_norm(x, w, L->shift, m, n, L->eps, x);
+}
+
+/* h (B, hidden) advances through the layer in place. cos, sin (B, head_dim): this token's
+ * rotation per row. The cache: k (v) row of batch row b, head g, slot s at
+ * kc + b ks[0] + g ks[1] + s ks[2]; the new token goes to slot `slot`, attention reads
+ * slots [0, S) where mask (B, S) allows. Returns 0, 1 for a weight type without a kernel,
+ * 2 when out of memory. */
+int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, const float *sin,
+                    float *kc, float *vc, const int64_t *ks, const int64_t *vs, int64_t slot,
+                    int64_t S, const uint8_t *mask) {
+    const int64_t H = L->hidden, D = L->head_dim, NQ = L->heads * D, NKV = L->kv_heads * D;
+    const int64_t NQKV = NQ + 2 * NKV, I = L->inter;
+    int64_t widest = H > NQ ? H : NQ;
+    if (I > widest) widest = I;
+    const int64_t floats = B * (H + NQKV + NQ + NKV + NQ + H + 2 * I + I) + B * widest / 4
+                           + B * widest / 16;
+    float *buf = malloc(sizeof(float) * floats + 2 * B * widest + 64);
+    if (buf == NULL) return 2;
+    float *x = buf, *qkv = x + B * H, *q = qkv + B * NQKV, *kr = q + B * NQ, *o = kr + B * NKV,
+          *y = o + B * NQ, *gu = y + B * H, *act = gu + B * 2 * I;
+    act_buffers a = {.s4 = act + B * I};
+    a.sum = a.s4 + B * widest / 4;
+    a.q = (int8_t *)(a.sum + B * widest / 16);
+    a.low = a.q + B * widest;
+    int err = 0;
+
+    /* attention */
+    memcpy(x, h, sizeof(float) * B * H);
+    tg_rms_norm(x, L->attn_norm, L->shift, B, H, L->eps, x);
+    if ((err = product(L, L->qkv, x, B, qkv, L->qkv_bias, &a))) goto done;
+    for (int64_t b = 0; b < B; b++) {
+        norm_rows(L, L->q_norm, qkv + b * NQKV, L->heads, D);
+        norm_rows(L, L->k_norm, qkv + b * NQKV + NQ, L->kv_heads, D);
+    }
+    const int64_t strides[3] = {NQKV, D, 0};
+    tg_rope(qkv, strides, B, L->heads, 1, D, cos, sin, q);
+    tg_rope(qkv + NQ, strides, B, L->kv_heads, 1, D, cos, sin, kr);
+    if (L->q_scale != 1.0f)
+        for (int64_t i = 0; i < B * NQ; i++) q[i] *= L->q_scale;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < L->kv_heads; g++) {
+            memcpy(kc + b * ks[0] + g * ks[1] + slot * ks[2], kr + (b * L->kv_heads + g) * D,
+                   sizeof(float) * D);
+            memcpy(vc + b * vs[0] + g * vs[1] + slot * vs[2], qkv + b * NQKV + NQ + NKV + g * D,
+                   sizeof(float) * D);
+        }
+    if (tg_decode_attention(q, kc, vc, mask, B, L->heads, L->kv_heads, S, D, D, ks, vs,
+                            1.0f / sqrtf((float)D), o)) {
+        err = 2;
+        goto done;
+    }
+    if ((err = product(L, L->o, o, B, y, L->o_bias, &a))) goto done;
+    norm_rows(L, L->attn_out_norm, y, B, H);
+    for (int64_t i = 0; i < B * H; i++) h[i] += y[i];
+
+    /* MLP */
+    tg_rms_norm(h, L->ffn_norm, L->shift, B, H, L->eps, x);
+    if ((err = product(L, L->gate_up, x, B, gu, L->gate_up_bias, &a))) goto done;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < I; j++) {
+            const float g = gu[b * 2 * I + j], u = gu[b * 2 * I + I + j];
+            const float f = L->gelu ? 0.5f * g * (1.0f + tanhf(0.7978845608028654f *
+                                                               (g + 0.044715f * g * g * g)))
+                                    : g / (1.0f + expf(-g));
+            act[b * I + j] = f * u;
+        }
+    if ((err = product(L, L->down, act, B, y, L->down_bias, &a))) goto done;
+    norm_rows(L, L->ffn_out_norm, y, B, H);
+    for (int64_t i = 0; i < B * H; i++) h[i] += y[i];
+done:
+    free(buf);
+    return err;
+}

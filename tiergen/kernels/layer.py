@@ -1,0 +1,119 @@
+"""A whole decode layer of packed weights in one call to ``layer.c``.
+
+A model family describes its layer once (:class:`LayerKind`) and hands each decode step's
+tensors to :func:`decode_layer` under the names of :data:`NORMS`, :data:`BIASES` and
+:data:`MATRICES`; where anything is outside what the C layer takes (a GPU, float weights,
+too many rows, a cache it does not know), it returns None and the family runs its layer
+operation by operation, which computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from tiergen import kernels
+from tiergen.weights.packed import Packed, layout
+from tiergen.weights.quant import GGMLType
+
+NORMS = ("attn_norm", "q_norm", "k_norm", "attn_out_norm", "ffn_norm", "ffn_out_norm")
+BIASES = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")
+MATRICES = ("qkv", "o", "gate_up", "down")
+KERNEL_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+                GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K}
+_ptr = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
+                + [(n, ctypes.c_float) for n in ("eps", "shift", "q_scale")]
+                + [(n, ctypes.c_int32) for n in ("gelu", "qa", "wide")]
+                + [(n, _ptr) for n in NORMS + BIASES + MATRICES])
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a family's decode layer is, beyond its tensors (see ``layer.c``)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    shift: float = 0.0  # norms multiply by (w + shift): 1 for Gemma
+    q_scale: float = 1.0  # q is multiplied by it after the rotation
+    gelu: bool = False  # the MLP's activation: GELU (tanh) instead of SiLU
+
+
+_built: dict[tuple, tuple[_Layer, list]] = {}  # by the addresses of everything they point to
+
+
+def _matrix(w: Packed) -> ctypes.Array:
+    cells = [w.shape[0], w.shape[1], len(w.parts)]
+    for ggml_type, _, rows, start, _ in layout(w.shape, w.parts):
+        cells += [ggml_type, rows, w.data.data_ptr() + start]
+    return (ctypes.c_int64 * len(cells))(*cells)
+
+
+def _usable(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
+                         and t.is_contiguous())
+
+
+def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | None:
+    """The C description of a layer (built once for the same tensors), or None if the C
+    layer cannot take them."""
+    mats = [w[n] for n in MATRICES]
+    if not isinstance(mats[0], Packed):
+        return None
+    vecs = [w.get(n) for n in NORMS + BIASES]
+    key = (kind, fmt, *(m.data.data_ptr() for m in mats if isinstance(m, Packed)),
+           *(0 if v is None else v.data_ptr() for v in vecs))
+    entry = _built.get(key)
+    if entry is not None:
+        return entry[0]
+    if not all(isinstance(m, Packed) and m.device.type == "cpu" and m.shape[1] % 32 == 0
+               and all(t in KERNEL_TYPES for t, _ in m.parts) for m in mats):
+        return None
+    if not all(map(_usable, vecs)):
+        return None
+    arrays = [_matrix(m) for m in mats]
+    qa, wide = fmt or (0, False)
+    layer = _Layer(w["o"].shape[0], kind.heads, kind.kv_heads, kind.head_dim,
+                   w["down"].shape[1], kind.eps, kind.shift, kind.q_scale, int(kind.gelu),
+                   qa, int(wide), *(None if v is None else v.data_ptr() for v in vecs),
+                   *(ctypes.addressof(a) for a in arrays))
+    if len(_built) > 4096:  # weights streamed from disk come at new addresses every step
+        _built.clear()
+    _built[key] = (layer, arrays + vecs + mats)  # keeps what it points to alive
+    return layer
+
+
+def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
+                 mask: torch.Tensor) -> torch.Tensor | None:
+    """h (B, 1, hidden) after the layer, the new token's K/V written to the cache k, v
+    (B, KVH, S, D) at ``slot``, attention over the slots ``mask`` (B, 1, 1, S) allows;
+    cos, sin (B, 1, 1, D). None where the C layer cannot run it (see the module docstring)."""
+    B = h.shape[0]
+    fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
+    if (B > kernels.ROW_THRESHOLD or not _usable(h) or not _usable(cos) or not _usable(sin)
+            or k.dtype != torch.float32 or k.device.type != "cpu" or k.stride(-1) != 1
+            or v.dtype != torch.float32 or v.stride(-1) != 1 or not mask.is_contiguous()
+            or mask.dtype != torch.bool or mask.device.type != "cpu"):
+        return None
+    lib = kernels.library()
+    if lib is None:
+        return None
+    layer = _layer(kind, fmt, w)
+    if layer is None:
+        return None
+    out = h.clone()
+    strides = (ctypes.c_int64 * 6)(*k.stride()[:3], *v.stride()[:3])
+    err = lib.tg_decode_layer(ctypes.byref(layer), out.data_ptr(), B, cos.data_ptr(),
+                              sin.data_ptr(), k.data_ptr(), v.data_ptr(), strides,
+                              ctypes.byref(strides, 24), slot, k.shape[2], mask.data_ptr())
+    if err:
+        raise MemoryError("decode layer: out of memory for its buffers")
+    return out
