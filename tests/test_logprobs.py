@@ -4,6 +4,7 @@ import tiergen  # noqa: F401  (first: sets the CPU safety guard before torch run
 # through the server. Reference log-probabilities are the log-softmax of LLM.logits on the
 # float path (float32 activations), where a batch gives each row the logits it has alone.
 
+import json
 import threading
 import time
 
@@ -170,3 +171,175 @@ def test_merging_samplers_keeps_each_rows_state():
     assert got.tolist() == [[0, -1, 0, 0, 0], [0, 0, -5, 0, 0]]
     a.keep_rows([1])
     assert a.adjusted(torch.zeros(1, 5)).tolist() == [[0, 0, -5, 0, 0]]
+
+
+# ---- the server ------------------------------------------------------------------------------
+
+SERVED = "served"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PENALISED = dict(max_tokens=8, temperature=0, presence_penalty=1.5, frequency_penalty=0.5)
+
+
+@pytest.fixture(scope="module")
+def expected(llm) -> dict:
+    """What the server should answer, computed before it starts (its scheduler then owns the
+    model): greedy continuations and the reference log-probabilities of their tokens."""
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    chat_ids = llm.chat_prompt(CHAT)
+    results = llm.generate(PROMPTS[:2] + [chat_ids], greedy)
+    refs = [reference(llm, r.prompt_token_ids + r.token_ids) for r in results]
+    penalised = llm.generate(PROMPTS[1], SamplingParams(**PENALISED))[0].text
+    return {"results": results, "refs": refs, "penalised": penalised}
+
+
+@pytest.fixture(scope="module")
+def base_url(llm, expected):
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, [SERVED]), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def post(base_url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/{path}", json={"model": SERVED, **body}, timeout=60)
+
+
+def check_legacy(logprobs: dict, ids: list[int], ref: torch.Tensor, first: int, k: int) -> None:
+    """Legacy logprobs of tokens ids[first:], against the reference rows."""
+    values = logprobs["token_logprobs"]
+    assert len(values) == len(logprobs["tokens"]) == len(ids) - first
+    for i, (value, top) in enumerate(zip(values, logprobs["top_logprobs"]), start=first):
+        if i == 0:
+            assert value is None and top is None
+            continue
+        assert value == pytest.approx(ref[i - 1, ids[i]].item(), abs=TOL)
+        tops = list(top.values())
+        assert tops == sorted(tops, reverse=True) and k <= len(tops) <= k + 1
+        assert tops[:k] == pytest.approx(ref[i - 1].topk(k).values.tolist(), abs=TOL)
+        assert any(abs(v - value) < 1e-6 for v in tops)  # the chosen token is there
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets)
+
+
+def test_completion_logprobs_with_echo_for_a_batch(base_url, expected):
+    results, refs = expected["results"], expected["refs"]
+    r = post(base_url, "completions", {"prompt": PROMPTS[:2], "max_tokens": 4, "temperature": 0,
+                                       "ignore_eos": True, "echo": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    for choice, result, ref in zip(r.json()["choices"], results, refs):
+        ids = result.prompt_token_ids + result.token_ids
+        assert choice["text"] == result.prompt + result.text
+        check_legacy(choice["logprobs"], ids, ref, 0, 2)
+    # without echo: the generated tokens only, their offsets counted from the text's start
+    r = post(base_url, "completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                       "ignore_eos": True, "logprobs": 0})
+    choice, result = r.json()["choices"][0], results[0]
+    assert choice["text"] == result.text
+    check_legacy(choice["logprobs"], result.prompt_token_ids + result.token_ids, refs[0],
+                 len(result.prompt_token_ids), 0)
+    assert choice["logprobs"]["text_offset"][0] == 0
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_scoring_as_lm_evaluation_harness_sends_it(base_url, expected, max_tokens):
+    """Token-id prompts, echo, logprobs=1, max_tokens 0 or 1."""
+    results, refs = expected["results"], expected["refs"]
+    prompts = [r.prompt_token_ids + r.token_ids for r in results[:2]]
+    r = post(base_url, "completions", {"prompt": prompts, "echo": True, "logprobs": 1,
+                                       "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == max_tokens * len(prompts)
+    for choice, ids, ref in zip(sorted(body["choices"], key=lambda c: c["index"]), prompts, refs):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(ids) + max_tokens
+        check_legacy({k: v[:len(ids)] for k, v in logprobs.items()}, ids, ref, 0, 1)
+        assert choice["finish_reason"] == "length"
+
+
+def test_streamed_logprobs_equal_the_whole_answer(base_url, client):
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 2}
+    whole = post(base_url, "completions", body).json()["choices"][0]
+    pieces = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    text = ""
+    with httpx.stream("POST", f"{base_url}/v1/completions", timeout=60,
+                      json={"model": SERVED, **body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            for key, values in (choice["logprobs"] or {}).items():
+                pieces[key] += values
+    assert text == whole["text"]
+    assert pieces == whole["logprobs"]
+
+
+def test_chat_logprobs(client, expected):
+    result, ref = expected["results"][2], expected["refs"][2]
+    kwargs = dict(model=SERVED, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                  top_logprobs=2, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kwargs)
+    content = r.choices[0].logprobs.content
+    n = len(result.prompt_token_ids)
+    assert len(content) == 4
+    for j, (item, token) in enumerate(zip(content, result.token_ids)):
+        row = ref[n + j - 1]
+        assert item.logprob == pytest.approx(row[token].item(), abs=TOL)
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(row.topk(2).values.tolist(),
+                                                                       abs=TOL)
+    streamed = [item for chunk in client.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs
+                for item in chunk.choices[0].logprobs.content]
+    assert [i.model_dump() for i in streamed] == [i.model_dump() for i in content]
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_penalties_and_logit_bias_through_the_server(client, llm, expected):
+    r = client.completions.create(model=SERVED, prompt=PROMPTS[1], **PENALISED)
+    assert r.choices[0].text == expected["penalised"]
+    first = expected["results"][0].token_ids[0]
+    r = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                  logit_bias={str(first): -100}, logprobs=0)
+    assert llm.tokenizer.token_string(first) not in r.choices[0].logprobs.tokens
+    r = client.completions.create(model=SERVED, prompt=PROMPTS[0], max_tokens=3, temperature=1.0,
+                                  seed=5, logit_bias={"1234": 100}, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [llm.tokenizer.token_string(1234)] * 3
+
+
+@pytest.mark.parametrize("path, body, param, match", [
+    ("completions", {"prompt": "Hi", "logprobs": 21}, "logprobs", "between 0 and 20"),
+    ("completions", {"prompt": "Hi", "presence_penalty": 3}, "presence_penalty",
+     "'presence_penalty' must be between -2 and 2"),
+    ("completions", {"prompt": "Hi", "frequency_penalty": -2.5}, "frequency_penalty",
+     "between -2 and 2"),
+    ("completions", {"prompt": "Hi", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ("completions", {"prompt": "Hi", "logit_bias": {"99999999": 1}}, "logit_bias",
+     "outside the vocabulary"),
+    ("completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens", "0 only with echo"),
+    ("chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "between 0 and 20"),
+    ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs",
+     "needs 'logprobs': true"),
+])
+def test_bad_values_get_400(base_url, path, body, param, match):
+    r = post(base_url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert match in error["message"] and error["param"] == param

@@ -339,7 +339,7 @@ OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     (COMPLETIONS, {**OK, "stop": [""]}, 400, "stop", "stop strings must be non-empty"),
     (COMPLETIONS, {**OK, "stop": 3}, 400, "stop", "'stop' must be a string"),
     (COMPLETIONS, {**OK, "n": 0}, 400, "n", "'n' must be between"),
-    (COMPLETIONS, {**OK, "logprobs": 1}, 400, "logprobs", "not supported"),
+    (COMPLETIONS, {**OK, "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
     (COMPLETIONS, {**OK, "stream": "yes"}, 400, "stream", "valid boolean"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages", "'messages' is empty"),
     (CHAT, {"model": MODEL}, 400, "messages", "'messages' is required"),

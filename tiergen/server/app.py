@@ -16,9 +16,10 @@ from tiergen.engine.scheduler import CANCELLED, TIMED_OUT, QueueFull, Scheduler
 from tiergen.errors import TiergenError
 from tiergen.server.bridge import DONE, Generation, sse
 from tiergen.server.errors import APIError, bad_request, install_handlers
+from tiergen.server.logprobs import Report
 from tiergen.server.metrics import CONTENT_TYPE, ServerMetrics
 from tiergen.server.protocol import (ChatCompletionRequest, CompletionRequest, Envelope,
-                                     GenerationRequest, StreamOptions, parse)
+                                     GenerationRequest, StreamOptions, parse, sampling_error)
 
 MAX_BODY_BYTES = 1 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -116,8 +117,9 @@ class Server:
         name, requested = body.requested_max_tokens()
         context = self.llm.config.context_length
         longest = max(len(p) for p in prompts)
-        if requested is not None and requested < 1:
-            raise bad_request(f"'{name}' must be a positive integer, got {requested}", name)
+        if requested is not None and requested < 1 and not (requested == 0 and body.echo_prompt):
+            raise bad_request(f"'{name}' must be a positive integer (0 only with echo), got "
+                              f"{requested}", name)
         if requested is not None and requested > context:
             raise bad_request(f"'{name}' is {requested}, beyond the model's context of {context} "
                               "tokens", name, "context_length_exceeded")
@@ -138,6 +140,7 @@ class Server:
                        envelope: Envelope, param: str) -> Response:
         """Submit every choice of every prompt; answer with a stream or with the whole result."""
         params = body.sampling_params(self.max_tokens(body, prompts, param))
+        report = Report(body, prompts, self.llm.tokenizer, envelope.chat)
         self.check_available()
         generation = Generation(self.scheduler, self.metrics.observe)
         try:
@@ -145,7 +148,7 @@ class Server:
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full") from None
         except TiergenError as e:
-            raise bad_request(str(e), param) from None
+            raise sampling_error(e, param) from None
         prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
             options = body.stream_options or StreamOptions()
@@ -160,10 +163,11 @@ class Server:
             if first[1].finish_reason in FAILED:
                 generation.cancel()
                 raise self._failure(first[1].finish_reason)
-            return StreamingResponse(self._stream(generation, envelope, prompt_tokens,
+            return StreamingResponse(self._stream(generation, envelope, report, prompt_tokens,
                                                   options, first, events),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await self._collect(request, generation, envelope, prompt_tokens))
+        return JSONResponse(await self._collect(request, generation, envelope, report,
+                                                prompt_tokens))
 
     def _failure(self, finish_reason: str) -> APIError:
         if finish_reason == CANCELLED:
@@ -177,8 +181,8 @@ class Server:
         return APIError(500, "the engine failed while generating; see the server's log",
                         code="engine_failed")
 
-    async def _stream(self, generation: Generation, envelope: Envelope, prompt_tokens: int,
-                      options: StreamOptions, first: tuple[int, StreamEvent],
+    async def _stream(self, generation: Generation, envelope: Envelope, report: Report,
+                      prompt_tokens: int, options: StreamOptions, first: tuple[int, StreamEvent],
                       rest: AsyncIterator[tuple[int, StreamEvent]]) -> AsyncIterator[str]:
         async def events() -> AsyncIterator[tuple[int, StreamEvent]]:
             yield first
@@ -186,6 +190,7 @@ class Server:
                 yield item
 
         generated = 0  # tokens delivered so far, every choice together
+        started: set[int] = set()  # choices whose echo went out
 
         def usage_so_far() -> tuple[int, int] | None:
             return (prompt_tokens, generated) if options.continuous_usage_stats else None
@@ -199,8 +204,17 @@ class Server:
                     yield sse(self._failure(ev.finish_reason).body())
                     return
                 generated += ev.token_id >= 0
-                if ev.text:
-                    yield sse(envelope.chunk(choice, ev.text, usage_so_far=usage_so_far()))
+                if choice not in started:
+                    started.add(choice)
+                    echo, logprobs = report.start(choice, generation.requests[choice].seq)
+                    if echo or logprobs:
+                        yield sse(envelope.chunk(choice, echo, usage_so_far=usage_so_far(),
+                                                 logprobs=logprobs))
+                logprobs = report.tokens(choice, [ev.token_id], [ev.logprobs]) \
+                    if ev.logprobs is not None else None
+                if ev.text or logprobs:
+                    yield sse(envelope.chunk(choice, ev.text, usage_so_far=usage_so_far(),
+                                             logprobs=logprobs))
                 if ev.finish_reason is not None:
                     yield sse(envelope.chunk(choice, "", ev.finish_reason,
                                              usage_so_far=usage_so_far()))
@@ -211,7 +225,7 @@ class Server:
             generation.cancel()
 
     async def _collect(self, request: Request, generation: Generation, envelope: Envelope,
-                       prompt_tokens: int) -> dict:
+                       report: Report, prompt_tokens: int) -> dict:
         async def drain() -> None:
             async for _ in generation.events():
                 pass
@@ -232,7 +246,9 @@ class Server:
         for r in generation.requests:
             if r.finish_reason in FAILED:
                 raise self._failure(r.finish_reason)
-        return envelope.response([(r.seq.text, r.finish_reason) for r in generation.requests],
+        choices = [report.whole(i, r.seq) for i, r in enumerate(generation.requests)]
+        return envelope.response([(text, r.finish_reason, logprobs) for (text, logprobs), r
+                                  in zip(choices, generation.requests)],
                                  prompt_tokens, generation.completion_tokens)
 
 
