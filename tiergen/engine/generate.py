@@ -196,8 +196,10 @@ class MicroBatchState:
     def _prompt_positions(self) -> PositionLogits | None:
         """For a prompt step with rows that asked for prompt_logprobs: where their logits at
         every position go."""
+        if self.decoding:
+            return None
         rows = [r for r, s in enumerate(self.live) if s.prompt_logprobs is not None]
-        if self.decoding or not rows:
+        if not rows:
             return None
         start = self.start
 

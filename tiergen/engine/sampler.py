@@ -209,11 +209,12 @@ class Sampler:
         for row, p in enumerate(self.params):
             if not p.greedy:
                 tokens[row] = self._sample_row(logits[row], p, self.generators[row])
-        rows = torch.arange(len(tokens), device=tokens.device)
-        if "seen" in s:
-            s["seen"][rows, tokens] = True
-        if "counts" in s:
-            s["counts"][rows, tokens] += 1
+        if s:
+            rows = torch.arange(len(tokens), device=tokens.device)
+            if "seen" in s:
+                s["seen"][rows, tokens] = True
+            if "counts" in s:
+                s["counts"][rows, tokens] += 1
         return tokens
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[PositionLogprobs | None] | None:
