@@ -15,6 +15,7 @@ import torch
 import uvicorn
 
 from tiergen import LLM, SamplingParams
+from tiergen.engine import executor
 from tiergen.engine.sampler import Sampler
 from tiergen.errors import TiergenError
 from tiergen.server import create_app, listen
@@ -63,8 +64,11 @@ def check_result(llm: LLM, result, k: int, prompt_k: int | None) -> None:
 
 
 @pytest.mark.parametrize("chunk", [None, 4])
-def test_logprobs_equal_the_log_softmax_of_the_logits(llm, chunk):
-    """Batched prompts of different lengths and one alone; whole prompts or chunks of 4."""
+def test_logprobs_equal_the_log_softmax_of_the_logits(llm, chunk, monkeypatch):
+    """Batched prompts of different lengths and one alone; whole prompts or chunks of 4,
+    their logits handed over a position or a few at a time."""
+    if chunk:
+        monkeypatch.setattr(executor, "POSITION_LOGITS_BYTES", 3 * 4 * llm.config.vocab_size)
     saved, llm.prefill_chunk_size = llm.prefill_chunk_size, chunk
     try:
         params = [SamplingParams(max_tokens=5, temperature=0, logprobs=3, prompt_logprobs=2),
