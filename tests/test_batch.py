@@ -134,6 +134,32 @@ def test_resume_computes_only_the_missing_ids(llm, tmp_path, monkeypatch):
     assert len(read_records(output)) == 7
 
 
+def test_an_interrupted_run_keeps_every_finished_group(llm, tmp_path, monkeypatch):
+    source = write_lines(tmp_path / "requests.jsonl", [
+        line(f"r{i}", COMPLETIONS, {"model": MODEL, "prompt": "word " * (i + 1), "max_tokens": 2,
+                                    "temperature": 0}) for i in range(4)])
+    output = tmp_path / "results.jsonl"
+    monkeypatch.setattr(llm, "micro_batch", 1)  # a group per request
+    calls = []
+    generate = llm.generate
+
+    def interrupted(prompts, params):
+        calls.append(len(prompts))
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C while the third group runs
+        return generate(prompts, params)
+
+    monkeypatch.setattr(llm, "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(llm, read_input(source), output, model_names=[MODEL], progress=False)
+    # the longest prompts run first, one group at a time
+    assert [r["custom_id"] for r in read_records(output)] == ["r3", "r2"]
+    monkeypatch.setattr(llm, "generate", generate)
+    summary = run_batch(llm, read_input(source), output, model_names=[MODEL], progress=False)
+    assert (summary.skipped, summary.ok) == (2, 2)
+    assert [r["custom_id"] for r in read_records(output)] == ["r3", "r2", "r1", "r0"]
+
+
 def test_duplicate_ids_and_a_damaged_output_stop_the_run(llm, tmp_path):
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     source = write_lines(tmp_path / "requests.jsonl",
