@@ -663,7 +663,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve a model over HTTP with OpenAI's API",
                          description="Serve /v1/completions, /v1/chat/completions and /v1/models "
-                                     "(OpenAI's API, streaming included), /health and /metrics "
+                                     "(OpenAI's API, streaming included), vLLM's /tokenize and "
+                                     "/detokenize, /health and /metrics "
                                      "(Prometheus). Requests are batched continuously; --verbose logs "
                                      "every request.")
     g = srv.add_argument_group("server")
