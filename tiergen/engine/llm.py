@@ -267,9 +267,13 @@ class LLM:
         """Blocks of num_gpu_batches micro-batches, prompts of similar length together so
         that little padding is computed."""
         order = sorted(seqs, key=lambda s: len(s.prompt_ids), reverse=True)
-        size = self.micro_batch * self.policy.num_gpu_batches
-        for i in range(0, len(order), size):
-            yield order[i:i + size]
+        for i in range(0, len(order), self.block_size):
+            yield order[i:i + self.block_size]
+
+    @property
+    def block_size(self) -> int:
+        """Sequences run together: num_gpu_batches micro-batches."""
+        return self.micro_batch * self.policy.num_gpu_batches
 
     # -- generation ----------------------------------------------------------------------
     def _run(self, seqs: list[Sequence]) -> Iterator[StepEvent]:
@@ -441,12 +445,16 @@ class LLM:
             group.flush()
         return result
 
-    def chat_prompt(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[Message], chat_template: str | None = None,
+                    add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """A conversation's tokens through the chat template (which writes its own special
+        tokens: ``add_special_tokens`` adds the tokenizer's too)."""
         if self.tokenizer is None:
             raise TiergenError(f"model {self.name} has no tokenizer, so it cannot chat")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt,
                                                   template=chat_template)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              params: SamplingParams | None = None,

@@ -142,7 +142,7 @@ class Scheduler:
         self.llm = llm
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.max_running = max_running or llm.micro_batch * llm.policy.num_gpu_batches
+        self.max_running = max_running or llm.block_size
         self.metrics = SchedulerMetrics()
         self._waiting: deque[Request] = deque()
         self._requests: dict[int, Request] = {}  # by id(Sequence)

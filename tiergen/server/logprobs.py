@@ -5,7 +5,8 @@ top_logprobs)."""
 
 from __future__ import annotations
 
-from tiergen.engine.generate import Sequence
+from typing import Protocol
+
 from tiergen.engine.sampler import PositionLogprobs
 from tiergen.server.protocol import GenerationRequest
 from tiergen.tokenizer import Tokenizer
@@ -21,6 +22,17 @@ def _best_first(entry: PositionLogprobs) -> list[tuple[int, float]]:
     return sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda p: -p[1])
 
 
+class Output(Protocol):
+    """A finished choice as the engine leaves it: a scheduled Sequence, or a GenerationResult
+    of ``LLM.generate``."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[PositionLogprobs] | None
+    prompt_logprobs: list[PositionLogprobs | None] | None
+
+
 class Report:
     """The echo and log-probabilities of one request's choices (choice i answers prompt
     i // n). Legacy ``top_logprobs`` hold the k likeliest tokens and the chosen one, best
@@ -29,7 +41,7 @@ class Report:
 
     def __init__(self, body: GenerationRequest, prompts: list[list[int]],
                  tokenizer: Tokenizer | None, chat: bool) -> None:
-        self.chat, self.tokenizer = chat, tokenizer
+        self.chat, self.tokenizer, self.prompts = chat, tokenizer, prompts
         self.top = body.top_logprobs_wanted()  # None: no log-probabilities
         self.n = body.num_choices
         self.echo: list[str] | None = None
@@ -44,13 +56,15 @@ class Report:
     def _text(self, token: int) -> str:
         return self.tokenizer.token_string(token) if self.tokenizer is not None else ""
 
-    def start(self, choice: int, seq: Sequence) -> tuple[str, dict | None]:
-        """What comes before the generated text: the echoed prompt and its log-probabilities."""
+    def start(self, choice: int, prompt_logprobs: list[PositionLogprobs | None] | None
+              ) -> tuple[str, dict | None]:
+        """What comes before the generated text: the echoed prompt and its log-probabilities
+        (``prompt_logprobs``, the choice's sequence's)."""
         if self.echo is None:
             return "", None
         logprobs = None
-        if self.top is not None:
-            logprobs = self._legacy(choice, seq.prompt_ids, seq.prompt_logprobs)
+        if self.top is not None and prompt_logprobs is not None:
+            logprobs = self._legacy(choice, self.prompts[choice // self.n], prompt_logprobs)
         return self.echo[choice // self.n], logprobs
 
     def tokens(self, choice: int, ids: list[int],
@@ -60,13 +74,14 @@ class Report:
             return None
         return self._chat(ids, entries) if self.chat else self._legacy(choice, ids, entries)
 
-    def whole(self, choice: int, seq: Sequence) -> tuple[str, dict | None]:
+    def whole(self, choice: int, out: Output) -> tuple[str, dict | None]:
         """A finished choice's text and log-probabilities, the echo included."""
-        text, before = self.start(choice, seq)
-        after = self.tokens(choice, seq.token_ids, seq.logprobs)
+        self._offsets.pop(choice, None)
+        text, before = self.start(choice, out.prompt_logprobs)
+        after = self.tokens(choice, out.token_ids, out.logprobs)
         if before is not None and after is not None:
             after = {key: before[key] + after[key] for key in before}
-        return text + seq.text, after or before
+        return text + out.text, after or before
 
     def _legacy(self, choice: int, ids: list[int],
                 entries: list[PositionLogprobs | None]) -> dict:

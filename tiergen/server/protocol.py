@@ -218,21 +218,43 @@ class ChatCompletionRequest(GenerationRequest):
         return "max_tokens", self.max_tokens
 
     def conversation(self, template: str | None = None) -> list[dict[str, str]]:
-        """The messages as the chat template takes them. Roles are OpenAI's (developer is read
-        as system) or another role that ``template``, the model's template source, names."""
-        if not self.messages:
-            raise bad_request("'messages' is empty; give at least one message, e.g. "
-                              "[{\"role\": \"user\", \"content\": \"Hello\"}]", "messages")
-        for i, m in enumerate(self.messages):
-            known = m.role in ROLES or (template is not None and m.role.isidentifier() and
-                                        any(f"{q}{m.role}{q}" in template for q in "'\""))
-            if not known:
-                raise bad_request(f"'messages[{i}].role' is '{m.role}'; it must be one of "
-                                  f"{', '.join(ROLES[:3])}", f"messages[{i}].role", "invalid_value")
-        return [m.as_template_input() for m in self.messages]
+        return conversation(self.messages, template)
 
 
-R = TypeVar("R", bound=GenerationRequest)
+def conversation(messages: list[ChatMessage], template: str | None = None) -> list[dict[str, str]]:
+    """The messages as the chat template takes them. Roles are OpenAI's (developer is read
+    as system) or another role that ``template``, the model's template source, names."""
+    if not messages:
+        raise bad_request("'messages' is empty; give at least one message, e.g. "
+                          "[{\"role\": \"user\", \"content\": \"Hello\"}]", "messages")
+    for i, m in enumerate(messages):
+        known = m.role in ROLES or (template is not None and m.role.isidentifier() and
+                                    any(f"{q}{m.role}{q}" in template for q in "'\""))
+        if not known:
+            raise bad_request(f"'messages[{i}].role' is '{m.role}'; it must be one of "
+                              f"{', '.join(ROLES[:3])}", f"messages[{i}].role", "invalid_value")
+    return [m.as_template_input() for m in messages]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text ``prompt``, or chat ``messages`` through the chat template.
+    ``add_special_tokens`` defaults to true for a prompt and false for messages (the
+    template writes its own)."""
+
+    EXPECTED: ClassVar[dict[str, str]] = {"prompt": "'prompt' must be a string"}
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+R = TypeVar("R", bound=_Strict)
 
 
 def parse(model: type[R], body: bytes) -> R:
@@ -247,9 +269,10 @@ def parse(model: type[R], body: bytes) -> R:
         if not loc:
             raise bad_request("the request body must be a JSON object") from None
         name = str(loc[0])
-        if name in _EXPECTED and (len(loc) > 1 or error["type"] != "missing"):
+        expected = {**_EXPECTED, **getattr(model, "EXPECTED", {})}
+        if name in expected and (len(loc) > 1 or error["type"] != "missing"):
             where = f"{name}[{loc[1]}]" if len(loc) > 1 and isinstance(loc[1], int) else name
-            raise bad_request(f"{_EXPECTED[name]} (problem at '{where}')", where) from None
+            raise bad_request(f"{expected[name]} (problem at '{where}')", where) from None
         if error["type"] == "missing":
             raise bad_request(f"'{name}' is required", name) from None
         path = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
