@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent / "tiergen"
 GROUND = {"tiergen.errors", "tiergen._platform", "tiergen.config", "tiergen.tokenizer",
           "tiergen.devices", "tiergen.paths", "tiergen.calibration"}
 LOWER = ("models", "cache", "offload", "weights", "kernels")  # what a model's run is made of
-UPPER = ("engine", "planner", "server", "cli", "bench")  # what drives a run
+UPPER = ("engine", "planner", "server", "cli", "bench", "batch")  # what drives a run
 TRANSPORT = ("parallel",)  # links between ranks: below the engine, above the models
 
 

@@ -31,6 +31,8 @@ MODEL_OPTIONS = COMMON_OPTIONS[:COMMON_OPTIONS.index("--max-tokens")]
 SERVE_OPTIONS = ["--host", "--port", "--max-queue", "--default-max-tokens", "--chat-template",
                  "--api-key", "--queue-timeout",
                  *MODEL_OPTIONS, *PARALLEL_OPTIONS]
+RUN_BATCH_OPTIONS = ["--input", "--output", "--default-max-tokens", "--chat-template",
+                     *MODEL_OPTIONS, *PARALLEL_OPTIONS]
 
 
 class _Tty(io.StringIO):
@@ -183,7 +185,8 @@ def test_process_error_is_one_line_and_status_2(tmp_path, args, match):
 
 @pytest.mark.parametrize("command, options", [("generate", GENERATE_OPTIONS),
                                               ("chat", CHAT_OPTIONS),
-                                              ("serve", SERVE_OPTIONS)])
+                                              ("serve", SERVE_OPTIONS),
+                                              ("run-batch", RUN_BATCH_OPTIONS)])
 def test_help_mentions_every_option(capsys, command, options):
     with pytest.raises(SystemExit) as e:
         cli.main([command, "--help"])

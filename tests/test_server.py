@@ -306,6 +306,49 @@ def test_metrics_are_prometheus_text(base_url, client):
     assert "# TYPE tiergen_request_latency_seconds histogram" in r.text
 
 
+# ---- tokens ----------------------------------------------------------------------------------
+
+def test_tokenize_and_detokenize_round_trip(base_url, llm):
+    r = httpx.post(base_url + "/tokenize", json={"model": MODEL, "prompt": PARIS})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"tokens": llm.encode(PARIS), "count": 5,
+                        "max_model_len": llm.config.context_length}
+    r = httpx.post(base_url + "/detokenize", json={"tokens": r.json()["tokens"]})
+    assert r.json() == {"prompt": PARIS}
+
+    messages = [{"role": "user", "content": CHATS[0]}]
+    tokens = httpx.post(base_url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tokens == llm.chat_prompt(messages)  # what the chat endpoint runs
+    shorter = httpx.post(base_url + "/tokenize", json={"messages": messages,
+                                                       "add_generation_prompt": False}).json()
+    assert shorter["tokens"] == tokens[:shorter["count"]] and shorter["count"] < len(tokens)
+    text = httpx.post(base_url + "/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert text == llm.tokenizer.apply_chat_template(messages)  # special tokens kept
+
+
+@pytest.mark.parametrize("path, body, status, param, match", [
+    ("/tokenize", {}, 400, "prompt", "give either 'prompt' (a string) or 'messages'"),
+    ("/tokenize", {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, 400,
+     "messages", "not both"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt", "'prompt' must be a string"),
+    ("/tokenize", {"prompt": "Hi", "add_special_tokens": "no"}, 400, "add_special_tokens",
+     "valid boolean"),
+    ("/tokenize", {"messages": []}, 400, "messages", "'messages' is empty"),
+    ("/tokenize", {"model": "gpt-4", "prompt": "Hi"}, 404, "model", "does not exist"),
+    ("/tokenize", b"{not json", 400, None, "not valid JSON"),
+    ("/detokenize", {}, 400, "tokens", "'tokens' is required"),
+    ("/detokenize", {"tokens": [1, "a"]}, 400, "tokens[1]", "valid integer"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, 400, "tokens[1]", "is no token id"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]", "ids 0..49151"),
+])
+def test_bad_token_requests_get_an_openai_error(base_url, path, body, status, param, match):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(base_url + path, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert match in error["message"] and error["param"] == param
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -339,7 +382,7 @@ OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     (COMPLETIONS, {**OK, "stop": [""]}, 400, "stop", "stop strings must be non-empty"),
     (COMPLETIONS, {**OK, "stop": 3}, 400, "stop", "'stop' must be a string"),
     (COMPLETIONS, {**OK, "n": 0}, 400, "n", "'n' must be between"),
-    (COMPLETIONS, {**OK, "logprobs": 1}, 400, "logprobs", "not supported"),
+    (COMPLETIONS, {**OK, "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
     (COMPLETIONS, {**OK, "stream": "yes"}, 400, "stream", "valid boolean"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages", "'messages' is empty"),
     (CHAT, {"model": MODEL}, 400, "messages", "'messages' is required"),
@@ -417,6 +460,7 @@ def test_api_key(llm):
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
         assert http.post(COMPLETIONS, json=OK, headers=headers).status_code == 401
+        assert http.post("/tokenize", json={"prompt": "Hi"}, headers=headers).status_code == 401
     assert "Authorization: Bearer" in http.get("/v1/models").json()["error"]["message"]
     assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert http.get("/health").status_code == 200

@@ -1,7 +1,7 @@
 """Command line: ``tiergen generate`` for batches of prompts, ``tiergen chat`` to talk,
-``tiergen serve`` for an OpenAI-compatible HTTP server, ``tiergen plan`` for the fastest
-policy that fits, ``tiergen calibrate`` to measure this machine, ``tiergen bench`` for
-throughput."""
+``tiergen serve`` for an OpenAI-compatible HTTP server, ``tiergen run-batch`` for a file of
+OpenAI batch requests, ``tiergen plan`` for the fastest policy that fits, ``tiergen
+calibrate`` to measure this machine, ``tiergen bench`` for throughput."""
 
 from __future__ import annotations
 
@@ -114,6 +114,9 @@ def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> Non
 def _params(args: argparse.Namespace):
     from tiergen.engine.sampler import SamplingParams
 
+    if args.max_tokens < 1:  # 0 scores a prompt only, which the command line has no use for
+        raise TiergenError(f"invalid sampling parameter: max_tokens must be a positive integer, "
+                           f"got {args.max_tokens}")
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k,
                           repetition_penalty=args.repetition_penalty, seed=args.seed,
@@ -317,6 +320,29 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(llm, args.host, args.port, model_names=[args.model], max_queue=args.max_queue,
           default_max_tokens=args.default_max_tokens, chat_template=args.chat_template,
           verbose=args.verbose, api_key=api_key, queue_timeout=args.queue_timeout)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> None:
+    try:
+        from tiergen.batch import planning_texts, read_input, run_batch
+    except ImportError as e:
+        raise TiergenError(f"tiergen run-batch needs the serve extra ({e.name} is missing): "
+                           "pip install 'tiergen[serve]'") from None
+    if args.default_max_tokens < 1:
+        raise TiergenError(f"--default-max-tokens must be a positive integer, got "
+                           f"{args.default_max_tokens}")
+    source, output = Path(args.input), Path(args.output)
+    if output.exists() and output.resolve() == source.resolve():
+        raise TiergenError("--output must be another file than --input")
+    lines = read_input(source)  # a duplicate custom_id stops us before the model loads
+    args.max_tokens = args.default_max_tokens  # what a planned policy's cache must hold
+    llm = _load(args, planning_texts(lines))
+    if args.chat_template is not None:  # fail now, not on every chat line
+        llm.chat_prompt([{"role": "user", "content": "Hello"}], args.chat_template)
+    s = run_batch(llm, lines, output, model_names=[args.model],
+                  default_max_tokens=args.default_max_tokens, chat_template=args.chat_template)
+    print(f"tiergen: {s.total} requests: {s.ok} answered now, {s.failed} with an error, "
+          f"{s.skipped} already in {output}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- plan
@@ -640,7 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve a model over HTTP with OpenAI's API",
                          description="Serve /v1/completions, /v1/chat/completions and /v1/models "
-                                     "(OpenAI's API, streaming included), /health and /metrics "
+                                     "(OpenAI's API, streaming included), vLLM's /tokenize and "
+                                     "/detokenize, /health and /metrics "
                                      "(Prometheus). Requests are batched continuously; --verbose logs "
                                      "every request.")
     g = srv.add_argument_group("server")
@@ -660,6 +687,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: wait)")
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
+
+    rb = sub.add_parser(
+        "run-batch", help="run a file of OpenAI batch requests, writing a file of results",
+        description="Run every request of an OpenAI batch file (JSON lines of {custom_id, "
+                    "method, url, body} for /v1/completions and /v1/chat/completions) through "
+                    "the offline engine, many at a time, and append each result line to the "
+                    "output as tiergen serve would answer it. Results are saved group by group: "
+                    "running the same command again resumes, skipping the custom_ids the "
+                    "output already has.")
+    g = rb.add_argument_group("batch")
+    g.add_argument("-i", "--input", required=True, metavar="FILE", help="the requests (JSON lines)")
+    g.add_argument("-o", "--output", required=True, metavar="FILE",
+                   help="the results (JSON lines), appended to; created if missing")
+    g.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of requests that give none (default: 256)")
+    g.add_argument("--chat-template", help="a Jinja chat template to use instead of the model's")
+    _add_model_options(rb)
+    rb.set_defaults(func=cmd_run_batch)
 
     add_calibrate_parser(sub)
     add_plan_parser(sub)

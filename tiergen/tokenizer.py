@@ -63,6 +63,8 @@ class Tokenizer:
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos_token_ids))
         self.pad_token_id = pad_token_id
         self.chat_template = chat_template
+        self._added = set(backend.get_added_tokens_decoder())  # spelled as they are
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
     @property
     def vocab_size(self) -> int:
@@ -79,6 +81,26 @@ class Tokenizer:
     def token_text(self, token_id: int | None) -> str | None:
         """The vocabulary entry for an id, as the backend spells it (e.g. "Ġthe", "▁the")."""
         return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, alone (OpenAI's ``bytes`` of a logprob): a byte-level
+        vocabulary's entry read through GPT-2's byte alphabet; a SentencePiece entry with "▁"
+        as a space and "<0xNN>" as its byte; an added or special token as its text."""
+        text = self.backend.id_to_token(int(token_id))
+        if text is None:
+            return b""
+        if token_id in self._added:
+            return text.encode("utf-8")
+        if self._byte_level:
+            byte_of = _byte_values()
+            return b"".join(bytes([byte_of[c]]) if c in byte_of else c.encode("utf-8") for c in text)
+        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            return bytes([int(text[3:5], 16)])
+        return text.replace("\u2581", " ").encode("utf-8")
+
+    def token_string(self, token_id: int) -> str:
+        """A token's text alone (a byte that is part of a character reads as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def apply_chat_template(
         self,
@@ -419,6 +441,11 @@ def _byte_alphabet() -> dict[int, str]:
                  *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+@lru_cache(maxsize=1)
+def _byte_values() -> dict[str, int]:
+    return {c: b for b, c in _byte_alphabet().items()}
 
 
 def _vocab_dict(tokens: Sequence[str]) -> dict[str, int]:

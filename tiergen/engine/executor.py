@@ -14,8 +14,9 @@ block schedule::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,6 +35,20 @@ from tiergen.offload.weights import TieredWeights, WeightPlan, offload_root
 from tiergen.parallel.stage import Stage
 
 
+POSITION_LOGITS_BYTES = 64 << 20  # most float32 logits PositionLogits.take is handed at once
+
+
+@dataclass
+class PositionLogits:
+    """Some rows of a micro-batch whose logits are wanted at every position of a step, beside
+    the last position's of every row (prompt log-probabilities). The executor hands them to
+    ``take`` a few positions at a time, as float32 (rows, positions, vocab) with the index of
+    the first position in the step, so that a long prompt's logits never exist all at once."""
+
+    rows: torch.Tensor
+    take: Callable[[torch.Tensor, int], None]
+
+
 @dataclass
 class MicroBatch:
     """Tokens of one micro-batch for one step, with its step metadata and cache."""
@@ -41,6 +56,7 @@ class MicroBatch:
     ids: torch.Tensor  # (b, T)
     meta: StepMeta
     cache: TieredKV
+    positions: PositionLogits | None = None
 
     @property
     def is_prompt(self) -> bool:
@@ -194,7 +210,7 @@ class Executor:
         model, t = self.model, self.stats
         started = time.perf_counter()
         # callers may build ids and metadata on the CPU: bring them to the device (no-op there)
-        block = [MicroBatch(mb.ids.to(self.device), mb.meta.to(self.device), mb.cache)
+        block = [replace(mb, ids=mb.ids.to(self.device), meta=mb.meta.to(self.device))
                  for mb in block]
         acts = Activations(tiers_for(len(block), self.policy.activation_split),
                            self.device, self.spill_dir)
@@ -233,8 +249,12 @@ class Executor:
             if isinstance(model, Stage) and not model.last:
                 logits = [acts.take(k) for k in range(len(block))]
             else:
-                logits = [model.head(self.globals, acts.take(k)[:, last]).float()
-                          for k in range(len(block))]
+                logits = []
+                for k, mb in enumerate(block):
+                    h = acts.take(k)
+                    if mb.positions is not None:
+                        self._position_logits(h, mb.positions)
+                    logits.append(model.head(self.globals, h[:, last]).float())
             seconds = time.perf_counter() - started
             is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
@@ -249,6 +269,12 @@ class Executor:
             raise
         finally:
             acts.close()
+
+    def _position_logits(self, hidden: torch.Tensor, want: PositionLogits) -> None:
+        rows = hidden[want.rows.to(hidden.device)]
+        step = max(1, POSITION_LOGITS_BYTES // (4 * rows.shape[0] * self.cfg.vocab_size))
+        for at in range(0, rows.shape[1], step):
+            want.take(self.model.head(self.globals, rows[:, at:at + step]).float(), at)
 
     def _load_cache(self, block: list[MicroBatch], k: int, j: int) -> Future[KVView] | KVView:
         """Micro-batch k's cache of layer j: loaded here, or its load started on the cache

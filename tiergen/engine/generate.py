@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiergen.engine.executor import Executor, MicroBatch
-from tiergen.engine.sampler import Sampler, SamplingParams
+from tiergen.engine.executor import Executor, MicroBatch, PositionLogits
+from tiergen.engine.sampler import PositionLogprobs, Sampler, SamplingParams, position_logprobs
 from tiergen.cache.step import StepMeta
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -40,9 +40,29 @@ class Sequence:
     text: str = ""
     emitted: int = 0  # characters of text already streamed
     finish_reason: str | None = None
+    tokenizer: Tokenizer | None = None
+    # with params.logprobs: one entry per generated token; with params.prompt_logprobs: one
+    # per prompt token, None for the first (nothing comes before it)
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
-    def append(self, token: int) -> None:
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    def decoded(self, entry: PositionLogprobs) -> PositionLogprobs:
+        """``entry`` with each token's text, where there is a tokenizer."""
+        if self.tokenizer is not None:
+            for token, lp in entry.items():
+                lp.decoded_token = self.tokenizer.token_string(token)
+        return entry
+
+    def append(self, token: int, logprobs: PositionLogprobs | None = None) -> None:
         self.token_ids.append(token)
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(self.decoded(logprobs))
         if token in self.eos_ids and not self.params.ignore_eos:
             self.finish_reason = "stop"
         elif self.detok is not None:
@@ -79,12 +99,14 @@ class StepEvent:
     seq: Sequence
     token_id: int
     delta: str
+    logprobs: PositionLogprobs | None = None  # the token's, when its sequence asked
 
 
 def make_sequences(prompts: list[list[int]], params: list[SamplingParams], eos_ids: list[int],
                    tokenizer: Tokenizer | None) -> list[Sequence]:
     eos = frozenset(eos_ids)
-    return [Sequence(i, ids, p, eos, tokenizer and IncrementalDetokenizer(tokenizer, ids))
+    return [Sequence(i, ids, p, eos, tokenizer and IncrementalDetokenizer(tokenizer, ids),
+                     tokenizer=tokenizer)
             for i, (ids, p) in enumerate(zip(prompts, params))]
 
 
@@ -117,6 +139,7 @@ class MicroBatchState:
         self.start, self.num_tokens = 0, self.chunk
         self.ids = self.prompt[:, :self.num_tokens]
         self.done = False
+        self._logprobs: list[PositionLogprobs | None] | None = None  # of the tokens sampled last
 
     @property
     def decoding(self) -> bool:
@@ -167,7 +190,34 @@ class MicroBatchState:
         if chunk is not None and not self.decoding and chunk < self.num_tokens:
             self.num_tokens = chunk
             self.ids = self.prompt[:, self.start:self.start + chunk]
-        return MicroBatch(self.ids, StepMeta.build(self.valid, self.start, self.num_tokens), self.cache)
+        return MicroBatch(self.ids, StepMeta.build(self.valid, self.start, self.num_tokens),
+                          self.cache, self._prompt_positions())
+
+    def _prompt_positions(self) -> PositionLogits | None:
+        """For a prompt step with rows that asked for prompt_logprobs: where their logits at
+        every position go."""
+        if self.decoding:
+            return None
+        rows = [r for r, s in enumerate(self.live) if s.prompt_logprobs is not None]
+        if not rows:
+            return None
+        start = self.start
+
+        def take(logits: torch.Tensor, at: int) -> None:
+            # slot t predicts the token in slot t + 1; a row's prompt ends at the last slot
+            slots = torch.arange(start + at, start + at + logits.shape[1], device=self.prompt.device)
+            follows = slots + 1 < self.prompt.shape[1]
+            targets = self.prompt[rows][:, (slots + 1).clamp(max=self.prompt.shape[1] - 1)]
+            for i, r in enumerate(rows):
+                seq = self.live[r]
+                first = self.prompt.shape[1] - len(seq.prompt_ids)  # the row's first slot
+                keep = follows & (slots >= first)
+                if keep.any():
+                    entries = position_logprobs(logits[i, keep.to(logits.device)],
+                                                targets[i, keep], [seq.params.prompt_logprobs] * int(keep.sum()))
+                    seq.prompt_logprobs.extend(seq.decoded(e) for e in entries)
+
+        return PositionLogits(torch.tensor(rows), take)
 
     @property
     def samples(self) -> bool:
@@ -176,9 +226,16 @@ class MicroBatchState:
         sampling starts after the last chunk."""
         return self.start + self.num_tokens >= self.prompt.shape[1]
 
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """This step's tokens, from its logits; their log-probabilities, for the rows that
+        asked, go with them to :meth:`apply`."""
+        tokens = self.sampler(logits)
+        self._logprobs = self.sampler.logprobs(logits, tokens)
+        return tokens
+
     def advance(self, logits: torch.Tensor) -> Iterator[StepEvent]:
         """Sample this step's tokens, report them, and prepare the next step."""
-        return self.apply(self.sampler(logits) if self.samples else None)
+        return self.apply(self.sample(logits) if self.samples else None)
 
     def apply(self, tokens: torch.Tensor | None) -> Iterator[StepEvent]:
         """Report this step's sampled tokens (None for a prompt chunk that samples nothing)
@@ -188,10 +245,14 @@ class MicroBatchState:
             self.num_tokens = min(self.chunk, self.prompt.shape[1] - self.start)
             self.ids = self.prompt[:, self.start:self.start + self.num_tokens]
             return
-        for s, token in zip(self.live, tokens.tolist()):
-            if s.finish_reason is None:
-                s.append(token)
-                yield StepEvent(s, token, s.take_delta())
+        logprobs, self._logprobs = self._logprobs or [None] * len(self.live), None
+        for s, token, entry in zip(self.live, tokens.tolist(), logprobs):
+            if s.finish_reason is None and s.params.max_tokens == 0:  # scored, not continued
+                s.finish_reason = "length"
+                yield StepEvent(s, -1, "")
+            elif s.finish_reason is None:
+                s.append(token, entry)
+                yield StepEvent(s, token, s.take_delta(), entry)
         self.start += self.num_tokens
         self.num_tokens = 1
         finished = [s.finish_reason is not None for s in self.live]

@@ -16,7 +16,7 @@ from tiergen.devices import resolve_activations, resolve_device, resolve_dtype
 from tiergen.engine.executor import Executor, MicroBatch, RunStats
 from tiergen.engine.generate import (DEFAULT_PREFILL_CHUNK, Sequence, StepEvent, chunks,
                                      make_sequences, prefill_chunk, run_block)
-from tiergen.engine.sampler import SamplingParams
+from tiergen.engine.sampler import PositionLogprobs, SamplingParams
 from tiergen.cache.step import StepMeta
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
@@ -36,13 +36,20 @@ Message = dict[str, str]
 
 @dataclass
 class GenerationResult:
-    """One prompt's output. ``token_ids`` are the generated ids (including a final EOS)."""
+    """One prompt's output. ``token_ids`` are the generated ids (including a final EOS).
+
+    With SamplingParams.logprobs, ``logprobs`` has one {token id: Logprob} per generated
+    token (the chosen one, then the likeliest); with prompt_logprobs, ``prompt_logprobs`` one
+    per prompt token, None for the first.
+    """
 
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -61,6 +68,7 @@ class StreamEvent:
     token_id: int
     text: str  # new text since the last event of this prompt
     finish_reason: str | None
+    logprobs: PositionLogprobs | None = None  # the token's, when the prompt asked for them
 
 
 def _expert_rates(device: torch.device) -> HostRates | None:
@@ -237,7 +245,19 @@ class LLM:
             self._check_length(i, p)
             if p.stop and self.tokenizer is None:
                 raise TiergenError("stop strings need a tokenizer; this model has none")
+            self._check_extras(p)
         return prompts, make_sequences(ids, plist, self.eos_token_ids, self.tokenizer)
+
+    def _check_extras(self, params: SamplingParams) -> None:
+        vocab = self.config.vocab_size
+        outside = [t for t in params.logit_bias or {} if t >= vocab]
+        if outside:
+            raise TiergenError(f"invalid sampling parameter: logit_bias names token id "
+                               f"{outside[0]}, outside the vocabulary (0..{vocab - 1})")
+        if (params.logprobs is not None or params.prompt_logprobs is not None) and \
+                self.group is not None and self.group.sampler != 0:
+            raise TiergenError("log-probabilities are not available with pipeline_parallel > 1; "
+                               "run without it to get them")
 
     def prefill_chunk(self, tokens: int) -> int:
         """Tokens per prefill step over prompts of up to ``tokens`` tokens."""
@@ -247,9 +267,13 @@ class LLM:
         """Blocks of num_gpu_batches micro-batches, prompts of similar length together so
         that little padding is computed."""
         order = sorted(seqs, key=lambda s: len(s.prompt_ids), reverse=True)
-        size = self.micro_batch * self.policy.num_gpu_batches
-        for i in range(0, len(order), size):
-            yield order[i:i + size]
+        for i in range(0, len(order), self.block_size):
+            yield order[i:i + self.block_size]
+
+    @property
+    def block_size(self) -> int:
+        """Sequences run together: num_gpu_batches micro-batches."""
+        return self.micro_batch * self.policy.num_gpu_batches
 
     # -- generation ----------------------------------------------------------------------
     def _run(self, seqs: list[Sequence]) -> Iterator[StepEvent]:
@@ -343,7 +367,8 @@ class LLM:
         """Yield text as it is produced, for every prompt (events of a batch interleave)."""
         _, seqs = self.prepare(prompts, params)
         for ev in self._run(seqs):
-            yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason)
+            yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason,
+                              ev.logprobs)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -354,7 +379,8 @@ class LLM:
             for ev in self._run(seqs):
                 bar.update(ev.seq.finish_reason is not None)
         return [GenerationResult(t if isinstance(t, str) else None, s.prompt_ids, s.text,
-                                 s.token_ids, s.finish_reason or "length")
+                                 s.token_ids, s.finish_reason or "length", s.logprobs,
+                                 s.prompt_logprobs)
                 for t, s in zip(texts, seqs)]
 
     def perplexity(self, text: Prompt) -> float:
@@ -419,12 +445,16 @@ class LLM:
             group.flush()
         return result
 
-    def chat_prompt(self, messages: list[Message], chat_template: str | None = None) -> list[int]:
+    def chat_prompt(self, messages: list[Message], chat_template: str | None = None,
+                    add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """A conversation's tokens through the chat template (which writes its own special
+        tokens: ``add_special_tokens`` adds the tokenizer's too)."""
         if self.tokenizer is None:
             raise TiergenError(f"model {self.name} has no tokenizer, so it cannot chat")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt,
                                                   template=chat_template)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              params: SamplingParams | None = None,

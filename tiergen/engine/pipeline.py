@@ -112,7 +112,7 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
                 start = clock()
                 out = stage_forward(executor, group, work)
                 add_wait(start, decoding)
-                sampled = [s.sampler(lg) if s.samples else None for s, lg in zip(live, out)] \
+                sampled = [s.sample(lg) if s.samples else None for s, lg in zip(live, out)] \
                     if out is not None else [None] * len(live)
                 if out is not None:
                     group.share([t for t in sampled if t is not None])
@@ -138,7 +138,7 @@ def step_ranks(executor: Executor, group: Group, states: list[MicroBatchState],
         tokens = group.recv([((len(s.live),), torch.long) for s in sampling], group.sampler,
                             TOKENS) if sampling else []
     else:
-        tokens = [s.sampler(lg) for s, lg in zip(states, out) if s.samples]
+        tokens = [s.sample(lg) for s, lg in zip(states, out) if s.samples]
         group.share(tokens)
     received = iter(tokens)
     for s in states:

@@ -142,7 +142,7 @@ class Scheduler:
         self.llm = llm
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.max_running = max_running or llm.micro_batch * llm.policy.num_gpu_batches
+        self.max_running = max_running or llm.block_size
         self.metrics = SchedulerMetrics()
         self._waiting: deque[Request] = deque()
         self._requests: dict[int, Request] = {}  # by id(Sequence)
@@ -320,7 +320,7 @@ class Scheduler:
                     self.metrics.steps += 1
                     self.metrics.batch_sizes[rows] += 1
                 for ev in events:
-                    self._deliver(ev.seq, ev.token_id, ev.delta)
+                    self._deliver(ev)
         except BaseException as e:  # the engine broke: fail every request, refuse new ones
             logging.getLogger("tiergen").error("tiergen: the engine failed: %s", e, exc_info=e)
             with self._lock:
@@ -354,12 +354,13 @@ class Scheduler:
             llm.group.close(graceful=False)
             raise
 
-    def _deliver(self, seq: Sequence, token: int, delta: str) -> None:
+    def _deliver(self, ev: StepEvent) -> None:
+        seq = ev.seq
         req = self._requests.get(id(seq))
         if req is None:
             return
-        self.metrics.generated_tokens += 1
-        req._emit(StreamEvent(req.id, token, delta, seq.finish_reason))
+        self.metrics.generated_tokens += ev.token_id >= 0
+        req._emit(StreamEvent(req.id, ev.token_id, ev.delta, seq.finish_reason, ev.logprobs))
         if seq.finish_reason is not None:
             self.metrics.requests_finished += 1
             with self._lock:

@@ -11,14 +11,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tiergen.engine.llm import LLM, Prompt, StreamEvent
+from tiergen.engine.llm import LLM, StreamEvent
 from tiergen.engine.scheduler import CANCELLED, TIMED_OUT, QueueFull, Scheduler
 from tiergen.errors import TiergenError
 from tiergen.server.bridge import DONE, Generation, sse
-from tiergen.server.errors import APIError, bad_request, install_handlers
+from tiergen.server.endpoints import Endpoints, Prepared
+from tiergen.server.errors import APIError, install_handlers
 from tiergen.server.metrics import CONTENT_TYPE, ServerMetrics
-from tiergen.server.protocol import (ChatCompletionRequest, CompletionRequest, Envelope,
-                                     GenerationRequest, StreamOptions, parse)
+from tiergen.server.protocol import StreamOptions, sampling_error
 
 MAX_BODY_BYTES = 1 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -57,14 +57,16 @@ FAILED = (CANCELLED, TIMED_OUT, "error")  # finish reasons that answer with an e
 
 
 class APIKey:
-    """ASGI middleware: every request under /v1/ must carry ``Authorization: Bearer <key>``;
-    otherwise a 401 in OpenAI's error shape. /health and /metrics stay open."""
+    """ASGI middleware: every request under /v1/, and to /tokenize and /detokenize, must carry
+    ``Authorization: Bearer <key>``; otherwise a 401 in OpenAI's error shape. /health and
+    /metrics stay open."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or
+                                        scope["path"] in ("/tokenize", "/detokenize")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if not given:
@@ -77,27 +79,19 @@ class APIKey:
         await self.app(scope, receive, send)
 
 
-class Server:
-    """What the routes share: the model, its scheduler, the metrics and the server's health."""
+class Server(Endpoints):
+    """What the routes share: the endpoints over the model, its scheduler, the metrics and
+    the server's health."""
 
     def __init__(self, llm: LLM, model_names: Sequence[str], max_queue: int,
                  max_running: int | None, default_max_tokens: int,
                  chat_template: str | None, queue_timeout: float | None) -> None:
-        self.llm = llm
-        self.model_names = list(model_names) or [llm.name]
+        super().__init__(llm, model_names, default_max_tokens, chat_template)
         self.scheduler = Scheduler(llm, max_queue=max_queue, max_running=max_running,
                                    queue_timeout=queue_timeout)
         self.metrics = ServerMetrics(self.scheduler)
-        self.default_max_tokens = default_max_tokens
-        self.chat_template = chat_template
         self.closing = False
         self.engine_failed = False
-
-    # -- checks ----------------------------------------------------------------------------
-    def check_model(self, name: str) -> None:
-        if name not in self.model_names and name != self.llm.name:
-            raise APIError(404, f"the model '{name}' does not exist; this server has "
-                                f"'{self.model_names[0]}'", "model", "model_not_found")
 
     def check_available(self) -> None:
         if self.closing:
@@ -105,50 +99,19 @@ class Server:
         if self.engine_failed:
             raise APIError(503, "the engine has failed; restart the server", code="engine_failed")
 
-    def encode(self, prompt: Prompt, param: str) -> list[int]:
-        try:
-            return self.llm.encode(prompt)
-        except TiergenError as e:
-            raise bad_request(str(e), param) from None
-
-    def max_tokens(self, body: GenerationRequest, prompts: list[list[int]], param: str) -> int:
-        """The request's max_tokens (or the server's default, within the context), checked."""
-        name, requested = body.requested_max_tokens()
-        context = self.llm.config.context_length
-        longest = max(len(p) for p in prompts)
-        if requested is not None and requested < 1:
-            raise bad_request(f"'{name}' must be a positive integer, got {requested}", name)
-        if requested is not None and requested > context:
-            raise bad_request(f"'{name}' is {requested}, beyond the model's context of {context} "
-                              "tokens", name, "context_length_exceeded")
-        if longest >= context:
-            raise bad_request(f"the prompt is too long: {longest} tokens, and the model's context "
-                              f"holds {context} (prompt and generated tokens together)", param,
-                              "context_length_exceeded")
-        if requested is None:
-            return min(self.default_max_tokens, context - longest)
-        if longest + requested > context:
-            raise bad_request(f"the prompt's {longest} tokens plus {name}={requested} exceed the "
-                              f"model's context of {context} tokens; shorten the prompt or lower "
-                              f"{name}", name, "context_length_exceeded")
-        return requested
-
     # -- generation ------------------------------------------------------------------------
-    async def generate(self, request: Request, body: GenerationRequest, prompts: list[list[int]],
-                       envelope: Envelope, param: str) -> Response:
+    async def generate(self, request: Request, job: Prepared) -> Response:
         """Submit every choice of every prompt; answer with a stream or with the whole result."""
-        params = body.sampling_params(self.max_tokens(body, prompts, param))
         self.check_available()
         generation = Generation(self.scheduler, self.metrics.observe)
         try:
-            generation.submit([p for p in prompts for _ in params], params * len(prompts))
+            generation.submit(*job.inputs())
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full") from None
         except TiergenError as e:
-            raise bad_request(str(e), param) from None
-        prompt_tokens = sum(len(p) for p in prompts)
-        if body.stream:
-            options = body.stream_options or StreamOptions()
+            raise sampling_error(e, job.param) from None
+        if job.body.stream:
+            options = job.body.stream_options or StreamOptions()
             # the status line waits for the first event: a request that times out in the
             # queue or is cancelled before it starts still gets its own status code
             events = generation.events()
@@ -160,10 +123,9 @@ class Server:
             if first[1].finish_reason in FAILED:
                 generation.cancel()
                 raise self._failure(first[1].finish_reason)
-            return StreamingResponse(self._stream(generation, envelope, prompt_tokens,
-                                                  options, first, events),
+            return StreamingResponse(self._stream(generation, job, options, first, events),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
-        return JSONResponse(await self._collect(request, generation, envelope, prompt_tokens))
+        return JSONResponse(await self._collect(request, generation, job))
 
     def _failure(self, finish_reason: str) -> APIError:
         if finish_reason == CANCELLED:
@@ -177,15 +139,18 @@ class Server:
         return APIError(500, "the engine failed while generating; see the server's log",
                         code="engine_failed")
 
-    async def _stream(self, generation: Generation, envelope: Envelope, prompt_tokens: int,
-                      options: StreamOptions, first: tuple[int, StreamEvent],
+    async def _stream(self, generation: Generation, job: Prepared, options: StreamOptions,
+                      first: tuple[int, StreamEvent],
                       rest: AsyncIterator[tuple[int, StreamEvent]]) -> AsyncIterator[str]:
+        envelope, report, prompt_tokens = job.envelope, job.report, job.prompt_tokens
+
         async def events() -> AsyncIterator[tuple[int, StreamEvent]]:
             yield first
             async for item in rest:
                 yield item
 
         generated = 0  # tokens delivered so far, every choice together
+        started: set[int] = set()  # choices whose echo went out
 
         def usage_so_far() -> tuple[int, int] | None:
             return (prompt_tokens, generated) if options.continuous_usage_stats else None
@@ -199,8 +164,18 @@ class Server:
                     yield sse(self._failure(ev.finish_reason).body())
                     return
                 generated += ev.token_id >= 0
-                if ev.text:
-                    yield sse(envelope.chunk(choice, ev.text, usage_so_far=usage_so_far()))
+                if choice not in started:
+                    started.add(choice)
+                    seq = generation.requests[choice].seq
+                    echo, logprobs = report.start(choice, seq.prompt_logprobs)
+                    if echo or logprobs:
+                        yield sse(envelope.chunk(choice, echo, usage_so_far=usage_so_far(),
+                                                 logprobs=logprobs))
+                logprobs = report.tokens(choice, [ev.token_id], [ev.logprobs]) \
+                    if ev.logprobs is not None else None
+                if ev.text or logprobs:
+                    yield sse(envelope.chunk(choice, ev.text, usage_so_far=usage_so_far(),
+                                             logprobs=logprobs))
                 if ev.finish_reason is not None:
                     yield sse(envelope.chunk(choice, "", ev.finish_reason,
                                              usage_so_far=usage_so_far()))
@@ -210,8 +185,7 @@ class Server:
         finally:  # also when the client went away mid-stream
             generation.cancel()
 
-    async def _collect(self, request: Request, generation: Generation, envelope: Envelope,
-                       prompt_tokens: int) -> dict:
+    async def _collect(self, request: Request, generation: Generation, job: Prepared) -> dict:
         async def drain() -> None:
             async for _ in generation.events():
                 pass
@@ -232,8 +206,7 @@ class Server:
         for r in generation.requests:
             if r.finish_reason in FAILED:
                 raise self._failure(r.finish_reason)
-        return envelope.response([(r.seq.text, r.finish_reason) for r in generation.requests],
-                                 prompt_tokens, generation.completion_tokens)
+        return job.response([r.seq for r in generation.requests], generation.completion_tokens)
 
 
 def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 256,
@@ -286,24 +259,19 @@ def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 25
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse(CompletionRequest, await request.body())
-        server.check_model(body.model)
-        body.check_supported()
-        prompts = [server.encode(p, "prompt") for p in body.prompts()]
-        return await server.generate(request, body, prompts, Envelope(body.model, chat=False),
-                                     "prompt")
+        return await server.generate(request, server.completion(await request.body()))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse(ChatCompletionRequest, await request.body())
-        server.check_model(body.model)
-        body.check_supported()
-        try:
-            template = server.chat_template or (llm.tokenizer and llm.tokenizer.chat_template)
-            prompt = llm.chat_prompt(body.conversation(template), server.chat_template)
-        except TiergenError as e:
-            raise bad_request(str(e), "messages") from None
-        return await server.generate(request, body, [prompt], Envelope(body.model, chat=True),
-                                     "messages")
+        return await server.generate(request, server.chat(await request.body()))
+
+    # vLLM's token routes (outside /v1, as vLLM has them)
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(server.tokenize(await request.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(server.detokenize(await request.body()))
 
     return app

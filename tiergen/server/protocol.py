@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tiergen.engine.sampler import SamplingParams
+from tiergen.engine.sampler import MAX_LOGPROBS, SamplingParams
 from tiergen.errors import TiergenError
-from tiergen.server.errors import bad_request
+from tiergen.server.errors import APIError, bad_request
 
 MAX_N = 64  # most choices per request
 MAX_STOP = 4  # most stop sequences per request, as OpenAI allows
@@ -45,6 +45,8 @@ class StreamOptions(_Strict):
 class GenerationRequest(_Strict):
     """The fields both endpoints share. ``None`` means "not given" for every optional field."""
 
+    logprobs_field: ClassVar[str] = "logprobs"  # the field that says how many alternatives
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -54,20 +56,36 @@ class GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # tiergen's (and vLLM's) extensions
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    # OpenAI fields tiergen does not implement: refused unless left at their neutral value
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
 
     def refused(self) -> dict[str, bool]:
         """Unsupported fields and whether this request sets them."""
-        return {"presence_penalty": bool(self.presence_penalty),
-                "frequency_penalty": bool(self.frequency_penalty),
-                "logit_bias": bool(self.logit_bias)}
+        return {}
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Alternatives per token the request wants log-probabilities of (None: none)."""
+        return None
+
+    @property
+    def echo_prompt(self) -> bool:
+        """Whether each choice starts with its prompt (completions' echo)."""
+        return False
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys read as token ids."""
+        if not self.logit_bias:
+            return None
+        bad = [t for t in self.logit_bias if not t.isdigit()]
+        if bad:
+            raise bad_request(f"'logit_bias' keys must be token ids (digits in a string), got "
+                              f"{bad[0]!r}", "logit_bias", "invalid_value")
+        return {int(t): b for t, b in self.logit_bias.items()}
 
     def check_supported(self) -> None:
         """Refuse values outside OpenAI's documented ranges, then fields tiergen lacks."""
@@ -83,6 +101,11 @@ class GenerationRequest(_Strict):
             if not -100 <= bias <= 100:
                 raise bad_request(f"'logit_bias' values must be between -100 and 100, got {bias} "
                                   f"for token {token}", "logit_bias", "invalid_value")
+        top = self.top_logprobs_wanted()
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            name = self.logprobs_field
+            raise bad_request(f"'{name}' must be between 0 and {MAX_LOGPROBS}, got {top}", name,
+                              "invalid_value")
         for name, used in self.refused().items():
             if used:
                 raise bad_request(f"'{name}' is not supported by this server; leave it out",
@@ -101,6 +124,7 @@ class GenerationRequest(_Strict):
 
     def sampling_params(self, max_tokens: int) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i gets seed + i."""
+        top, bias = self.top_logprobs_wanted(), self.token_bias()
         try:
             return [SamplingParams(
                 max_tokens=max_tokens,
@@ -109,13 +133,22 @@ class GenerationRequest(_Strict):
                 top_k=self.top_k or 0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 seed=None if self.seed is None else self.seed + i,
-                stop=self.stop, ignore_eos=bool(self.ignore_eos))
+                stop=self.stop, ignore_eos=bool(self.ignore_eos),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0, logit_bias=bias,
+                logprobs=top, prompt_logprobs=top if self.echo_prompt else None)
                 for i in range(self.num_choices)]
         except TiergenError as e:
-            # The engine's messages read "invalid sampling parameter: NAME must ..." ("stop
-            # strings must ..." for stop): the first word after the colon names the field.
-            message = str(e)
-            raise bad_request(message, message.partition(": ")[2].split(" ")[0] or None) from None
+            raise sampling_error(e) from None
+
+
+def sampling_error(e: TiergenError, param: str | None = None) -> APIError:
+    """A 400 for an error of the engine's; one that reads "invalid sampling parameter: NAME
+    must ..." ("stop strings must ..." for stop) names the field by the word after the colon."""
+    message = str(e)
+    if message.startswith("invalid sampling parameter:"):
+        param = message.partition(": ")[2].split(" ")[0] or None
+    return bad_request(message, param)
 
 
 class CompletionRequest(GenerationRequest):
@@ -126,8 +159,15 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
 
     def refused(self) -> dict[str, bool]:
-        return {**super().refused(), "echo": bool(self.echo), "logprobs": self.logprobs is not None,
-                "best_of": self.best_of not in (None, 1), "suffix": bool(self.suffix)}
+        return {**super().refused(), "best_of": self.best_of not in (None, 1),
+                "suffix": bool(self.suffix)}
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def echo_prompt(self) -> bool:
+        return bool(self.echo)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one string or token-id list, or a list of those."""
@@ -158,13 +198,19 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    logprobs_field: ClassVar[str] = "top_logprobs"
     tools: list[dict] | None = None
     response_format: dict | None = None
 
     def refused(self) -> dict[str, bool]:
-        return {**super().refused(), "logprobs": bool(self.logprobs),
-                "top_logprobs": self.top_logprobs is not None, "tools": bool(self.tools),
+        return {**super().refused(), "tools": bool(self.tools),
                 "response_format": (self.response_format or {}).get("type", "text") != "text"}
+
+    def top_logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs",
+                              "invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -172,21 +218,43 @@ class ChatCompletionRequest(GenerationRequest):
         return "max_tokens", self.max_tokens
 
     def conversation(self, template: str | None = None) -> list[dict[str, str]]:
-        """The messages as the chat template takes them. Roles are OpenAI's (developer is read
-        as system) or another role that ``template``, the model's template source, names."""
-        if not self.messages:
-            raise bad_request("'messages' is empty; give at least one message, e.g. "
-                              "[{\"role\": \"user\", \"content\": \"Hello\"}]", "messages")
-        for i, m in enumerate(self.messages):
-            known = m.role in ROLES or (template is not None and m.role.isidentifier() and
-                                        any(f"{q}{m.role}{q}" in template for q in "'\""))
-            if not known:
-                raise bad_request(f"'messages[{i}].role' is '{m.role}'; it must be one of "
-                                  f"{', '.join(ROLES[:3])}", f"messages[{i}].role", "invalid_value")
-        return [m.as_template_input() for m in self.messages]
+        return conversation(self.messages, template)
 
 
-R = TypeVar("R", bound=GenerationRequest)
+def conversation(messages: list[ChatMessage], template: str | None = None) -> list[dict[str, str]]:
+    """The messages as the chat template takes them. Roles are OpenAI's (developer is read
+    as system) or another role that ``template``, the model's template source, names."""
+    if not messages:
+        raise bad_request("'messages' is empty; give at least one message, e.g. "
+                          "[{\"role\": \"user\", \"content\": \"Hello\"}]", "messages")
+    for i, m in enumerate(messages):
+        known = m.role in ROLES or (template is not None and m.role.isidentifier() and
+                                    any(f"{q}{m.role}{q}" in template for q in "'\""))
+        if not known:
+            raise bad_request(f"'messages[{i}].role' is '{m.role}'; it must be one of "
+                              f"{', '.join(ROLES[:3])}", f"messages[{i}].role", "invalid_value")
+    return [m.as_template_input() for m in messages]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text ``prompt``, or chat ``messages`` through the chat template.
+    ``add_special_tokens`` defaults to true for a prompt and false for messages (the
+    template writes its own)."""
+
+    EXPECTED: ClassVar[dict[str, str]] = {"prompt": "'prompt' must be a string"}
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+R = TypeVar("R", bound=_Strict)
 
 
 def parse(model: type[R], body: bytes) -> R:
@@ -201,9 +269,10 @@ def parse(model: type[R], body: bytes) -> R:
         if not loc:
             raise bad_request("the request body must be a JSON object") from None
         name = str(loc[0])
-        if name in _EXPECTED and (len(loc) > 1 or error["type"] != "missing"):
+        expected = {**_EXPECTED, **getattr(model, "EXPECTED", {})}
+        if name in expected and (len(loc) > 1 or error["type"] != "missing"):
             where = f"{name}[{loc[1]}]" if len(loc) > 1 and isinstance(loc[1], int) else name
-            raise bad_request(f"{_EXPECTED[name]} (problem at '{where}')", where) from None
+            raise bad_request(f"{expected[name]} (problem at '{where}')", where) from None
         if error["type"] == "missing":
             raise bad_request(f"'{name}' is required", name) from None
         path = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
@@ -230,31 +299,32 @@ class Envelope:
         return {"id": f"{prefix}-{self.id}", "object": kind, "created": self.created,
                 "model": self.model, "choices": choices}
 
-    def response(self, texts: list[tuple[str, str]], prompt_tokens: int,
+    def response(self, texts: list[tuple[str, str, dict | None]], prompt_tokens: int,
                  completion_tokens: int) -> dict:
-        """The whole answer: one (text, finish_reason) per choice."""
+        """The whole answer: one (text, finish_reason, logprobs) per choice."""
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": None, "finish_reason": reason}
-                       for i, (text, reason) in enumerate(texts)]
+                        "logprobs": logprobs, "finish_reason": reason}
+                       for i, (text, reason, logprobs) in enumerate(texts)]
         else:
-            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                       for i, (text, reason) in enumerate(texts)]
+            choices = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+                       for i, (text, reason, logprobs) in enumerate(texts)]
         body = self._object("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage(prompt_tokens, completion_tokens)
         return body
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None,
               role: Literal["assistant"] | None = None,
-              usage_so_far: tuple[int, int] | None = None) -> dict:
+              usage_so_far: tuple[int, int] | None = None, logprobs: dict | None = None) -> dict:
         """One streamed piece of one choice; with ``usage_so_far`` (prompt tokens, tokens
         generated so far) it carries a usage object too."""
         if self.chat:
             delta = {"role": role, "content": text} if role else {"content": text} if text else {}
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
         body = self._object("chat.completion.chunk" if self.chat else "text_completion", [choice])
         if usage_so_far is not None:
             body["usage"] = usage(*usage_so_far)
