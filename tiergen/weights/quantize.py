@@ -4,7 +4,7 @@ they run on the packed kernels like a GGUF's quantised matrices.
 The quantisers follow llama.cpp's reference code (``ggml-quants.c``), vectorised in torch:
 Q8_0 and Q4_0 give its bytes exactly (``quantize_row_q8_0_ref``, ``quantize_row_q4_0_ref``);
 Q4_K searches each sub-block's scale and minimum as its ``make_qkx2_quants`` does (a
-weighted least-squares fit at 21 candidate scales), for all sub-blocks at once.
+weighted least-squares fit at 21 trial scales), over all sub-blocks at once.
 
 Which matrices: the linear layers that the model families multiply as :class:`Packed`
 (see :func:`matrix_type`). The result is written once to the cache directory, one
@@ -120,52 +120,54 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_fp16_bytes(d), _pack_nibbles(q.view(-1, 2, 16))], 1)
 
 
-_Q4_K_STEPS = torch.arange(21, dtype=torch.float32) * 0.1 - 1  # make_qkx2_quants' rmin + rdelta*i
-
-
 def _fit_scale_min(x: torch.Tensor, w: torch.Tensor, nmax: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """llama.cpp's make_qkx2_quants for every row of x (n, 32) with weights w: codes
-    L = round((x - min) / scale) in 0..nmax with the weighted squared error least over a
-    first guess (max - min) / nmax and a least-squares fit at each of 21 candidate codings.
-    Returns (scale, -min, L); min <= 0, and a flat row has scale 0."""
+    """llama.cpp's make_qkx2_quants(rmin=-1, rdelta=0.1, nstep=20) for every row of x (n, 32)
+    with weights w: codes L = round((x - min) / scale) in 0..nmax, starting from
+    scale = (max - min) / nmax, then at each of 21 trial scales a weighted least-squares fit
+    of scale and min to the codes it gives, kept when it lowers the weighted squared error
+    (the trials after it then start from its min, as in llama.cpp: each fit depends
+    on the last, so the 21 trials run in turn, each over all rows at once). Returns (scale, -min,
+    L); min <= 0, and a flat row has scale 0."""
     lo = x.amin(1, keepdim=True).clamp(max=0)
     hi = x.amax(1, keepdim=True)
-    span = hi - lo
-    flat = span == 0
-    span = torch.where(flat, torch.ones_like(span), span)
+    flat = hi == lo
+    hi = torch.where(flat, lo + 1, hi)  # (flat rows: any scale, replaced by 0 at the end)
     sum_w, sum_x = w.sum(1, keepdim=True), (w * x).sum(1, keepdim=True)
+    sum_x2 = (w * x * x).sum(1, keepdim=True)
 
-    iscale = nmax / span
+    def error(scale: torch.Tensor, low: torch.Tensor, sum_l: torch.Tensor, sum_l2: torch.Tensor,
+              sum_xl: torch.Tensor) -> torch.Tensor:
+        """sum w (scale L + low - x)^2, from the sums (no pass over the values)."""
+        return (scale * (scale * sum_l2 + 2 * low * sum_l - 2 * sum_xl)
+                + low * (low * sum_w - 2 * sum_x) + sum_x2)
+
+    def sums(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        wl = w * codes
+        return wl.sum(1, keepdim=True), (wl * codes).sum(1, keepdim=True), \
+            (wl * x).sum(1, keepdim=True)
+
+    iscale = nmax / (hi - lo)
     scale = 1 / iscale
-    codes = torch.round(iscale * (x - lo)).clamp(0, nmax)
-    best = (w * (scale * codes + lo - x) ** 2).sum(1)
-
-    # every candidate at once: codes (n, 21, 32), their weighted sums as batched products
-    iscale = ((_Q4_K_STEPS + nmax) / span).unsqueeze(-1)
-    laux = torch.mul(iscale, (x - lo).unsqueeze(1)).round_().clamp_(0, nmax)
-    sums = torch.bmm(laux, torch.stack([w, w * x], -1))  # (n, 21, 2)
-    sum_l, sum_xl = sums[..., 0], sums[..., 1]
-    sum_l2 = torch.bmm(laux.square(), w.unsqueeze(-1)).squeeze(-1)
-    det = sum_w * sum_l2 - sum_l * sum_l
-    safe = torch.where(det > 0, det, torch.ones_like(det))
-    this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
-    this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
-    positive = this_min > 0
-    this_scale = torch.where(positive, sum_xl / torch.where(sum_l2 > 0, sum_l2, 1), this_scale)
-    this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
-    # sum w (s l + m - x)^2, expanded into the sums above
-    s, m = this_scale, this_min
-    err = (s * s * sum_l2 + 2 * s * m * sum_l + m * m * sum_w - 2 * s * sum_xl - 2 * m * sum_x
-           + (w * x * x).sum(1, keepdim=True))
-    err = torch.where(det > 0, err, torch.full_like(err, torch.inf))
-    pick = err.argmin(1, keepdim=True)
-    better = (err.gather(1, pick) < best.unsqueeze(1)) & ~flat
-    rows = pick.squeeze(1)
-    index = torch.arange(x.shape[0])
-    scale = torch.where(better, this_scale.gather(1, pick), scale)
-    lo = torch.where(better, this_min.gather(1, pick), lo)
-    codes = torch.where(better, laux[index, rows], codes)
+    codes = torch.round(iscale * (x - lo)).clamp_(0, nmax)
+    best = error(scale, lo, *sums(codes))
+    for step in range(21):
+        iscale = (-1 + 0.1 * step + nmax) / (hi - lo)
+        trial = torch.round(iscale * (x - lo)).clamp_(0, nmax)
+        sum_l, sum_l2, sum_xl = sums(trial)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        safe = torch.where(det > 0, det, torch.ones_like(det))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
+        positive = this_min > 0
+        this_scale = torch.where(positive, sum_xl / torch.where(sum_l2 > 0, sum_l2, 1), this_scale)
+        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
+        err = error(this_scale, this_min, sum_l, sum_l2, sum_xl)
+        better = (det > 0) & (err < best) & ~flat
+        best = torch.where(better, err, best)
+        scale = torch.where(better, this_scale, scale)
+        lo = torch.where(better, this_min, lo)
+        codes = torch.where(better, trial, codes)
     scale = torch.where(flat, torch.zeros_like(scale), scale)
     codes = torch.where(flat, torch.zeros_like(codes), codes)
     return scale.squeeze(1), -lo.squeeze(1), codes
