@@ -165,20 +165,25 @@ def test_q4_k_fits_as_llama_cpp_does_and_round_trips():
 
 
 def test_which_tensors_are_quantised():
-    q4_k = GGMLType.Q4_K
+    q4_k, q8_0 = GGMLType.Q4_K, GGMLType.Q8_0
+
+    def kind(name: str, shape: tuple[int, ...], architecture: str = "LlamaForCausalLM"):
+        return matrix_type(name, shape, q4_k, architecture)
+
     layer = "model.layers.3."
-    assert matrix_type(layer + "self_attn.q_proj.weight", (512, 512), q4_k, "LlamaForCausalLM") == q4_k
-    assert matrix_type(layer + "mlp.down_proj.weight", (512, 96), q4_k, "LlamaForCausalLM") == GGMLType.Q8_0
-    assert matrix_type(layer + "mlp.down_proj.weight", (512, 48), q4_k, "LlamaForCausalLM") is None
-    assert matrix_type("lm_head.weight", (1000, 512), q4_k, "LlamaForCausalLM") == GGMLType.Q8_0
-    for name, shape in [("model.embed_tokens.weight", (1000, 512)), (layer + "input_layernorm.weight", (512,)),
+    assert kind(layer + "self_attn.q_proj.weight", (512, 512)) == q4_k
+    assert kind(layer + "mlp.down_proj.weight", (512, 96)) == q8_0  # 96 wide: blocks of 32
+    assert kind(layer + "mlp.down_proj.weight", (512, 48)) is None
+    assert kind("lm_head.weight", (1000, 512)) == q8_0
+    for name, shape in [("model.embed_tokens.weight", (1000, 512)),
+                        (layer + "input_layernorm.weight", (512,)),
                         (layer + "self_attn.q_proj.bias", (512,)),
                         (layer + "block_sparse_moe.experts.0.w1.weight", (512, 512)),
                         (layer + "block_sparse_moe.gate.weight", (8, 512))]:
-        assert matrix_type(name, shape, q4_k, "MixtralForCausalLM") is None
+        assert kind(name, shape, "MixtralForCausalLM") is None
     # DeepSeek-V2 joins q_proj with kv_a_proj_with_mqa as plain tensors
-    assert matrix_type(layer + "self_attn.q_proj.weight", (512, 512), q4_k, "DeepseekV2ForCausalLM") is None
-    assert matrix_type(layer + "self_attn.o_proj.weight", (512, 512), q4_k, "DeepseekV2ForCausalLM") == q4_k
+    assert kind(layer + "self_attn.q_proj.weight", (512, 512), "DeepseekV2ForCausalLM") is None
+    assert kind(layer + "self_attn.o_proj.weight", (512, 512), "DeepseekV2ForCausalLM") == q4_k
 
 
 # -- the engine on quantised weights -------------------------------------------------------

@@ -53,7 +53,8 @@ class ModelFiles:
     default_dtype: torch.dtype | None  # the checkpoint's own dtype, if it says
     fingerprint: str  # changes when the weight files change
     packed: bool = False  # some matrices stay in their quantised blocks (tiergen.weights.packed)
-    opened_as: tuple[str, bool, str | None] | None = None  # open_model's arguments, to open it again
+    # open_model's arguments (model, packed, quantize), to open it again
+    opened_as: tuple[str, bool, str | None] | None = None
     quantize: str | None = None  # the block type its float matrices were quantised to at load
 
 
@@ -230,12 +231,13 @@ def quantized(files: ModelFiles, kind: str) -> ModelFiles:
         raise TiergenError(f"model {files.name} is already quantised to {files.quantize} at "
                            f"load; open it again to quantise it to {kind}")
     source = files.source
-    if isinstance(source, GGUFSource) and source.quantized_types():
-        raise TiergenError(f"{source.file.path.name} is already quantised "
-                           f"({', '.join(source.quantized_types())}); quantize is for float "
-                           "checkpoints (Hugging Face safetensors, or an F32/F16/BF16 GGUF): "
-                           "leave it out to run the file's own blocks")
-    source = quantized_source(source, source.shapes(), files.fingerprint, kind, files.config.architecture)
+    if isinstance(source, GGUFSource) and (types := source.quantized_types()):
+        raise TiergenError(f"{source.file.path.name} is already quantised ({', '.join(types)}); "
+                           "quantize (--quantize) is for float checkpoints (Hugging Face "
+                           "safetensors, or an F32/F16/BF16 GGUF): leave it out to run the "
+                           "file's own blocks")
+    source = quantized_source(source, source.shapes(), files.fingerprint, kind,
+                              files.config.architecture)
     fp = hashlib.sha256(f"{files.fingerprint}|{kind}".encode()).hexdigest()
     opened_as = None if files.opened_as is None else (*files.opened_as[:2], kind)
     return replace(files, source=source, fingerprint=fp, packed=files.packed or bool(source.types),

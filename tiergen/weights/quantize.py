@@ -72,9 +72,10 @@ def matrix_type(name: str, shape: tuple[int, ...], ggml_type: int, architecture:
         return None
     if name == "lm_head.weight":
         ggml_type = HEAD_TYPE
-    elif not _LAYER_MATRIX.fullmatch(name) or (
-            architecture in _JOINED_AS_TENSORS and _JOINED_AS_TENSORS[architecture].fullmatch(name)):
-        return None
+    else:
+        joined = _JOINED_AS_TENSORS.get(architecture)
+        if not _LAYER_MATRIX.fullmatch(name) or (joined and joined.fullmatch(name)):
+            return None
     for t in (ggml_type, GGMLType.Q8_0):
         if shape[1] % ggml_type_sizes(t)[0] == 0:
             return t
