@@ -80,10 +80,11 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build(case: str, directory: Path, seed: int = 0) -> transformers.PreTrainedModel:
-    """Create the random model for ``case``, save it to ``directory`` and return it (float32)."""
+def build(case: str, directory: Path, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """Create the random model for ``case`` (its config fields changed by ``overrides``), save
+    it to ``directory`` and return it (float32)."""
     cls_name, extra = CASES[case]
-    config = getattr(transformers, cls_name)(**(BASE | extra))
+    config = getattr(transformers, cls_name)(**(BASE | extra | overrides))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init gives near-uniform logits; widen them so greedy tokens are well separated.

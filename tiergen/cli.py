@@ -29,6 +29,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize", action="store_true",
                    help="decode a GGUF's quantised matrices to --dtype at load instead of keeping "
                         "them packed (more memory; the float path)")
+    _add_quantize_option(g)
     g.add_argument("--activations", default="auto", choices=["auto", "float32", "int8", "int16"],
                    help="how products with a GGUF's quantised matrices treat their inputs: int8 "
                         "or int16 (quantised per row and multiplied by the integer kernels, on a "
@@ -96,6 +97,15 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="after the run, report time per layer as well as the totals")
 
 
+def _add_quantize_option(g: argparse._ActionsContainer) -> None:
+    from tiergen.weights.quantize import QUANTIZE_TYPES
+
+    g.add_argument("--quantize", default=None, choices=list(QUANTIZE_TYPES),
+                   help="quantise a float checkpoint's layer matrices into these GGML blocks at "
+                        "load, to run them on the packed kernels; done once and cached "
+                        "(default: keep them float)")
+
+
 def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256, help="most new tokens per prompt (default: 256)")
@@ -144,7 +154,8 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
     from tiergen.engine.llm import LLM
     from tiergen.weights import open_model
 
-    files = open_model(args.model, packed=not args.dequantize)  # once, planned or not
+    files = open_model(args.model, packed=not args.dequantize,
+                       quantize=args.quantize)  # once, planned or not
     chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk_size is None else args.prefill_chunk_size
 
     def load(policy):
@@ -379,7 +390,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.config:
         (cfg, checkpoint_dtype), source = paper.load_config(args.config), None
     else:
-        files = open_model(args.model, packed=not getattr(args, "dequantize", False))
+        files = open_model(args.model, packed=not getattr(args, "dequantize", False),
+                           quantize=args.quantize)
         cfg, checkpoint_dtype, source = files.config, files.default_dtype, files.source
     workload = Workload(args.prompt_len, args.gen_len, args.batch)
     if workload.prompt_len + workload.gen_len > cfg.context_length:
@@ -474,6 +486,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                         "profile's under --machine)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (default: auto, as tiergen generate picks it)")
+    _add_quantize_option(p)
     p.add_argument("--device", default=None,
                    help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
     p.add_argument("--no-compression", action="store_true",

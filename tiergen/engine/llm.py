@@ -29,7 +29,7 @@ from tiergen.engine.pipeline import (Replica, micro_batch_size, run_pipelined, s
                                      start_ranks)
 from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
-from tiergen.weights import ModelFiles, open_model
+from tiergen.weights import ModelFiles, open_model, quantized
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -100,7 +100,10 @@ class LLM:
     multiplied by the integer kernels: the fast path, a KL divergence below 1e-3 from the
     float path on the packaged models), "int16" (16 bits as two int8 halves: slower, below
     5e-6) or
-    "float32" (the float path: products equal decode-then-multiply).
+    "float32" (the float path: products equal decode-then-multiply). ``quantize`` ("q8_0",
+    "q4_0" or "q4_k") quantises a float checkpoint's layer matrices into those GGML blocks at
+    load, once (cached), so that they run packed as a GGUF's would
+    (:mod:`tiergen.weights.quantize`).
 
     ``pipeline_parallel=P`` splits the layers into P consecutive spans, each run by its own
     process (rank); ``tensor_parallel=T`` splits every layer's heads, MLP columns and experts
@@ -121,8 +124,8 @@ class LLM:
                  host_memory: int | str | None = None, compile: bool = False,
                  prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, packed: bool = True,
                  activations: str = "auto", pipeline_parallel: int = 1,
-                 tensor_parallel: int = 1, parallel_timeout: float = 60.0, *,
-                 _group: Group | None = None) -> None:
+                 tensor_parallel: int = 1, parallel_timeout: float = 60.0,
+                 quantize: str | None = None, *, _group: Group | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
@@ -132,7 +135,10 @@ class LLM:
         self.prefill_chunk_size = prefill_chunk_size
         self.device = resolve_device(device)
         self.activations = resolve_activations(activations, self.device)
-        files = model if isinstance(model, ModelFiles) else open_model(model, packed)
+        if isinstance(model, ModelFiles):
+            files = model if quantize is None else quantized(model, quantize)
+        else:
+            files = open_model(model, packed, quantize)
         family, model_id, source = build_model(files.config), files.fingerprint, files.source
         self.group = group = _group
         if group is None and (pipeline_parallel != 1 or tensor_parallel != 1 or under_torchrun()):

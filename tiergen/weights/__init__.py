@@ -7,7 +7,7 @@ import importlib.util
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -53,7 +53,9 @@ class ModelFiles:
     default_dtype: torch.dtype | None  # the checkpoint's own dtype, if it says
     fingerprint: str  # changes when the weight files change
     packed: bool = False  # some matrices stay in their quantised blocks (tiergen.weights.packed)
-    opened_as: tuple[str, bool] | None = None  # open_model's arguments, to open it again
+    # open_model's arguments (model, packed, quantize), to open it again
+    opened_as: tuple[str, bool, str | None] | None = None
+    quantize: str | None = None  # the block type its float matrices were quantised to at load
 
 
 def fingerprint(files: list[Path]) -> str:
@@ -214,9 +216,44 @@ def _download(repo_id: str) -> Path:
                            "check the id and your network, or pass a local directory") from None
 
 
-def open_model(model: str | Path, packed: bool = True) -> ModelFiles:
+def quantized(files: ModelFiles, kind: str) -> ModelFiles:
+    """A float checkpoint with its layer matrices quantised to ``kind`` ("q8_0", "q4_0",
+    "q4_k"; see :mod:`tiergen.weights.quantize`): once, into the cache directory, and read
+    from there on later loads. A GGUF whose matrices are already quantised is refused."""
+    from tiergen.weights.gguf_map import GGUFSource
+    from tiergen.weights.quantize import quantize_type, quantized_source
+
+    quantize_type(kind)
+    kind = kind.lower()
+    if files.quantize is not None:
+        if files.quantize == kind:
+            return files
+        raise TiergenError(f"model {files.name} is already quantised to {files.quantize} at "
+                           f"load; open it again to quantise it to {kind}")
+    source = files.source
+    if isinstance(source, GGUFSource) and (types := source.quantized_types()):
+        raise TiergenError(f"{source.file.path.name} is already quantised ({', '.join(types)}); "
+                           "quantize (--quantize) is for float checkpoints (Hugging Face "
+                           "safetensors, or an F32/F16/BF16 GGUF): leave it out to run the "
+                           "file's own blocks")
+    source = quantized_source(source, source.shapes(), files.fingerprint, kind,
+                              files.config.architecture)
+    fp = hashlib.sha256(f"{files.fingerprint}|{kind}".encode()).hexdigest()
+    opened_as = None if files.opened_as is None else (*files.opened_as[:2], kind)
+    return replace(files, source=source, fingerprint=fp, packed=files.packed or bool(source.types),
+                   opened_as=opened_as, quantize=kind)
+
+
+def open_model(model: str | Path, packed: bool = True, quantize: str | None = None
+               ) -> ModelFiles:
     """Resolve a model argument to its config, tensors and tokenizer. ``packed``: a GGUF's
-    quantised matrices stay in their blocks (False: dequantised at load)."""
+    quantised matrices stay in their blocks (False: dequantised at load). ``quantize``:
+    a float checkpoint's layer matrices are quantised to this GGML block type (see
+    :func:`quantized`)."""
+    if quantize is not None:
+        from tiergen.weights.quantize import quantize_type
+
+        quantize_type(quantize)  # a bad value is refused before anything is read
     spec = str(model)
     path = Path(spec).expanduser()
     if spec in SHORT_NAMES:
@@ -234,5 +271,5 @@ def open_model(model: str | Path, packed: bool = True) -> ModelFiles:
         raise TiergenError(f"model {spec!r} not found: it is no existing path, no short name "
                            f"({', '.join(SHORT_NAMES)}) and no hub id (org/name)")
     files.opened_as = (spec if spec in SHORT_NAMES or not path.exists() else str(path.resolve()),
-                       packed)
-    return files
+                       packed, None)
+    return files if quantize is None else quantized(files, quantize)

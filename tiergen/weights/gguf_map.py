@@ -187,6 +187,15 @@ class GGUFSource:
     def has(self, name: str) -> bool:
         return name in self._names
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape (torch order), by its Hugging Face name."""
+        return {name: self.file.tensors[g].shape for name, g in self._names.items()}
+
+    def quantized_types(self) -> list[str]:
+        """The block types of the file's matrices that are not float (F32, F16, BF16)."""
+        return sorted({info.type_name for info in self.file.tensors.values()
+                       if len(info.shape) == 2 and info.ggml_type not in FLOAT_TYPES})
+
     def keeps_any_packed(self) -> bool:
         return any(self._keeps_packed(name) for name in self._names)
 

@@ -88,6 +88,11 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, from the shards' headers (nothing is read)."""
+        return {name: tuple(self._files[shard].get_slice(name).get_shape())
+                for name, shard in self._where.items()}
+
     def meta(self, name: str) -> None:
         """Nothing is kept packed: every tensor is plain data."""
         return None
