@@ -74,6 +74,22 @@ def test_fused_decode_equals_layer_by_operation(case, qtype, calls, tmp_path):
                 assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2-window", "gemma3-window4",
+                                  "llama3-rope", "mixtral"])
+def test_fused_decode_of_quantised_checkpoints(case, calls, tmp_path):
+    """Float checkpoints quantised at load: sliding windows as rings (Mistral, Qwen2, Gemma 3
+    with windows shorter than the prompts), Llama 3 RoPE, and a mixture of experts, whose
+    layers run op by op beside fused ones."""
+    build(case, tmp_path / "hf")
+    llm = LLM(tmp_path / "hf", dtype="float32", activations="float32", quantize="q8_0")
+    fused = prefill_and_decode_logits(llm)
+    if case != "mixtral":
+        assert calls.n > 0
+    calls.off()
+    for got, want in zip(fused, prefill_and_decode_logits(llm)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.fixture(scope="module", params=["smollm2", "gemma3-270m"])
 def packaged(request):
     return request.param
