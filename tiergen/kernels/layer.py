@@ -100,7 +100,7 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
     if (B > kernels.ROW_THRESHOLD or not _usable(h) or not _usable(cos) or not _usable(sin)
             or k.dtype != torch.float32 or k.device.type != "cpu" or k.stride(-1) != 1
-            or v.dtype != torch.float32 or v.stride(-1) != 1 or not mask.is_contiguous()
+            or v.dtype != torch.float32 or v.stride(-1) != 1 or mask is None or not mask.is_contiguous()
             or mask.dtype != torch.bool or mask.device.type != "cpu"):
         return None
     lib = kernels.library()
