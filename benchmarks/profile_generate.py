@@ -1,5 +1,6 @@
-"""Where a generate call's time goes: the packed products (timed around each call) and the
-torch operations (torch's profiler), for one batch of random prompts.
+"""Where a generate call's time goes: the packed products and the fused decode layers (each
+timed around its call) and the torch operations (torch's profiler), for one batch of random
+prompts.
 
     python benchmarks/profile_generate.py                          # batch 1 decode: 128 + 64
     python benchmarks/profile_generate.py --prompt-len 4096 --gen-len 1   # a long prefill
@@ -14,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tiergen.kernels as K
+import tiergen.models.layers as layers
 from tiergen import LLM, SamplingParams
 from tiergen.bench import cpu_description
 
@@ -34,8 +36,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=a.gen_len, temperature=0, ignore_eos=True)
     llm.generate(ids, params)  # warm-up
 
-    spent = {"prefill": 0.0, "decode": 0.0}
-    packed_linear = K.packed_linear
+    spent = {"prefill": 0.0, "decode": 0.0, "fused": 0.0}
+    packed_linear, decode_layer = K.packed_linear, layers.decode_layer
 
     def timed(x, *args, **kw):
         t = time.perf_counter()
@@ -45,7 +47,14 @@ def main() -> None:
             spent["decode" if x.dim() == 3 and x.shape[1] == 1 else "prefill"] += \
                 time.perf_counter() - t
 
-    K.packed_linear = timed
+    def fused(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return decode_layer(*args, **kw)
+        finally:
+            spent["fused"] += time.perf_counter() - t
+
+    K.packed_linear, layers.decode_layer = timed, fused
     t = time.perf_counter()
     llm.generate(ids, params)
     total = time.perf_counter() - t
@@ -55,8 +64,9 @@ def main() -> None:
     if a.gen_len > 1:
         steps = a.gen_len - 1
         print(f"per decode step: {s.decode_seconds / steps * 1e3:.1f} ms, of which packed "
-              f"products {spent['decode'] / steps * 1e3:.1f} ms")
-    K.packed_linear = packed_linear
+              f"products {spent['decode'] / steps * 1e3:.1f} ms and whole layers in one call "
+              f"(kernels/layer.c: their products included) {spent['fused'] / steps * 1e3:.1f} ms")
+    K.packed_linear, layers.decode_layer = packed_linear, decode_layer
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(ids, params)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
