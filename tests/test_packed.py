@@ -212,3 +212,20 @@ def test_types_without_kernels_are_decoded_with_a_warning(packed_gguf, monkeypat
     assert "have no packed kernel; they are decoded to float" in caplog.text
     assert not isinstance(llm.executor.globals["embed"], Packed)
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+
+
+def test_matrices_back_to_back_join_without_a_copy():
+    """Packed matrices that lie one after the other in one buffer (a GGUF's gate and up)
+    fuse into a view of it; others are copied. Either way the result is the same matrix."""
+    a, b = random_packed(GGMLType.Q4_1, 8, 64, seed=1), random_packed(GGMLType.Q4_1, 4, 64, seed=2)
+    buf = torch.cat([a.data, b.data, torch.zeros(3, dtype=torch.uint8), b.data])
+    n, m = a.nbytes, b.nbytes
+    first = Packed(buf[:n], a.shape, a.parts)
+    apart = Packed(buf[n + m + 3:], b.shape, b.parts)
+    joined = cat_rows([first, Packed(buf[n:n + m], b.shape, b.parts)])
+    assert joined.data.data_ptr() == buf.data_ptr()  # a view: nothing copied
+    copied = cat_rows([first, apart])
+    assert copied.data.data_ptr() != buf.data_ptr()
+    want = torch.cat([a.dequantize(torch.float32), b.dequantize(torch.float32)])
+    assert torch.equal(joined.dequantize(torch.float32), want)
+    assert torch.equal(copied.dequantize(torch.float32), want)

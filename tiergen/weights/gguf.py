@@ -177,6 +177,7 @@ class GGUFFile:
             # Copy-on-write rather than read-only, so tensors that alias the map can be modified
             # in place by their users (changing the process's copy, never the file).
             self._data: np.memmap | None = np.memmap(f, dtype=np.uint8, mode="c")
+            self._whole: torch.Tensor | None = None  # the map as one tensor, made on first use
         self._check_tensor_ranges(size)
 
     def _error(self, what: str) -> TiergenError:
@@ -299,8 +300,12 @@ class GGUFFile:
 
     def packed_bytes(self, name: str) -> torch.Tensor:
         """The tensor's bytes as a uint8 tensor backed by the map (copy-on-write: changing
-        it never changes the file)."""
-        return torch.from_numpy(self._lookup(name)[1])
+        it never changes the file). Every tensor is a slice of one tensor over the whole map,
+        so tensors that lie back to back join without a copy (``packed.cat_rows``)."""
+        info, _ = self._lookup(name)
+        if self._whole is None:
+            self._whole = torch.from_numpy(self._data.view(np.ndarray))
+        return self._whole[info.offset:info.offset + info.nbytes]
 
     def read(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor dequantised to ``dtype``, in torch order.
@@ -317,7 +322,7 @@ class GGUFFile:
 
     def close(self) -> None:
         """Drop the map; tensors already read stay valid (they keep their pages alive)."""
-        self._data = None
+        self._data = self._whole = None
 
     def __enter__(self) -> GGUFFile:
         return self

@@ -168,9 +168,26 @@ def cat_rows(matrices: Sequence[torch.Tensor | Packed]) -> torch.Tensor | Packed
                 parts[-1] = (ggml_type, parts[-1][1] + rows)
             else:
                 parts.append((ggml_type, rows))
-    data = _cat([m.data for m in matrices]) if len(matrices) > 1 else matrices[0].data
+    data = _joined([m.data for m in matrices])
     rows = sum(m.shape[0] for m in matrices)
     return Packed(data, (rows, matrices[0].shape[1]), tuple(parts))
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bytes of packed matrices one after the other: a view where they already lie back
+    to back in one buffer (a GGUF's gate and up, usually), else a copy."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    end = offset
+    for t in tensors:
+        if (t.dim() != 1 or not t.is_contiguous() or t.storage_offset() != end
+                or t.untyped_storage().data_ptr() != storage.data_ptr()):
+            return _cat(tensors)
+        end += t.numel()
+    if len(tensors) == 1:
+        return first
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(storage, offset,
+                                                                       (end - offset,))
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
