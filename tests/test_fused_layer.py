@@ -131,3 +131,22 @@ def test_rolling_window_decode(calls, monkeypatch):
     assert (fused - by_op).abs().max() < 1e-5 * by_op.abs().max()
     full = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1)
     assert (token_by_token(full) - by_op).abs().max() > 1e-2  # the window did bite
+
+
+def test_weights_streamed_from_disk(calls, tmp_path):
+    """Weights on disk come through reused buffers, one layer's matrices after another's, of
+    other block types and sizes in a Q4_K_M file: every layer is still computed with its own,
+    as where they stay resident."""
+    from tiergen import Policy
+
+    llm = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1,
+              policy=Policy(weights=(0, 0), offload_dir=str(tmp_path)))
+    text = TEXT[:120]
+    fused = llm.logits(text)
+    assert calls.n > 0
+    calls.off()
+    by_op = llm.logits(text)
+    assert (fused - by_op).abs().max() < 1e-5 * by_op.abs().max()
+    calls.on()
+    resident = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1).logits(text)
+    assert torch.equal(fused, resident)

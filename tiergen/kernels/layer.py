@@ -68,7 +68,10 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     if not isinstance(mats[0], Packed):
         return None
     vecs = [w.get(n) for n in NORMS + BIASES]
-    key = (kind, fmt, *(m.data.data_ptr() for m in mats if isinstance(m, Packed)),
+    # buffers that stream weights from disk hold another layer's matrices, perhaps of other
+    # types (Q4_K_M mixes them), at the same address: the key has the layout too
+    key = (kind, fmt, *((m.data.data_ptr(), m.shape, m.parts) for m in mats
+                        if isinstance(m, Packed)),
            *(0 if v is None else v.data_ptr() for v in vecs))
     entry = _built.get(key)
     if entry is not None:

@@ -143,9 +143,17 @@ class WeightPlan:
 
     def buffer_shapes(self, tier: str, experts: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
         """Shapes (and dtypes) of the reusable buffers for one layer's stored tensors on
-        ``tier`` (the union over layers: layers may differ, e.g. dense and MoE layers)."""
-        return {n: self.stored_spec(j, n) for j in range(len(self.shapes))
-                for n, t in self.tiers[j].items() if t == tier and is_expert(n) == experts}
+        ``tier`` (the union over layers: layers may differ, e.g. dense and MoE layers; a
+        packed matrix's blocks take the most bytes any layer's do, as a Q4_K_M file mixes
+        block types from layer to layer)."""
+        out: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+        for j in range(len(self.shapes)):
+            for n, t in self.tiers[j].items():
+                if t == tier and is_expert(n) == experts:
+                    spec = self.stored_spec(j, n)
+                    if n not in out or torch.Size(spec[0]).numel() > torch.Size(out[n][0]).numel():
+                        out[n] = spec
+        return out
 
     def needs(self) -> dict[str, int]:
         """Bytes per tier: placed weights plus the buffers that stream the rest."""
@@ -337,7 +345,11 @@ class TieredWeights:
             buffers = self._free.get()
             try:
                 for n in self.streamed[j]:
-                    weights[n] = self.disk.read_into(j, n, buffers[n])
+                    shape, _ = self.plan.stored_spec(j, n)
+                    buf = buffers[n]
+                    if tuple(buf.shape) != tuple(shape):  # this layer's blocks take fewer bytes
+                        buf = buf.view(-1)[:torch.Size(shape).numel()].view(shape)
+                    weights[n] = self.disk.read_into(j, n, buf)
             except BaseException:
                 self._free.put(buffers)
                 raise
