@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import weakref
 
+import numpy as np
 import torch
 
 from tiergen.errors import TiergenError
@@ -20,7 +21,6 @@ from tiergen.tokenizer import Tokenizer
 # llguidance's tokenizer for each of ours: building one reads the whole vocabulary (~0.5 s)
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _EXECUTOR = None  # llguidance's thread pool, for the masks of several rows at once
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def grammar_of(json_schema: dict | str | None = None, regex: str | None = None,
@@ -102,9 +102,10 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
-def mask(logits: torch.Tensor, rows: list[int], constraints: list[Constraint]) -> torch.Tensor:
-    """``logits`` (B, V) with every token its constraint forbids set to -inf in ``rows``
-    (a new tensor; the other rows are copied unchanged)."""
+def masked_rows(logits: torch.Tensor, rows: list[int],
+                constraints: list[Constraint]) -> torch.Tensor:
+    """Those ``rows`` of ``logits`` (B, V), copied, with every token their constraints forbid
+    at -inf: (len(rows), V). The other rows are left alone, so they cost nothing."""
     import llguidance.torch as lt
 
     global _EXECUTOR
@@ -112,16 +113,13 @@ def mask(logits: torch.Tensor, rows: list[int], constraints: list[Constraint]) -
         import llguidance
 
         _EXECUTOR = llguidance.LLExecutor()
-    vocab = constraints[0].tokenizer.vocab_size
-    bitmask = lt.allocate_token_bitmask(len(rows), vocab)
+    bitmask = lt.allocate_token_bitmask(len(rows), constraints[0].tokenizer.vocab_size)
     lt.fill_next_token_bitmask_par(_EXECUTOR, [(c.matcher, i) for i, c in enumerate(constraints)],
                                    bitmask)
-    allowed = ((bitmask[:, :, None] >> _BITS) & 1).flatten(1).bool()
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits.view(np.bool_))
     width = logits.shape[1]
     if allowed.shape[1] < width:  # the model's padded vocabulary past the tokenizer's
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]))
-    allowed = allowed[:, :width].to(logits.device)
-    index = torch.tensor(rows, device=logits.device)
-    out = logits.clone()
-    out[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return out
+    out = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    return out.masked_fill_(~allowed[:, :width].to(logits.device), float("-inf"))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiergen.engine.constraints import Constraint, grammar_of, mask
+from tiergen.engine.constraints import Constraint, grammar_of, masked_rows
 from tiergen.errors import TiergenError
 
 MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list
@@ -205,8 +205,7 @@ class Sampler:
         self.constraints = self.constraints + other.constraints
 
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits (B, V) after each row's penalties, bias and constraint (a new tensor
-        where any); a constrained row's forbidden tokens are -inf."""
+        """The logits (B, V) after each row's penalties and bias (a new tensor where any)."""
         s = self.state
         if "repetition" in s:
             penalised = torch.where(logits > 0, logits / s["repetition"], logits * s["repetition"])
@@ -215,9 +214,6 @@ class Sampler:
             logits = logits - s["frequency"] * s["counts"] - s["presence"] * (s["counts"] > 0)
         if "bias" in s:
             logits = logits + s["bias"]
-        rows = [r for r, c in enumerate(self.constraints) if c is not None and not c.finished]
-        if rows:
-            logits = mask(logits, rows, [self.constraints[r] for r in rows])
         return logits
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -225,9 +221,15 @@ class Sampler:
         s = self.state
         logits = self.adjusted(logits)
         tokens = logits.argmax(-1)
+        constrained = [r for r, c in enumerate(self.constraints) if c is not None and not c.finished]
+        masked = dict(zip(constrained, masked_rows(
+            logits, constrained, [self.constraints[r] for r in constrained]))) if constrained else {}
         for row, p in enumerate(self.params):
+            row_logits = masked.get(row, logits[row])
             if not p.greedy:
-                tokens[row] = self._sample_row(logits[row], p, self.generators[row])
+                tokens[row] = self._sample_row(row_logits, p, self.generators[row])
+            elif row in masked:
+                tokens[row] = row_logits.argmax()
         if s:
             rows = torch.arange(len(tokens), device=tokens.device)
             if "seen" in s:
