@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiergen.engine.constraints import Constraint
 from tiergen.engine.executor import Executor, MicroBatch, PositionLogits
 from tiergen.engine.sampler import PositionLogprobs, Sampler, SamplingParams, position_logprobs
 from tiergen.cache.step import StepMeta
+from tiergen.errors import TiergenError
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size)
@@ -45,8 +47,14 @@ class Sequence:
     # per prompt token, None for the first (nothing comes before it)
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    constraint: Constraint | None = None  # where its output stands in params' grammar
 
     def __post_init__(self) -> None:
+        if self.params.compiled_grammar is not None:
+            if self.tokenizer is None:
+                raise TiergenError("constrained output (json_schema, regex, grammar) needs the "
+                                   "model's tokenizer")
+            self.constraint = Constraint(self.params.compiled_grammar, self.tokenizer)
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
@@ -74,6 +82,10 @@ class Sequence:
                 if at >= 0:
                     self.text, self.finish_reason = self.text[:at], "stop"
                     return
+        if self.finish_reason is None and self.constraint is not None:
+            self.constraint.advance(token)
+            if self.constraint.finished:
+                self.finish_reason = "stop"
         if self.finish_reason is None and len(self.token_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None and self.detok is not None:
@@ -134,7 +146,7 @@ class MicroBatchState:
         self.chunk = prefill_chunk(chunk_size, longest)
         self.cache = executor.new_cache(len(seqs), slots)
         self.sampler = Sampler([s.params for s in seqs], [s.prompt_ids for s in seqs],
-                               executor.cfg.vocab_size, device)
+                               executor.cfg.vocab_size, device, [s.constraint for s in seqs])
         self.live = list(seqs)
         self.start, self.num_tokens = 0, self.chunk
         self.ids = self.prompt[:, :self.num_tokens]

@@ -3,10 +3,11 @@ and the log-probabilities of chosen tokens and their best alternatives."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tiergen.engine.constraints import Constraint, grammar_of, masked_rows
 from tiergen.errors import TiergenError
 
 MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list
@@ -32,6 +33,10 @@ class SamplingParams:
     likeliest tokens; ``prompt_logprobs=k`` the same for each prompt token given those before
     it (none for the first). They are the log-softmax of the model's logits, before
     temperature, filters, penalties and bias.
+
+    Constrained output: ``json_schema`` (a dict, or its JSON text), ``regex`` or ``grammar``
+    (Lark syntax, as llguidance reads it), at most one, limits every token to those that keep
+    the output on course; once the output is complete the sequence stops ("stop").
     """
 
     max_tokens: int = 256
@@ -47,6 +52,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    # the constraint compiled for llguidance (None: unconstrained)
+    compiled_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def integer(v: object) -> bool:
@@ -90,6 +100,7 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise TiergenError(f"invalid sampling parameter: {message}")
+        self.compiled_grammar = grammar_of(self.json_schema, self.regex, self.grammar)
 
     @property
     def greedy(self) -> bool:
@@ -140,8 +151,10 @@ class Sampler:
     nothing when no row of their batch does."""
 
     def __init__(self, params: list[SamplingParams], prompts: list[list[int]], vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 constraints: list[Constraint | None] | None = None) -> None:
         self.params = params
+        self.constraints = constraints or [None] * len(params)
         self.vocab_size, self.device = vocab_size, device
         self.generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed)
                            for p in params]
@@ -176,6 +189,7 @@ class Sampler:
     def keep_rows(self, rows: list[int]) -> None:
         self.params = [self.params[r] for r in rows]
         self.generators = [self.generators[r] for r in rows]
+        self.constraints = [self.constraints[r] for r in rows]
         self.state = {name: t[rows] for name, t in self.state.items()}
 
     def extend(self, other: Sampler) -> None:
@@ -188,6 +202,7 @@ class Sampler:
                 theirs if theirs is not None else self._neutral(name, len(other.params))])
         self.params = self.params + other.params
         self.generators = self.generators + other.generators
+        self.constraints = self.constraints + other.constraints
 
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits (B, V) after each row's penalties and bias (a new tensor where any)."""
@@ -206,9 +221,15 @@ class Sampler:
         s = self.state
         logits = self.adjusted(logits)
         tokens = logits.argmax(-1)
+        constrained = [r for r, c in enumerate(self.constraints) if c is not None and not c.finished]
+        masked = dict(zip(constrained, masked_rows(
+            logits, constrained, [self.constraints[r] for r in constrained]))) if constrained else {}
         for row, p in enumerate(self.params):
+            row_logits = masked.get(row, logits[row])
             if not p.greedy:
-                tokens[row] = self._sample_row(logits[row], p, self.generators[row])
+                tokens[row] = self._sample_row(row_logits, p, self.generators[row])
+            elif row in masked:
+                tokens[row] = row_logits.argmax()
         if s:
             rows = torch.arange(len(tokens), device=tokens.device)
             if "seen" in s:

@@ -63,6 +63,7 @@ class GenerationRequest(_Strict):
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    response_format: dict | None = None
 
     def refused(self) -> dict[str, bool]:
         """Unsupported fields and whether this request sets them."""
@@ -122,9 +123,30 @@ class GenerationRequest(_Strict):
         """The field that sets the number of tokens to generate, and its value."""
         return "max_tokens", self.max_tokens
 
+    def json_schema(self) -> dict | None:
+        """The JSON schema ``response_format`` asks the output to follow: json_object's is any
+        object; None for text or no response_format."""
+        rf = self.response_format
+        kind = (rf or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind != "json_schema":
+            raise bad_request(f"'response_format.type' must be 'text', 'json_object' or "
+                              f"'json_schema', got {kind!r}", "response_format.type",
+                              "invalid_value")
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad_request("'response_format.json_schema' must be an object with a 'name' "
+                              "and a 'schema' object", "response_format.json_schema",
+                              "invalid_value")
+        return spec.get("schema", {"type": "object"})
+
     def sampling_params(self, max_tokens: int) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i gets seed + i."""
         top, bias = self.top_logprobs_wanted(), self.token_bias()
+        schema = self.json_schema()
         try:
             return [SamplingParams(
                 max_tokens=max_tokens,
@@ -136,7 +158,8 @@ class GenerationRequest(_Strict):
                 stop=self.stop, ignore_eos=bool(self.ignore_eos),
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0, logit_bias=bias,
-                logprobs=top, prompt_logprobs=top if self.echo_prompt else None)
+                logprobs=top, prompt_logprobs=top if self.echo_prompt else None,
+                json_schema=schema)
                 for i in range(self.num_choices)]
         except TiergenError as e:
             raise sampling_error(e) from None
@@ -147,7 +170,9 @@ def sampling_error(e: TiergenError, param: str | None = None) -> APIError:
     must ..." ("stop strings must ..." for stop) names the field by the word after the colon."""
     message = str(e)
     if message.startswith("invalid sampling parameter:"):
-        param = message.partition(": ")[2].split(" ")[0] or None
+        param = message.partition(": ")[2].split(" ")[0].rstrip(":") or None
+    if param == "json_schema":  # the only way a request gives one
+        param = "response_format"
     return bad_request(message, param)
 
 
@@ -200,11 +225,9 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = None
     logprobs_field: ClassVar[str] = "top_logprobs"
     tools: list[dict] | None = None
-    response_format: dict | None = None
 
     def refused(self) -> dict[str, bool]:
-        return {**super().refused(), "tools": bool(self.tools),
-                "response_format": (self.response_format or {}).get("type", "text") != "text"}
+        return {**super().refused(), "tools": bool(self.tools)}
 
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
