@@ -46,7 +46,7 @@ class LayerKind:
     gelu: bool = False  # the MLP's activation: GELU (tanh) instead of SiLU
 
 
-_built: dict[tuple, tuple[_Layer, list]] = {}  # by the addresses of everything they point to
+_built: dict[tuple, tuple[_Layer, list]] = {}  # by the addresses (and layouts) they point to
 
 
 def _matrix(w: Packed) -> ctypes.Array:
@@ -72,7 +72,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     # types (Q4_K_M mixes them), at the same address: the key has the layout too
     key = (kind, fmt, *((m.data.data_ptr(), m.shape, m.parts) for m in mats
                         if isinstance(m, Packed)),
-           *(0 if v is None else v.data_ptr() for v in vecs))
+           *(None if v is None else (v.data_ptr(), v.dtype, v.device) for v in vecs))
     entry = _built.get(key)
     if entry is not None:
         return entry[0]
@@ -89,7 +89,10 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
                    *(ctypes.addressof(a) for a in arrays))
     if len(_built) > 4096:  # weights streamed from disk come at new addresses every step
         _built.clear()
-    _built[key] = (layer, arrays + vecs + mats)  # keeps what it points to alive
+    # The key is every address the description holds, so it never outlives what it names:
+    # tensors at those addresses later are the ones a call passes. Only the arrays it points
+    # to are kept (holding the tensors would keep a closed model's weights alive).
+    _built[key] = (layer, arrays)
     return layer
 
 
