@@ -71,13 +71,13 @@ def expected() -> dict:
     mc = []
     for doc in read_jsonl("mc.jsonl"):
         scores = [loglikelihood(llm, mc_context(doc), " " + c) for c in doc["choices"]]
-        mc.append({"scores": scores, "acc": float(max(range(len(scores)), key=scores.__getitem__)
-                                                  == doc["answer"])})
+        best = max(range(len(scores)), key=scores.__getitem__)
+        mc.append({"scores": scores, "acc": float(best == doc["answer"])})
     docs = read_jsonl("qa.jsonl")
     greedy = SamplingParams(max_tokens=16, temperature=0, stop=["\n"])
     results = llm.generate([llm.tokenizer.encode(qa_context(d), False) for d in docs], greedy)
-    qa = [{"text": r.text, "exact_match": float(normalised(r.text) == normalised(" " + d["answer"]))}
-          for d, r in zip(docs, results)]
+    qa = [{"text": r.text, "exact_match": float(normalised(r.text) == normalised(" " + a))}
+          for a, r in zip((d["answer"] for d in docs), results)]
     return {"mc": mc, "qa": qa}
 
 
@@ -111,8 +111,8 @@ def harness(server, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lmeval")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(out / "hf"), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [str(LM_EVAL), "--model", "local-completions",
-           "--model_args", f"base_url={server}/v1/completions,model={MODEL}",
+    model_args = f"base_url={server}/v1/completions,model={MODEL},tokenizer_backend=remote"
+    cmd = [str(LM_EVAL), "--model", "local-completions", "--model_args", model_args,
            "--batch_size", "16", "--include_path", str(TASKS),
            "--tasks", "tiergen_mc,tiergen_qa", "--output_path", str(out), "--log_samples"]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
