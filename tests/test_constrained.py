@@ -6,19 +6,17 @@ import tiergen  # noqa: F401  (first: sets the CPU safety guard before torch run
 
 import json
 import re
-import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pydantic
 import pytest
-import uvicorn
 
 from tiergen import LLM, SamplingParams
 from tiergen.errors import TiergenError
-from tiergen.server import create_app, listen
+from tiergen.server import create_app
+from live_server import serving
 
 MODEL = "smollm2"
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
@@ -84,18 +82,8 @@ def test_a_bad_constraint_is_refused(kwargs, match):
 
 @pytest.fixture(scope="module")
 def base_url(llm):
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, [MODEL], default_max_tokens=64),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
+    with serving(create_app(llm, [MODEL], default_max_tokens=64)) as url:
+        yield url
 
 
 class Person(pydantic.BaseModel):

@@ -5,20 +5,18 @@ import tiergen  # noqa: F401  (first: sets the CPU safety guard before torch run
 # float path (float32 activations), where a batch gives each row the logits it has alone.
 
 import json
-import threading
-import time
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 
 from tiergen import LLM, SamplingParams
 from tiergen.engine import executor
 from tiergen.engine.sampler import Sampler
 from tiergen.errors import TiergenError
-from tiergen.server import create_app, listen
+from tiergen.server import create_app
+from live_server import serving
 
 MODEL = "smollm2"
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived",
@@ -198,17 +196,8 @@ def expected(llm) -> dict:
 
 @pytest.fixture(scope="module")
 def base_url(llm, expected):
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, [SERVED]), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
+    with serving(create_app(llm, [SERVED])) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

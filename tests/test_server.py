@@ -11,16 +11,15 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from tiergen import LLM, SamplingParams
-from tiergen.server import create_app, listen
+from tiergen.server import create_app
+from live_server import serving
 
 MODEL = "smollm2"
 PARIS = "The capital of France is"
@@ -91,18 +90,8 @@ def app(llm, expected):
 
 @pytest.fixture(scope="module")
 def base_url(app):
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(30)
-    assert not thread.is_alive()
+    with serving(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
