@@ -6,6 +6,7 @@ import tiergen  # noqa: F401  (first: sets the CPU safety guard before torch run
 import builtins
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--dequantize",
                   "--compress-weights", "--compress-cache", "--compress-bits",
                   "--compress-group-size", "--attn-sparsity", "--verbose",
                   "--max-tokens", "--temperature", "--top-p", "--top-k", "--repetition-penalty",
-                  "--seed", "--stop", "--ignore-eos"]
+                  "--seed", "--stop", "--ignore-eos", "--json-schema", "--regex", "--grammar"]
 PARALLEL_OPTIONS = ["--pipeline-parallel", "--tensor-parallel", "--parallel-timeout"]
 GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
 CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
@@ -170,6 +171,7 @@ def test_chat_with_invalid_template_fails_before_reading(use_smol, monkeypatch, 
     (["generate", "-m", "{tmp}/nope", "Hello"], "not found"),
     (["generate", "--temperature", "-1", "Hello"], "temperature must be a number >= 0"),
     (["generate"], "no prompts"),  # standard input is empty and not a terminal
+    (["generate", "--json-schema", "{not json", "Hello"], "json_schema is not valid JSON"),
 ])
 def test_process_error_is_one_line_and_status_2(tmp_path, args, match):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -208,6 +210,27 @@ def test_generate_one_prompt_streams_text(use_smol, capsys):
     expected = use_smol.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0]
     assert expected.text.strip()
     assert out == expected.text + "\n"
+
+
+def test_generate_constrained_output(use_smol, capsys, tmp_path):
+    """--json-schema (inline or a file) and --regex: what the command prints parses and
+    matches, and equals the engine's output under the same constraint."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    prompt = "The capital of France as JSON:"
+    for given in (json.dumps(schema), str(path)):
+        assert cli.main(["generate", "--max-tokens", "32", "--temperature", "0",
+                         "--json-schema", given, prompt]) == 0
+        out = capsys.readouterr().out
+        assert set(json.loads(out)) == {"city"}
+        want = use_smol.generate([prompt], SamplingParams(max_tokens=32, temperature=0,
+                                                          json_schema=schema))[0].text
+        assert out == want + "\n"
+    assert cli.main(["generate", "--max-tokens", "8", "--temperature", "0",
+                     "--regex", "[0-9]{4}", "The year the war ended:"]) == 0
+    assert re.fullmatch(r"[0-9]{4}\n", capsys.readouterr().out)
 
 
 def test_generate_json_two_prompts(use_smol, capsys):

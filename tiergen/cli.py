@@ -119,6 +119,13 @@ def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> Non
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when this text appears (repeatable); the text is not returned")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    c = p.add_argument_group("constrained output (at most one)")
+    c.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="output JSON valid against this schema: its JSON text, or a file holding it")
+    c.add_argument("--regex", default=None, metavar="PATTERN",
+                   help="output that matches this regular expression")
+    c.add_argument("--grammar", default=None, metavar="LARK",
+                   help="output in this Lark grammar: its text, or a file holding it")
 
 
 def _params(args: argparse.Namespace):
@@ -130,7 +137,19 @@ def _params(args: argparse.Namespace):
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k,
                           repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          stop=args.stop, ignore_eos=args.ignore_eos)
+                          stop=args.stop, ignore_eos=args.ignore_eos,
+                          json_schema=_text_or_file(args.json_schema), regex=args.regex,
+                          grammar=_text_or_file(args.grammar))
+
+
+def _text_or_file(value: str | None) -> str | None:
+    """A constraint given inline, or the text of the file it names."""
+    if value is None or not Path(value).is_file():
+        return value
+    try:
+        return Path(value).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TiergenError(f"cannot read {value}: {e}") from None
 
 
 def _policy(args: argparse.Namespace):
