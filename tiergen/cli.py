@@ -6,6 +6,7 @@ calibrate`` to measure this machine, ``tiergen bench`` for throughput."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -329,47 +330,54 @@ def cmd_chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def _serve_extra(command: str, module: str):
+    """``module``, which needs the serve extra; a clear error for ``command`` without it."""
     try:
-        from tiergen.server import serve
+        return importlib.import_module(module)
     except ImportError as e:
-        raise TiergenError(f"tiergen serve needs the serve extra ({e.name} is missing): "
+        raise TiergenError(f"tiergen {command} needs the serve extra ({e.name} is missing): "
                            "pip install 'tiergen[serve]'") from None
-    if args.max_queue < 1:
-        raise TiergenError(f"--max-queue must be a positive integer, got {args.max_queue}")
+
+
+def _check_default_max_tokens(args: argparse.Namespace) -> None:
     if args.default_max_tokens < 1:
         raise TiergenError(f"--default-max-tokens must be a positive integer, got "
                            f"{args.default_max_tokens}")
+
+
+def _check_chat_template(llm, args: argparse.Namespace) -> None:
+    """A --chat-template that does not render fails now, not on the first chat request."""
+    if args.chat_template is not None:
+        llm.chat_prompt([{"role": "user", "content": "Hello"}], args.chat_template)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    serve = _serve_extra("serve", "tiergen.server").serve
+    if args.max_queue < 1:
+        raise TiergenError(f"--max-queue must be a positive integer, got {args.max_queue}")
+    _check_default_max_tokens(args)
     if args.queue_timeout is not None and not args.queue_timeout > 0:
         raise TiergenError(f"--queue-timeout must be a positive number of seconds, got "
                            f"{args.queue_timeout}")
     api_key = args.api_key or os.environ.get("TIERGEN_API_KEY") or None
     llm = on_short_lived_thread(lambda: _load(args))  # see on_short_lived_thread
-    if args.chat_template is not None:  # fail now, not on the first chat request
-        llm.chat_prompt([{"role": "user", "content": "Hello"}], args.chat_template)
+    _check_chat_template(llm, args)
     serve(llm, args.host, args.port, model_names=[args.model], max_queue=args.max_queue,
           default_max_tokens=args.default_max_tokens, chat_template=args.chat_template,
           verbose=args.verbose, api_key=api_key, queue_timeout=args.queue_timeout)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
-    try:
-        from tiergen.batch import planning_texts, read_input, run_batch
-    except ImportError as e:
-        raise TiergenError(f"tiergen run-batch needs the serve extra ({e.name} is missing): "
-                           "pip install 'tiergen[serve]'") from None
-    if args.default_max_tokens < 1:
-        raise TiergenError(f"--default-max-tokens must be a positive integer, got "
-                           f"{args.default_max_tokens}")
+    batch = _serve_extra("run-batch", "tiergen.batch")
+    _check_default_max_tokens(args)
     source, output = Path(args.input), Path(args.output)
     if output.exists() and output.resolve() == source.resolve():
         raise TiergenError("--output must be another file than --input")
-    lines = read_input(source)  # a duplicate custom_id stops us before the model loads
+    lines = batch.read_input(source)  # a duplicate custom_id stops us before the model loads
     args.max_tokens = args.default_max_tokens  # what a planned policy's cache must hold
-    llm = _load(args, planning_texts(lines))
-    if args.chat_template is not None:  # fail now, not on every chat line
-        llm.chat_prompt([{"role": "user", "content": "Hello"}], args.chat_template)
-    s = run_batch(llm, lines, output, model_names=[args.model],
+    llm = _load(args, batch.planning_texts(lines))
+    _check_chat_template(llm, args)
+    s = batch.run_batch(llm, lines, output, model_names=[args.model],
                   default_max_tokens=args.default_max_tokens, chat_template=args.chat_template)
     print(f"tiergen: {s.total} requests: {s.ok} answered now, {s.failed} with an error, "
           f"{s.skipped} already in {output}", file=sys.stderr)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -15,7 +13,7 @@ import torch
 
 from tiergen.config import ModelConfig, as_id_list, from_hf_config
 from tiergen.errors import TiergenError
-from tiergen.paths import cache_dir
+from tiergen.paths import cache_dir, written_atomically
 from tiergen.tokenizer import Tokenizer
 from tiergen.weights.packed import Packed
 
@@ -115,36 +113,19 @@ def _assembled_file(short: str, package_dir: Path) -> Path:
         chunks.append(chunk)
     size = sum(c.stat().st_size for c in chunks)
     sha = _expected_sha256(package_dir, filename)
-    directory = cache_dir()
-    target = directory / (f"{Path(filename).stem}-{sha[:16]}.gguf" if sha else filename)
+    target = cache_dir() / (f"{Path(filename).stem}-{sha[:16]}.gguf" if sha else filename)
     if target.is_file() and target.stat().st_size == size:
         return target
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{filename}.", suffix=".partial", dir=directory)
-    except OSError as e:
-        raise TiergenError(f"cannot write the assembled model to {directory} ({e}); set "
-                           "TIERGEN_CACHE to a writable directory") from None
-    tmp = Path(tmp_name)
-    try:
-        digest = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out:
-            for chunk in chunks:
-                with chunk.open("rb") as f:
-                    while block := f.read(1 << 22):
-                        digest.update(block)
-                        out.write(block)
-            out.flush()
-            os.fsync(out.fileno())
+    digest = hashlib.sha256()
+    with written_atomically(target, "the assembled model") as out:
+        for chunk in chunks:
+            with chunk.open("rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
         if sha is not None and digest.hexdigest() != sha:
             raise TiergenError(f"the chunks of {filename} do not match the package's sha256; "
                                f"reinstall them with: {install}")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except OSError as e:
-        raise TiergenError(f"cannot write the assembled model to {target} ({e})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
     return target
 
 

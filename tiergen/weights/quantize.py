@@ -15,10 +15,8 @@ safetensors file of uint8 blocks per checkpoint and type, and memory-mapped on l
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen.errors import TiergenError
-from tiergen.paths import cache_dir
+from tiergen.paths import cache_dir, written_atomically
 from tiergen.weights.packed import Packed, narrow, packed_like
 from tiergen.weights.quant import QK_K, GGMLType, ggml_type_sizes, tensor_nbytes
 
@@ -240,27 +238,11 @@ def _write(path: Path, source, plan: dict[str, tuple[int, tuple[int, int]]], kin
         {name: [int(t), *shape] for name, (t, shape) in plan.items()})}
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    except OSError as e:
-        raise TiergenError(f"cannot write the quantised model to {path.parent} ({e}); set "
-                           "TIERGEN_CACHE to a writable directory") from None
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(struct.pack("<Q", len(raw)) + raw)
-            for name, (ggml_type, _) in tqdm(plan.items(), desc=f"quantising to {kind}",
-                                             unit="tensor", leave=False):
-                out.write(quantize_matrix(source.get(name), ggml_type).numpy().data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise TiergenError(f"cannot write the quantised model to {path} ({e})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    with written_atomically(path, "the quantised model") as out:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        for name, (ggml_type, _) in tqdm(plan.items(), desc=f"quantising to {kind}",
+                                         unit="tensor", leave=False):
+            out.write(quantize_matrix(source.get(name), ggml_type).numpy().data)
 
 
 class QuantizedSource:
