@@ -256,8 +256,11 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     qp, sp, mp = a.q.data_ptr(), a.scales.data_ptr(), a.sums.data_ptr()
     lp = None if a.low is None else a.low.data_ptr()
     for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
-        if lib.tg_qmatmul(ggml_type, base + start, n, w.shape[1], qp, lp, sp, mp, a.block,
-                          rows, yp + 4 * row, w.shape[0]):
+        err = lib.tg_qmatmul(ggml_type, base + start, n, w.shape[1], qp, lp, sp, mp, a.block,
+                             rows, yp + 4 * row, w.shape[0])
+        if err == -2:
+            raise MemoryError(f"integer product of {rows} rows: out of memory for its panels")
+        if err:
             raise ValueError(f"no integer kernel for GGML type {ggml_type}")
     if bias is not None:
         y += bias

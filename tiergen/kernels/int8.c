@@ -30,8 +30,15 @@
 #define SB 16     /* values per activation block sum, and per weight scale in a tile */
 #define IKC 1024  /* weight values decoded at a time (a multiple of every block size) */
 #define FEWI 2    /* up to this many rows: the row-by-row kernel (more: the tiles) */
-#define TR 8      /* weight rows per interleaved tile */
-#define MI 4      /* activation rows per pass over a tile */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TILE512 1 /* tiles of sixteen rows, one 64-byte vector per four values */
+#define TR 16     /* weight rows per interleaved tile */
+#define MI 8      /* activation rows per pass over a tile */
+#else
+#define TILE512 0
+#define TR 8
+#define MI 4
+#endif
 
 /* ---- activations ---------------------------------------------------------------------
  * Row i of x (k values, k a multiple of 32) becomes xq[i k + j] (int8) in blocks of qa
@@ -41,10 +48,60 @@
  * minimum multiplies).
  * With xl (wide): 16 bits instead, q = 255 xq + xl with s = max |x| / 32512 and xq, xl in
  * [-127, 127], so that both halves multiply as int8. */
+#if defined(__AVX2__)
+/* Sixteen values at x as int8 at q in blocks of QA, 8 bits: each block's max |x| into amax
+ * (one per value) and its values into v. The same operations, in the same order, as the
+ * scalar loop below: a true division, a product, rounding half to even. */
+static inline __attribute__((always_inline)) void
+quantize16(const int QA, const float *restrict x, int8_t *restrict q, float *restrict amax,
+           int32_t *restrict v) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(127.0f), zero = _mm256_setzero_ps();
+    const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+    __m256 m0 = _mm256_andnot_ps(sign, x0), m1 = _mm256_andnot_ps(sign, x1);
+    if (QA == 16) m0 = m1 = _mm256_max_ps(m0, m1);
+    m0 = _mm256_max_ps(m0, _mm256_permute_ps(m0, 0xB1)), m1 = _mm256_max_ps(m1, _mm256_permute_ps(m1, 0xB1));
+    m0 = _mm256_max_ps(m0, _mm256_permute_ps(m0, 0x4E)), m1 = _mm256_max_ps(m1, _mm256_permute_ps(m1, 0x4E));
+    if (QA >= 8) {
+        m0 = _mm256_max_ps(m0, _mm256_permute2f128_ps(m0, m0, 1));
+        m1 = _mm256_max_ps(m1, _mm256_permute2f128_ps(m1, m1, 1));
+    }
+    const __m256 i0 = _mm256_and_ps(_mm256_div_ps(top, m0), _mm256_cmp_ps(m0, zero, _CMP_GT_OQ));
+    const __m256 i1 = _mm256_and_ps(_mm256_div_ps(top, m1), _mm256_cmp_ps(m1, zero, _CMP_GT_OQ));
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, i0)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, i1));
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);
+    const __m256i b = _mm256_permute4x64_epi64(_mm256_packs_epi16(h, h), 0x08);
+    _mm_storeu_si128((__m128i *)q, _mm256_castsi256_si128(b));
+    _mm256_storeu_ps(amax, m0), _mm256_storeu_ps(amax + 8, m1);
+    _mm256_storeu_si256((__m256i *)v, q0), _mm256_storeu_si256((__m256i *)(v + 8), q1);
+}
+#endif
+
 void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
                      float *xs4, float *xsum) {
     const int64_t blocks = m * (k / SB);
     const float top = xl ? 32512.0f : 127.0f;
+#if defined(__AVX2__)
+    if (!xl) {
+        _Pragma("omp parallel for schedule(static) if (blocks > 256)")
+        for (int64_t t = 0; t < blocks; t++) {
+            float amax[SB];
+            int32_t v[SB];
+            if (qa == 4) quantize16(4, x + t * SB, xq + t * SB, amax, v);
+            else if (qa == 8) quantize16(8, x + t * SB, xq + t * SB, amax, v);
+            else quantize16(16, x + t * SB, xq + t * SB, amax, v);
+            double total = 0.0;
+            for (int o = 0; o < SB; o += qa) {
+                const float s = amax[o] / top;
+                int sum = 0;
+                for (int j = 0; j < qa; j++) sum += v[o + j];
+                for (int l = 0; l < qa / 4; l++) xs4[(t * SB + o) / 4 + l] = s;
+                total += (double)s * sum;
+            }
+            xsum[t] = (float)total;
+        }
+        return;
+    }
+#endif
     _Pragma("omp parallel for schedule(static) if (blocks > 256)")
     for (int64_t t = 0; t < blocks; t++) {
         double total = 0.0;  /* exact products, so the sum does not depend on contraction */
@@ -166,101 +223,192 @@ block_dot(const int ROWS, const int SIGNED, const int WIDE, const int QK, const 
             }
 }
 
+/* ---- activation panels -----------------------------------------------------------
+ * The tiles take MI activation rows at a time, interleaved four values at a time as the
+ * weights are, so that a pass reads its rows' next values from one place: panel p holds
+ * q[(g MI + i) 4 + l] = value 4 g + l of row p MI + i (l likewise for 16 bits), s[g MI + i]
+ * that value's scale and sum[t MI + i] row i's sum over values 16 t .. 16 t + 15. Rows past
+ * m are zero. */
+typedef struct {
+    int8_t *q, *l;
+    float *s, *sum;
+    int64_t k;
+} Panels;
+
+/* One buffer per thread for its panels, kept for the next product: a fresh allocation of
+ * this size would be mapped, faulted in and zeroed every time. */
+static __thread void *panel_buf;
+static __thread size_t panel_cap;
+
+static int make_panels(int64_t m, int64_t k, const int8_t *xq, const int8_t *xl,
+                       const float *xs4, const float *xsum, Panels *P) {
+    const int64_t rows = (m + MI - 1) / MI * MI;
+    const size_t qb = (size_t)(rows * k), sb = sizeof(float) * (size_t)(rows * (k / 4)),
+                 tb = sizeof(float) * (size_t)(rows * (k / SB)), need = qb * (xl ? 2 : 1) + sb + tb;
+    if (need > panel_cap) {
+        free(panel_buf);
+        panel_cap = 0;
+        if (!(panel_buf = malloc(need))) return 0;
+        panel_cap = need;
+    }
+    P->k = k;
+    P->s = panel_buf, P->sum = (float *)((char *)panel_buf + sb);
+    P->q = (int8_t *)((char *)panel_buf + sb + tb), P->l = xl ? P->q + qb : NULL;
+    _Pragma("omp parallel for schedule(static) if (m * k > 65536)")
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t p = r / MI, i = r % MI;
+        for (int64_t g = 0; g < k / 4; g++) {
+            const int64_t at = (p * (k / 4) + g) * MI + i;
+            int32_t four = 0, low = 0;
+            if (r < m) {
+                memcpy(&four, xq + r * k + 4 * g, 4);
+                if (xl) memcpy(&low, xl + r * k + 4 * g, 4);
+            }
+            memcpy(P->q + 4 * at, &four, 4);
+            if (xl) memcpy(P->l + 4 * at, &low, 4);
+            P->s[at] = r < m ? xs4[r * (k / 4) + g] : 0.0f;
+        }
+        for (int64_t t = 0; t < k / SB; t++)
+            P->sum[(p * (k / SB) + t) * MI + i] = r < m ? xsum[r * (k / SB) + t] : 0.0f;
+    }
+    return 1;
+}
+
 /* ---- a tile of TR weight rows, interleaved -------------------------------------------
  * tile[g * 4 TR + r * 4 + l] = value 4 g + l of row r; as[t * TR + r], cs[t * TR + r]: the
  * scale and offset of row r's values 16 t .. 16 t + 15. Rows past the matrix are zero.
- * y[i, r] (+)= the products for activation rows i < ROWS (xq, xl, xs4, xsum at the
- * chunk's start, rows k apart) and r < ncols; QA: the activations' block size. */
+ * y[i, r] (+)= the products for a panel's activation rows i < rows (q, l, s, sum at the
+ * chunk's start) and r < ncols; QA: the activations' block size. Each activation block's
+ * integer sum lives in one register for its QA / 4 products, then is scaled into part[i];
+ * part[i] takes the weight scale every 16 values. */
 static inline __attribute__((always_inline)) void
-tile_rows(const int ROWS, const int QA, const int SIGNED, const int WIDE,
-          const uint8_t *restrict tile, const float *restrict as, const float *restrict cs,
-          int64_t len, const int8_t *restrict xq, const int8_t *restrict xl,
-          const float *restrict xs4, const float *restrict xsum,
-          int64_t k, float *restrict y, int64_t ldy, int ncols, int add) {
-#if defined(__AVX2__)
+tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,
+          const float *restrict as, const float *restrict cs, int64_t len,
+          const int8_t *restrict q, const int8_t *restrict l, const float *restrict s,
+          const float *restrict sum, float *restrict y, int64_t ldy, int rows, int ncols,
+          int add) {
+#if TILE512
+    /* unsigned weights only: signed ones are offset by 128 when the tile is built */
+    (void)SIGNED;
+    __m512 acc[MI];
+    for (int i = 0; i < MI; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len / SB; t++) {
+        __m512 part[MI];
+        for (int i = 0; i < MI; i++) part[i] = _mm512_setzero_ps();
+        for (int b = 0; b < SB / QA; b++) {
+            const int64_t g0 = SB / 4 * t + QA / 4 * b;
+            __m512i w[QA / 4];
+            for (int g = 0; g < QA / 4; g++) w[g] = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
+            for (int i = 0; i < MI; i++) {
+                __m512i d = _mm512_setzero_si512(), e = _mm512_setzero_si512();
+                for (int g = 0; g < QA / 4; g++) {
+                    int32_t four;
+                    memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
+                    d = _mm512_dpbusd_epi32(d, w[g], _mm512_set1_epi32(four));
+                    if (WIDE) {
+                        memcpy(&four, l + ((g0 + g) * MI + i) * 4, 4);
+                        e = _mm512_dpbusd_epi32(e, w[g], _mm512_set1_epi32(four));
+                    }
+                }
+                if (WIDE) d = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(d, 8), d), e);
+                part[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s[g0 * MI + i]), part[i]);
+            }
+        }
+        const __m512 a = _mm512_loadu_ps(as + t * TR), c = _mm512_loadu_ps(cs + t * TR);
+        for (int i = 0; i < MI; i++)
+            acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[t * MI + i]), _mm512_fmadd_ps(part[i], a, acc[i]));
+    }
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    for (int i = 0; i < rows; i++) {
+        float *out = y + i * ldy;
+        if (add) acc[i] = _mm512_add_ps(acc[i], _mm512_maskz_loadu_ps(keep, out));
+        _mm512_mask_storeu_ps(out, keep, acc[i]);
+    }
+#elif defined(__AVX2__)
     __m256 acc[MI];
-    for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
+    for (int i = 0; i < MI; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         __m256 part[MI];
-        __m256i isum[MI], lsum[MI];
-        for (int i = 0; i < MI; i++) isum[i] = lsum[i] = _mm256_setzero_si256();
-        for (int i = 0; i < ROWS; i++) part[i] = _mm256_setzero_ps();
-        for (int g = 0; g < SB / 4; g++) {
-            const __m256i w = load32(tile + (SB / 4 * t + g) * 4 * TR);
-            const __m256i wa = SIGNED ? _mm256_abs_epi8(w) : w;
-            for (int i = 0; i < ROWS; i++) {
-                int32_t four;
-                memcpy(&four, xq + i * k + SB * t + 4 * g, 4);
-                __m256i v = _mm256_set1_epi32(four);
-                if (SIGNED) v = _mm256_sign_epi8(v, w);
-                isum[i] = dot4(g % (QA / 4) ? isum[i] : _mm256_setzero_si256(), wa, v);
-                if (WIDE) {
-                    memcpy(&four, xl + i * k + SB * t + 4 * g, 4);
-                    __m256i u = _mm256_set1_epi32(four);
-                    if (SIGNED) u = _mm256_sign_epi8(u, w);
-                    lsum[i] = dot4(g % (QA / 4) ? lsum[i] : _mm256_setzero_si256(), wa, u);
+        for (int i = 0; i < MI; i++) part[i] = _mm256_setzero_ps();
+        for (int b = 0; b < SB / QA; b++) {
+            const int64_t g0 = SB / 4 * t + QA / 4 * b;
+            __m256i w[QA / 4], wa[QA / 4];
+            for (int g = 0; g < QA / 4; g++) {
+                w[g] = load32(tile + (g0 + g) * 4 * TR);
+                wa[g] = SIGNED ? _mm256_abs_epi8(w[g]) : w[g];
+            }
+            for (int i = 0; i < MI; i++) {
+                __m256i d = _mm256_setzero_si256(), e = _mm256_setzero_si256();
+                for (int g = 0; g < QA / 4; g++) {
+                    int32_t four;
+                    memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
+                    __m256i v = _mm256_set1_epi32(four);
+                    d = dot4(d, wa[g], SIGNED ? _mm256_sign_epi8(v, w[g]) : v);
+                    if (WIDE) {
+                        memcpy(&four, l + ((g0 + g) * MI + i) * 4, 4);
+                        v = _mm256_set1_epi32(four);
+                        e = dot4(e, wa[g], SIGNED ? _mm256_sign_epi8(v, w[g]) : v);
+                    }
                 }
-                if (g % (QA / 4) == QA / 4 - 1)  /* the end of an activation block */
-                    part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(WIDE ? join_wide(isum[i], lsum[i]) : isum[i]),
-                                              _mm256_set1_ps(xs4[i * (k / 4) + SB / 4 * t + g]),
-                                              part[i]);
+                if (WIDE) d = join_wide(d, e);
+                part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s[g0 * MI + i]), part[i]);
             }
         }
         const __m256 a = _mm256_loadu_ps(as + t * TR), c = _mm256_loadu_ps(cs + t * TR);
-        for (int i = 0; i < ROWS; i++) {
+        for (int i = 0; i < MI; i++) {
             acc[i] = _mm256_fmadd_ps(part[i], a, acc[i]);
-            if (!SIGNED)
-                acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(xsum[i * (k / SB) + t]), acc[i]);
+            if (!SIGNED) acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(sum[t * MI + i]), acc[i]);
         }
     }
-    for (int i = 0; i < ROWS; i++) {
+    for (int i = 0; i < rows; i++) {
         float out[TR];
         _mm256_storeu_ps(out, acc[i]);
         for (int r = 0; r < ncols; r++) y[i * ldy + r] = add ? y[i * ldy + r] + out[r] : out[r];
     }
 #else
-    (void)QA;
-    for (int i = 0; i < ROWS; i++)
+    for (int i = 0; i < rows; i++)
         for (int r = 0; r < ncols; r++) {
             float acc = 0.0f;
             for (int64_t t = 0; t < len / SB; t++) {
                 float part = 0.0f;
-                for (int g = 0; g < SB / 4; g++) {
+                for (int64_t g0 = SB / 4 * t; g0 < SB / 4 * (t + 1); g0 += QA / 4) {
                     int32_t d = 0, e = 0;
-                    for (int l = 0; l < 4; l++) {
-                        const uint8_t wb = tile[(SB / 4 * t + g) * 4 * TR + r * 4 + l];
-                        const int32_t wv = SIGNED ? (int32_t)(int8_t)wb : (int32_t)wb;
-                        d += wv * xq[i * k + SB * t + 4 * g + l];
-                        if (WIDE) e += wv * xl[i * k + SB * t + 4 * g + l];
-                    }
+                    for (int64_t g = g0; g < g0 + QA / 4; g++)
+                        for (int j = 0; j < 4; j++) {
+                            const uint8_t wb = tile[g * 4 * TR + r * 4 + j];
+                            const int32_t wv = SIGNED ? (int32_t)(int8_t)wb : (int32_t)wb;
+                            d += wv * q[(g * MI + i) * 4 + j];
+                            if (WIDE) e += wv * l[(g * MI + i) * 4 + j];
+                        }
                     if (WIDE) d = 255 * d + e;
-                    part += (float)d * xs4[i * (k / 4) + SB / 4 * t + g];
+                    part += (float)d * s[g0 * MI + i];
                 }
-                acc += part * as[t * TR + r] + cs[t * TR + r] * xsum[i * (k / SB) + t];
+                acc += part * as[t * TR + r] + cs[t * TR + r] * sum[t * MI + i];
             }
             y[i * ldy + r] = add ? y[i * ldy + r] + acc : acc;
         }
 #endif
 }
 
-/* tile_rows with its row count and block size as constants. */
+/* tile_rows over every panel, with the block size as a constant. */
 static inline __attribute__((always_inline)) void
-tile_pass(const int SIGNED, int qa, int rows, const uint8_t *restrict tile,
-          const float *restrict as, const float *restrict cs, int64_t len,
-          const int8_t *restrict xq, const int8_t *restrict xl, const float *restrict xs4,
-          const float *restrict xsum, int64_t k, float *restrict y, int64_t ldy, int ncols,
-          int add) {
-#define TILE(R, Q, W) tile_rows(R, Q, SIGNED, W, tile, as, cs, len, xq, xl, xs4, xsum, k, y, \
-                                ldy, ncols, add)
-#define TILES(Q, W) if (rows == MI) TILE(MI, Q, W); else for (int i = 0; i < rows; i++) \
-    tile_rows(1, Q, SIGNED, W, tile, as, cs, len, xq + i * k, xl ? xl + i * k : xl,       \
-              xs4 + i * (k / 4), xsum + i * (k / SB), k, y + i * ldy, ldy, ncols, add)
-    if (xl) TILES(16, 1);
-    else if (qa == 4) TILES(4, 0);
-    else if (qa == 8) TILES(8, 0);
-    else TILES(16, 0);
-#undef TILES
+tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
+          const float *restrict as, const float *restrict cs, int64_t k0, int64_t len,
+          const Panels *P, float *restrict y, int64_t ldy, int ncols) {
+    const int64_t k = P->k;
+    for (int64_t p = 0; p < (m + MI - 1) / MI; p++) {
+        const int64_t g = p * (k / 4) + k0 / 4;
+        const int8_t *q = P->q + g * MI * 4, *l = P->l ? P->l + g * MI * 4 : NULL;
+        const float *s = P->s + g * MI, *sum = P->sum + (p * (k / SB) + k0 / SB) * MI;
+        float *yp = y + p * MI * ldy;
+        const int rows = m - p * MI < MI ? (int)(m - p * MI) : MI;
+#define TILE(Q, W) tile_rows(Q, SIGNED, W, tile, as, cs, len, q, l, s, sum, yp, ldy, rows, ncols, k0 > 0)
+        if (l) TILE(16, 1);
+        else if (qa == 4) TILE(4, 0);
+        else if (qa == 8) TILE(8, 0);
+        else TILE(16, 0);
 #undef TILE
+    }
 }
 
 #if defined(__AVX2__)
@@ -303,8 +451,7 @@ tile_pass(const int SIGNED, int qa, int rows, const uint8_t *restrict tile,
             else NAME##_row(2, 0, wr, nb, xq, xq, xs4, xsum, k, y + r, ldy);                  \
         }                                                                                     \
     }                                                                                         \
-    static void NAME##_tiled(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,        \
-                             const int8_t *xl, const float *xs4, const float *xsum,           \
+    static void NAME##_tiled(const uint8_t *w, int64_t n, int64_t k, const Panels *P,         \
                              int64_t m, float *y, int64_t ldy, int qa) {                      \
         const int64_t nb = k / QK;                                                            \
         _Pragma("omp parallel for schedule(static)")                                          \
@@ -325,17 +472,20 @@ tile_pass(const int SIGNED, int qa, int rows, const uint8_t *restrict tile,
                         memset(a16, 0, sizeof(float) * (len / SB));                           \
                         memset(c16, 0, sizeof(float) * (len / SB));                           \
                     }                                                                         \
-                    for (int64_t g = 0; g < len / 4; g++)                                     \
-                        memcpy(tile + g * 4 * TR + r * 4, q + 4 * g, 4);                      \
+                    if (TILE512 && SIGNED) /* q + 128 unsigned, value a (q + 128) - 128 a */ \
+                        for (int64_t t = 0; t < len / SB; t++) c16[t] = -128.0f * a16[t];     \
+                    for (int64_t g = 0; g < len / 4; g++) {                                   \
+                        uint32_t four;                                                        \
+                        memcpy(&four, q + 4 * g, 4);                                          \
+                        if (TILE512 && SIGNED) four ^= 0x80808080u;                           \
+                        memcpy(tile + g * 4 * TR + r * 4, &four, 4);                          \
+                    }                                                                         \
                     for (int64_t t = 0; t < len / SB; t++) {                                  \
                         as[t * TR + r] = a16[t];                                              \
                         cs[t * TR + r] = c16[t];                                              \
                     }                                                                         \
                 }                                                                             \
-                for (int64_t i = 0; i < m; i += MI)                                           \
-                    tile_pass(SIGNED, qa, m - i < MI ? (int)(m - i) : MI, tile, as, cs, len,      \
-                              xq + i * k + k0, xl ? xl + i * k + k0 : xl, xs4 + (i * k + k0) / 4, \
-                              xsum + (i * k + k0) / SB, k, y + i * ldy + r0, ldy, ncols, k0 > 0); \
+                tile_pass(SIGNED && !TILE512, qa, m, tile, as, cs, k0, len, P, y + r0, ldy, ncols); \
             }                                                                                 \
         }                                                                                     \
     }
@@ -350,12 +500,21 @@ IKERNELS(im_q5_k, 256, 32, 176, un_q5_k, 0)
 IKERNELS(im_q6_k, 256, 16, 210, un_q6_k, 0)
 
 /* y (m rows, row stride ldy) = the quantised activations (m, k) @ W(n, k)^T. */
+static int tiled(int type, const uint8_t *w, int64_t n, int64_t k, const Panels *P, int qa,
+                 int64_t m, float *y, int64_t ldy) {
+    DISPATCH(im, type, _tiled, (w, n, k, P, m, y, ldy, qa))
+}
+
+/* y (m rows, row stride ldy) = the quantised activations (m, k) @ W(n, k)^T; -1 for a type
+ * without a kernel, -2 out of memory. */
 int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                const int8_t *xl, const float *xs4, const float *xsum, int qa, int64_t m,
                float *y, int64_t ldy) {
     if (m <= 0) return 0;
     if (m <= FEWI) DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
-    DISPATCH(im, type, _tiled, (w, n, k, xq, xl, xs4, xsum, m, y, ldy, qa))
+    Panels P;
+    if (!make_panels(m, k, xq, xl, xs4, xsum, &P)) return -2;
+    return tiled(type, w, n, k, &P, qa, m, y, ldy);
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */
