@@ -113,11 +113,12 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind):
     assert torch.equal(approx, kernels.integer_linear(x, w, None, *fmt))
     err = ((approx - exact).abs().max() / exact.abs().max()).item()
     assert 0 < err < (0.02 if kind == "int8" else 1e-4)
-    # more rows than ROW_THRESHOLD: the float32 BLAS, over the same quantised values
-    torch.testing.assert_close(got_many[:3], kernels.integer_linear(many[:3], w, None, *fmt),
-                               rtol=1e-4, atol=1e-4)
+    # more rows than ROW_THRESHOLD (a prompt): the same tiles, so each row gets the same
+    # numbers as it would alone
+    assert torch.equal(got_many, kernels.integer_linear(many, w, None, *fmt))
+    assert torch.equal(got_many[:3], kernels.integer_linear(many[:3], w, None, *fmt))
     torch.testing.assert_close(
-        got_many, kernels.quantized_values(many, *fmt) @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+        got_many, kernels.quantized_values(many, *fmt) @ w.dequantize().T, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="float32, int8, int16"):
         kernels.set_activations("int4")
 

@@ -218,10 +218,11 @@ def quantized_values(x: torch.Tensor, block: int, wide: bool) -> torch.Tensor:
 def set_activations(kind: str) -> None:
     """How packed products on this thread treat their activations (an LLM sets it for its
     compute): "float32" (the default: decoded weights times float32 activations), "int8" or
-    "int16" (:data:`ACTIVATION_FORMATS`, on a CPU: activations quantised per row, multiplied
-    by the integer kernels up to ``ROW_THRESHOLD`` rows; more rows are bound by arithmetic,
-    and the float32 BLAS multiplies the same quantised values faster there). Either way a row
-    gets the same numbers whatever the batch around it, within float rounding."""
+    "int16" (:data:`ACTIVATION_FORMATS`, on a CPU: activations quantised per row and
+    multiplied by the integer kernels, whatever the number of rows: from three rows on, the
+    tiles of ``int8.c``, which match or beat the float32 BLAS on the decoded matrix at every
+    row count, without decoding it). A row gets the same numbers whatever the batch around
+    it, within float rounding (exactly, from three rows on)."""
     if kind not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {kind!r}")
     _arith.kind = kind
@@ -273,9 +274,7 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
     rows = x.shape[:-1].numel()
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     if fmt is not None and x.device.type == "cpu" and w.shape[1] % 32 == 0 and library():
-        if rows <= ROW_THRESHOLD:
-            return integer_linear(x, w, bias, *fmt)
-        x = quantized_values(x, *fmt)  # the same numbers; the BLAS multiplies them faster
+        return integer_linear(x, w, bias, *fmt)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
         if x.device.type == "cpu":  # the C decoder writes float32; the BLAS multiplies it best

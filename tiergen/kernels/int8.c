@@ -29,6 +29,7 @@
 
 #define SB 16     /* values per activation block sum, and per weight scale in a tile */
 #define IKC 1024  /* weight values decoded at a time (a multiple of every block size) */
+#define MB 256    /* activation rows per pass of the tiles over a matrix (a multiple of MI) */
 #define FEWI 2    /* up to this many rows: the row-by-row kernel (more: the tiles) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TILE512 1 /* tiles of sixteen rows, one 64-byte vector per four values */
@@ -514,7 +515,15 @@ int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
     if (m <= FEWI) DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
     Panels P;
     if (!make_panels(m, k, xq, xl, xs4, xsum, &P)) return -2;
-    return tiled(type, w, n, k, &P, qa, m, y, ldy);
+    /* MB rows at a time, so that their panels stay in cache while every tile passes over
+     * them (each tile is decoded again for each MB rows: a small cost against MB rows) */
+    for (int64_t m0 = 0; m0 < m; m0 += MB) {
+        const Panels B = {P.q + m0 * k, P.l ? P.l + m0 * k : NULL, P.s + m0 * (k / 4),
+                          P.sum + m0 * (k / SB), k};
+        const int err = tiled(type, w, n, k, &B, qa, m - m0 < MB ? m - m0 : MB, y + m0 * ldy, ldy);
+        if (err) return err;
+    }
+    return 0;
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */
