@@ -78,3 +78,14 @@ def test_decode_attention_leaves_other_cases_to_torch():
     want = F.scaled_dot_product_attention(q[:, :, :1], k.repeat_interleave(2, 1),
                                           k.repeat_interleave(2, 1))
     close(kernels.decode_attention(q[:, :, :1], k, k, None), want)
+
+
+def test_argmax_equals_torch_with_ties_nans_and_ragged_rows():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1003, generator=g)  # not a multiple of the vector width
+    x[1, 5] = x[1, 900] = x[1].max() + 1  # a tie: the first index wins
+    x[2, -1] = 50.0  # in the scalar tail
+    x[3, 17] = float("nan")  # a NaN is the largest, as torch has it
+    x[4] = -float("inf")
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+    assert kernels.argmax(x)[1] == 5

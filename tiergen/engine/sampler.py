@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiergen import kernels
 from tiergen.engine.constraints import Constraint, grammar_of, masked_rows
 from tiergen.errors import TiergenError
 
@@ -220,7 +221,7 @@ class Sampler:
         """Pick one token per row from float32 logits (B, V) (left unchanged)."""
         s = self.state
         logits = self.adjusted(logits)
-        tokens = logits.argmax(-1)
+        tokens = kernels.argmax(logits)
         constrained = [r for r, c in enumerate(self.constraints) if c is not None and not c.finished]
         masked = dict(zip(constrained, masked_rows(
             logits, constrained, [self.constraints[r] for r in constrained]))) if constrained else {}

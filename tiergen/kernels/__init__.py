@@ -144,6 +144,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_rope.restype = None
     lib.tg_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                         ptr, ptr, f32, ptr]
+    lib.tg_argmax.argtypes = [ptr, i64, i64, ptr]
+    lib.tg_argmax.restype = None
     lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
     return lib
 
@@ -317,6 +319,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: fl
     out = torch.empty_like(x)
     lib.tg_rms_norm(x.data_ptr(), None if weight is None else weight.data_ptr(), shift,
                     x.numel() // n, n, eps, out.data_ptr())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for (rows, n): in one vectorised call for a float32 CPU tensor (torch's
+    takes about 5x as long over a large vocabulary's logits)."""
+    lib = library() if _cpu_float32(x) and x.dim() == 2 and x.is_contiguous() and x.shape[1] else None
+    if lib is None:
+        return x.argmax(-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.tg_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
 
 

@@ -5,6 +5,9 @@
  * same library as packed.c.
  */
 #include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -142,4 +145,39 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
         free(p);
     }
     return failed;
+}
+
+/* out[r] = the first index of row r's largest value (x: rows of n floats); a row holding a
+ * NaN gets its first NaN, as torch.argmax gives. Two passes over each row, both of which
+ * vectorise: its maximum, then where that maximum first is. */
+void tg_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * n >= (1 << 20))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *restrict v = x + r * n;
+        float best = v[0];
+        int nan = 0;
+        int64_t i = 0;
+#if defined(__AVX2__)
+        __m256 b = _mm256_set1_ps(best), odd = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 e = _mm256_loadu_ps(v + i);
+            b = _mm256_max_ps(b, e);
+            odd = _mm256_or_ps(odd, _mm256_cmp_ps(e, e, _CMP_UNORD_Q));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, b);
+        for (int j = 0; j < 8; j++) best = lanes[j] > best ? lanes[j] : best;
+        nan = _mm256_movemask_ps(odd) != 0;
+#endif
+        for (; i < n; i++) {
+            best = v[i] > best ? v[i] : best;
+            nan |= v[i] != v[i];
+        }
+        int64_t at = 0;
+        if (nan)
+            while (v[at] == v[at]) at++;
+        else
+            while (v[at] != best) at++;
+        out[r] = at;
+    }
 }
