@@ -89,3 +89,12 @@ def test_argmax_equals_torch_with_ties_nans_and_ragged_rows():
     x[4] = -float("inf")
     assert torch.equal(kernels.argmax(x), x.argmax(-1))
     assert kernels.argmax(x)[1] == 5
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu-tanh"])
+def test_glu_equals_torch(gelu):
+    gu = torch.randn(5, 3, 2 * 333, generator=torch.Generator().manual_seed(1)) * 4
+    gu[0, 0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # where exp saturates, and zero
+    gate, up = gu.chunk(2, dim=-1)
+    want = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+    close(kernels.glu(gu, gelu), want, 1e-6)

@@ -145,6 +145,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                         ptr, ptr, f32, ptr]
     lib.tg_argmax.argtypes = [ptr, i64, i64, ptr]
+    lib.tg_glu.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
+    lib.tg_glu.restype = None
     lib.tg_argmax.restype = None
     lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
     return lib
@@ -330,6 +332,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.tg_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
+def glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+    """``act(gate) * up`` for ``gate_up`` (..., 2 I) = [gate | up]: act SiLU, or GELU's tanh
+    form with ``gelu``, in one call for a contiguous float32 CPU tensor; None where the library
+    cannot take it."""
+    if not (_cpu_float32(gate_up) and gate_up.is_contiguous()):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    I = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], I)
+    lib.tg_glu(gate_up.data_ptr(), gate_up.numel() // (2 * I), I, int(gelu), out.data_ptr())
     return out
 
 

@@ -31,6 +31,7 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
                         const int64_t *ks, const int64_t *vs, float scale, float *out);
 void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
                      float *xs4, float *xsum);
+void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, float *out);
 int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                const int8_t *xl, const float *xs4, const float *xsum, int qa, int64_t m,
                float *y, int64_t ldy);
@@ -76,25 +77,6 @@ static int product(const tg_layer *L, matrix w, const float *x, int64_t m, float
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < n; j++) y[i * n + j] += bias[j];
     return 0;
-}
-
-/* e^x within about 2 ulp (Cephes' expf), written so that a loop over it vectorises: libm's
- * expf and tanhf are calls the compiler does not vectorise without -ffast-math. */
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, 4);
-    return p * two_n;
 }
 
 static void norm_rows(const tg_layer *L, const float *w, float *x, int64_t m, int64_t n) {
@@ -157,19 +139,7 @@ int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, co
     /* MLP */
     tg_rms_norm(h, L->ffn_norm, L->shift, B, H, L->eps, x);
     if ((err = product(L, L->gate_up, x, B, gu, L->gate_up_bias, &a))) goto done;
-    const int gelu = L->gelu;
-#pragma omp parallel for schedule(static) if (B * I >= 16384)
-    for (int64_t b = 0; b < B; b++) {
-        const float *restrict gr = gu + b * 2 * I, *restrict ur = gr + I;
-        float *restrict ar = act + b * I;
-        if (gelu) /* tanh(z) = 1 - 2 / (e^2z + 1) */
-            for (int64_t j = 0; j < I; j++) {
-                const float g = gr[j], z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-                ar[j] = 0.5f * g * (2.0f - 2.0f / (exp_poly(2.0f * z) + 1.0f)) * ur[j];
-            }
-        else
-            for (int64_t j = 0; j < I; j++) ar[j] = gr[j] / (1.0f + exp_poly(-gr[j])) * ur[j];
-    }
+    tg_glu(gu, B, I, L->gelu, act);
     if ((err = product(L, L->down, act, B, y, L->down_bias, &a))) goto done;
     norm_rows(L, L->ffn_out_norm, y, B, H);
     for (int64_t i = 0; i < B * H; i++) h[i] += y[i];

@@ -130,14 +130,21 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None
                ) -> torch.Tensor:
     """SwiGLU MLP with gate and up projections fused into one (2*I, H) matrix."""
-    gate, up = linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, down, down_bias)
+    return linear(_glu(linear(x, gate_up, gate_up_bias), gelu=False), down, down_bias)
 
 
 def gelu_tanh_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """GeGLU MLP (Gemma): down(gelu_tanh(gate(x)) * up(x)), gate and up fused as in swiglu_mlp."""
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(F.gelu(gate, approximate="tanh") * up, down)
+    return linear(_glu(linear(x, gate_up), gelu=True), down)
+
+
+def _glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """act(gate) * up, act SiLU or GELU's tanh form: in one native call on a CPU."""
+    out = kernels.glu(gate_up, gelu)
+    if out is not None:
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
