@@ -1,10 +1,12 @@
-"""Long-prompt prefill: tiergen (chunked) against transformers, same machine, same run.
+"""Long-prompt prefill: tiergen (chunked) against transformers and llama.cpp, same machine, same
+run.
 
 One prompt of each length, one new token, in this CPU's faster dtype for both engines (bfloat16
 where it is native, else float32). SmolLM2-135M-Instruct (context 8,192) at 1k, 4k and 8k
 (8,000) tokens; Gemma 3 270M (context 32,768) at 4k, 8k, 16k and 32k (32,000). Reports prefill
 tokens/s and the growth of peak resident memory over the loaded model, each (engine, model,
-length) in a fresh process.
+length) in a fresh process. llama.cpp (where ``../shared/peers/build_llamacpp.sh`` has built
+it) reads the same GGUF with 2 threads, 512 tokens per ``llama_decode``.
 
     python benchmarks/bench_prefill.py [--models smollm2 gemma3-270m] [--chunk 512]
 """
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first bfloat16 matmul)
 from tiergen.offload.memory import resident_set, reset_peak_resident_set
+
+from bench_packed import LLAMA_CPP, LLAMA_PYTHON
 
 
 LENGTHS = {"smollm2": [1024, 4096, 8000], "gemma3-270m": [4096, 8192, 16384, 32000]}
@@ -81,29 +85,40 @@ def main() -> None:
     dtype = "bfloat16" if cpu_has_fast_bfloat16() else "float32"
     cpu = cpu_description()
     print(f"CPU: {cpu['cpu']} ({' '.join(cpu['simd'])}); dtype {dtype}", flush=True)
-    table = ["| model | prompt tokens | tiergen tok/s | transformers tok/s | ratio | tiergen peak "
-             "growth MB | transformers peak growth MB | memory ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    peers = ["transformers"] + (["llama.cpp"] if LLAMA_PYTHON.exists() else [])
+    if len(peers) == 1:
+        print(f"({LLAMA_PYTHON} not found: llama.cpp left out; ../shared/peers/build_llamacpp.sh "
+              "builds it)")
+    table = ["| model | prompt tokens | tiergen tok/s | " + " | ".join(f"{e} tok/s" for e in peers)
+             + " | vs the faster peer | tiergen peak growth MB | transformers peak growth MB |",
+             "|---" * (6 + len(peers)) + "|"]
     for model in args.models:
         gguf = str(_packaged_file(model))
         for length in args.lengths or LENGTHS[model]:
             rows = {}
-            for engine in ("tiergen", "transformers"):
-                out = subprocess.run([sys.executable, __file__, "--child", engine, str(length),
-                                      str(args.chunk), gguf, dtype], capture_output=True, text=True)
+            for engine in ("tiergen", *peers):
+                if engine == "llama.cpp":  # one prompt, fed 512 tokens per llama_decode
+                    cmd = [str(LLAMA_PYTHON), "-c", LLAMA_CPP, gguf, "1", str(length), "1"]
+                else:
+                    cmd = [sys.executable, __file__, "--child", engine, str(length),
+                           str(args.chunk), gguf, dtype]
+                out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode:
                     sys.exit(f"{engine} {model} {length} failed:\n{out.stderr[-3000:]}")
                 rows[engine] = r = json.loads(out.stdout.strip().splitlines()[-1])
+                if engine == "llama.cpp":  # prompt and its one new token, as the others
+                    r["tok_s"] = length * r["total_tok_s"]
                 print(engine, model, length, r, flush=True)
             t, h = rows["tiergen"], rows["transformers"]
+            peer_cells = " | ".join(f"{rows[e]['tok_s']:.0f}" for e in peers)
             if "refused" in t:
-                table.append(f"| {model} | {length} | refused | {h['tok_s']:.0f} | - | - | "
-                             f"{h['peak_growth_mb']:.0f} | - |")
+                table.append(f"| {model} | {length} | refused | {peer_cells} | - | - | "
+                             f"{h['peak_growth_mb']:.0f} |")
                 continue
-            table.append(f"| {model} | {length} | {t['tok_s']:.0f} | {h['tok_s']:.0f} | "
-                         f"{t['tok_s'] / h['tok_s']:.2f}x | {t['peak_growth_mb']:.0f} | "
-                         f"{h['peak_growth_mb']:.0f} | "
-                         f"{h['peak_growth_mb'] / max(t['peak_growth_mb'], 1e-9):.1f}x lower |")
+            best = max(rows[e]["tok_s"] for e in peers)
+            table.append(f"| {model} | {length} | {t['tok_s']:.0f} | {peer_cells} | "
+                         f"{t['tok_s'] / best:.2f}x | {t['peak_growth_mb']:.0f} | "
+                         f"{h['peak_growth_mb']:.0f} |")
     print("\n" + "\n".join(table))
 
 
