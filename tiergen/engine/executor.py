@@ -74,6 +74,7 @@ class RunStats:
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    shared_prompt_tokens: int = 0  # prompt tokens copied from a shared prefix, not computed
     compute: list[float] = field(default_factory=list)
     wait_weights: list[float] = field(default_factory=list)
     wait_cache: list[float] = field(default_factory=list)
@@ -92,7 +93,9 @@ class RunStats:
 
         compute, ww, wc = sum(self.compute), sum(self.wait_weights), sum(self.wait_cache)
         lines = [f"prefill: {rate(self.prefill_tokens, self.prefill_seconds)}; "
-                 f"decode: {rate(self.decode_tokens, self.decode_seconds)}",
+                 f"decode: {rate(self.decode_tokens, self.decode_seconds)}"
+                 + (f"; {self.shared_prompt_tokens} prompt tokens from shared prefixes"
+                    if self.shared_prompt_tokens else ""),
                  f"layer time: compute {compute:.2f}s, waiting for weights {ww:.2f}s, "
                  f"waiting for cache {wc:.2f}s",
                  "peak memory: " + ", ".join(f"{t} {fmt(b)}" for t, b in self.planned.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -11,10 +12,12 @@ from tiergen.engine.constraints import Constraint
 from tiergen.engine.executor import Executor, MicroBatch, PositionLogits
 from tiergen.engine.sampler import PositionLogprobs, Sampler, SamplingParams, position_logprobs
 from tiergen.cache.step import StepMeta
+from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size)
+MIN_SHARED_PREFIX = 32  # prompt tokens in common below which a block computes them per row
 
 
 def prefill_chunk(chunk_size: int | None, tokens: int) -> int:
@@ -127,29 +130,109 @@ def capacity(seqs: list[Sequence]) -> int:
     return max(len(s.prompt_ids) for s in seqs) + max(s.params.max_tokens for s in seqs)
 
 
+def shared_length(cfg: ModelConfig, seqs: list[Sequence]) -> int:
+    """How many leading prompt tokens ``seqs`` can compute once for all of them: their longest
+    common prefix, short of every prompt's end (each row keeps a token of its own, whose
+    logits give its first sample). 0 where that is under MIN_SHARED_PREFIX tokens, where the
+    rows ask for different numbers of prompt log-probabilities, or where a sliding window
+    would see the padding between the prefix and prompts of different lengths (a ring's
+    window counts slots, and that padding would take slots inside it)."""
+    if len(seqs) < 2 or len({s.params.prompt_logprobs for s in seqs} - {None}) > 1:
+        return 0
+    n = min(len(os.path.commonprefix([s.prompt_ids for s in seqs])),
+            min(len(s.prompt_ids) for s in seqs) - 1)
+    if n < MIN_SHARED_PREFIX:
+        return 0
+    windows = [w for w in map(cfg.window, range(cfg.num_layers)) if w]
+    if windows and capacity(seqs) > min(windows) and len({len(s.prompt_ids) for s in seqs}) > 1:
+        return 0
+    return n
+
+
+class SharedPrefix:
+    """The first ``length`` prompt tokens of a block of sequences, prefilled once as a single
+    row into a cache of its own, for every micro-batch of the block to copy into each of its
+    rows instead of computing them per row (:meth:`TieredKV.share_prefix`). Its prompt
+    log-probabilities and the logits at its last token, which score each row's next prompt
+    token, go to the rows that asked for prompt log-probabilities."""
+
+    def __init__(self, executor: Executor, seqs: list[Sequence], length: int,
+                 chunk_size: int | None) -> None:
+        asked = {s.params.prompt_logprobs for s in seqs} - {None}
+        self.length, self.logprobs = length, asked.pop() if asked else None
+        self.seq = Sequence(-1, seqs[0].prompt_ids[:length],
+                            SamplingParams(max_tokens=1, prompt_logprobs=self.logprobs),
+                            frozenset(), None, tokenizer=seqs[0].tokenizer)
+        state = MicroBatchState(executor, [self.seq], chunk_size)
+        try:
+            while True:
+                self.last = executor.forward_block([state.work()])[0]  # (1, vocab)
+                if state.samples:
+                    break
+                for _ in state.apply(None):
+                    pass
+        except BaseException:
+            state.cache.close()
+            raise
+        self.cache = state.cache
+        executor.stats.shared_prompt_tokens += length * (len(seqs) - 1)
+
+    def give_logprobs(self, seqs: list[Sequence]) -> None:
+        """Start the prompt log-probabilities of the rows that asked with the prefix's."""
+        rows = [s for s in seqs if s.prompt_logprobs is not None]
+        if not rows:
+            return
+        following = torch.tensor([s.prompt_ids[self.length] for s in rows],
+                                 device=self.last.device)
+        entries = position_logprobs(self.last.expand(len(rows), -1), following,
+                                    [self.logprobs] * len(rows))
+        for s, entry in zip(rows, entries):
+            s.prompt_logprobs = [*self.seq.prompt_logprobs, s.decoded(entry)]
+
+    def close(self) -> None:
+        self.cache.close()
+
+
 class MicroBatchState:
-    """The sequences of one micro-batch between steps: next input, slot validity, cache."""
+    """The sequences of one micro-batch between steps: next input, slot validity, cache.
+
+    With a :class:`SharedPrefix` of S tokens, every row's timeline opens with those S
+    tokens, copied into its cache rather than computed, then the rest of its prompt,
+    left-padded to the longest rest: positions count valid slots only, so the padding
+    between the two changes nothing, and the first step starts at slot S."""
 
     def __init__(self, executor: Executor, seqs: list[Sequence],
-                 chunk_size: int | None = None, key: int = 0) -> None:
+                 chunk_size: int | None = None, key: int = 0,
+                 shared: SharedPrefix | None = None) -> None:
         self.key = key  # the scheduler's name for it, the same on every rank
         device = executor.device
-        longest = max(len(s.prompt_ids) for s in seqs)
+        self.shared = n = shared.length if shared else 0
+        longest = max(len(s.prompt_ids) for s in seqs)  # = n + the longest rest
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
         self.slots = slots = capacity(seqs)
         valid = torch.zeros(len(seqs), slots, dtype=torch.bool)
         for row, s in enumerate(seqs):
-            ids[row, longest - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
-            valid[row, longest - len(s.prompt_ids):longest] = True
+            own = len(s.prompt_ids) - n
+            ids[row, :n] = torch.tensor(s.prompt_ids[:n])
+            ids[row, longest - own:] = torch.tensor(s.prompt_ids[n:])
+            valid[row, :n] = True
+            valid[row, longest - own:longest] = True
         self.executor = executor
         self.prompt, self.valid = ids.to(device), valid.to(device)
         self.chunk = prefill_chunk(chunk_size, longest)
         self.cache = executor.new_cache(len(seqs), slots)
+        if shared is not None:
+            try:
+                self.cache.share_prefix(shared.cache, n)
+            except BaseException:
+                self.cache.close()
+                raise
+            shared.give_logprobs(seqs)
         self.sampler = Sampler([s.params for s in seqs], [s.prompt_ids for s in seqs],
                                executor.cfg.vocab_size, device, [s.constraint for s in seqs])
         self.live = list(seqs)
-        self.start, self.num_tokens = 0, self.chunk
-        self.ids = self.prompt[:, :self.num_tokens]
+        self.start, self.num_tokens = n, min(self.chunk, longest - n)
+        self.ids = self.prompt[:, n:n + self.num_tokens]
         self.done = False
         self._logprobs: list[PositionLogprobs | None] | None = None  # of the tokens sampled last
 
@@ -222,7 +305,8 @@ class MicroBatchState:
             targets = self.prompt[rows][:, (slots + 1).clamp(max=self.prompt.shape[1] - 1)]
             for i, r in enumerate(rows):
                 seq = self.live[r]
-                first = self.prompt.shape[1] - len(seq.prompt_ids)  # the row's first slot
+                # the row's first slot it computes itself (after a shared prefix's)
+                first = self.prompt.shape[1] - len(seq.prompt_ids) + self.shared
                 keep = follows & (slots >= first)
                 if keep.any():
                     entries = position_logprobs(logits[i, keep.to(logits.device)],
@@ -284,17 +368,31 @@ class MicroBatchState:
 
 
 def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
-              chunk_size: int | None = None) -> Iterator[StepEvent]:
+              chunk_size: int | None = None, share: bool = True) -> Iterator[StepEvent]:
     """Generate for a block of sequences, yielding each new token as it is produced.
 
     The block is cut into micro-batches of ``micro_batch`` sequences (the last may be
     smaller) that share each trip of a layer's weights; prompts are left-padded to one
     length within a micro-batch; a micro-batch leaves the block when all its sequences stop.
+    A prefix that every prompt of the block starts with is computed once
+    (:class:`SharedPrefix`).
     """
     groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
     longest = max(len(s.prompt_ids) for s in seqs)
     executor.check_block([(len(g), capacity(g)) for g in groups], longest)
-    states = [MicroBatchState(executor, g, chunk_size) for g in groups]
+    n = shared_length(executor.cfg, seqs) if share else 0
+    shared = SharedPrefix(executor, seqs, n, chunk_size) if n else None
+    states = []
+    try:
+        for g in groups:
+            states.append(MicroBatchState(executor, g, chunk_size, shared=shared))
+    except BaseException:
+        for s in states:
+            s.cache.close()
+        raise
+    finally:
+        if shared is not None:
+            shared.close()
     try:
         while states:
             logits = executor.forward_block([s.work() for s in states])

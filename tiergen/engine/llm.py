@@ -93,7 +93,9 @@ class LLM:
     ``compile=True`` compiles batch-1 CPU matmuls (faster decode after a few seconds of
     compilation on first use); ``prefill_chunk_size`` feeds long prompts in chunks that each
     attend to the cache plus themselves, so prefill memory grows with chunk x context rather
-    than context squared (None: whole prompts at once). ``packed=False`` decodes a GGUF's
+    than context squared (None: whole prompts at once); ``share_prefixes`` computes a prompt
+    prefix that every sequence of a block (or of a server micro-batch) starts with once, and
+    copies its cache into each row (False: every row computes its whole prompt). ``packed=False`` decodes a GGUF's
     quantised matrices at load (by default they stay in their blocks and are multiplied
     packed). ``activations`` says how those products treat their inputs: "auto" (int8 on a
     CPU, float32 elsewhere), "int8" (quantised to 8 bits, a scale per 4 values, and
@@ -125,7 +127,8 @@ class LLM:
                  prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, packed: bool = True,
                  activations: str = "auto", pipeline_parallel: int = 1,
                  tensor_parallel: int = 1, parallel_timeout: float = 60.0,
-                 quantize: str | None = None, *, _group: Group | None = None) -> None:
+                 quantize: str | None = None, share_prefixes: bool = True, *,
+                 _group: Group | None = None) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise TiergenError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
         if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int)
@@ -133,6 +136,7 @@ class LLM:
             raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "
                                f"whole prompt at once), got {prefill_chunk_size!r}")
         self.prefill_chunk_size = prefill_chunk_size
+        self.share_prefixes = share_prefixes
         self.device = resolve_device(device)
         self.activations = resolve_activations(activations, self.device)
         if isinstance(model, ModelFiles):
@@ -288,7 +292,8 @@ class LLM:
             return
         self.executor.start_run()
         for block in self._blocks(seqs):
-            yield from run_block(self.executor, block, self.micro_batch, self.prefill_chunk_size)
+            yield from run_block(self.executor, block, self.micro_batch, self.prefill_chunk_size,
+                                 self.share_prefixes)
         self.last_stats = self.executor.finish_run()
 
     def _command(self, *command) -> None:

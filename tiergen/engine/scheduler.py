@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from tiergen.engine.executor import MicroBatch
-from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity
+from tiergen.engine.generate import (MicroBatchState, Sequence, SharedPrefix, StepEvent, capacity,
+                                     shared_length)
 from tiergen.engine.pipeline import step_ranks
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
 from tiergen.engine.sampler import SamplingParams
@@ -122,6 +123,8 @@ class SchedulerMetrics:
     requests_timed_out: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    shared_prefixes: int = 0  # micro-batches whose common prompt prefix was computed once
+    shared_prompt_tokens: int = 0  # prompt tokens those rows copied instead of computing
     steps: int = 0
     merges: int = 0  # micro-batches merged into another
     batch_sizes: Counter[int] = field(default_factory=Counter)  # sequences per step -> steps
@@ -266,14 +269,30 @@ class Scheduler:
             group = [self._waiting.popleft() for _ in range(take)]
             group = [r for r in group if not self._finish_if_cancelled(r)]
             if group:
-                state = MicroBatchState(self.llm.executor, [r.seq for r in group],
-                                        self.llm.prefill_chunk_size, key=group[0].id)
+                state = self._start(group)
                 self._states.append(state)
                 self._replay.append(("admit", state.key, [(r.id, r.seq.prompt_ids, r.seq.params)
                                                           for r in group]))
                 running += len(group)
         self.metrics.queue_depth = len(self._waiting)
         self.metrics.running = running
+
+    def _start(self, group: list[Request]) -> MicroBatchState:
+        """A micro-batch for ``group``, a prompt prefix they all start with computed once (on
+        one rank; over several, every row computes its own)."""
+        llm, seqs = self.llm, [r.seq for r in group]
+        n = shared_length(llm.executor.cfg, seqs) if llm.share_prefixes and llm.group is None else 0
+        if not n:
+            return MicroBatchState(llm.executor, seqs, llm.prefill_chunk_size, key=group[0].id)
+        shared = SharedPrefix(llm.executor, seqs, n, llm.prefill_chunk_size)
+        try:
+            state = MicroBatchState(llm.executor, seqs, llm.prefill_chunk_size, key=group[0].id,
+                                    shared=shared)
+        finally:
+            shared.close()
+        self.metrics.shared_prefixes += 1
+        self.metrics.shared_prompt_tokens += n * (len(seqs) - 1)
+        return state
 
     def _finish_if_cancelled(self, req: Request) -> bool:
         if not req._cancel.is_set() or req.seq.finish_reason is not None:

@@ -233,6 +233,17 @@ class TieredKV:
             self.write_layer(j, merged)
         self._work = {}
 
+    def share_prefix(self, src: TieredKV, slots: int) -> None:
+        """Copy timeline slots [0, ``slots``) of ``src``'s single row into every row of this
+        (new, empty) cache: a shared prompt prefix computed once. A ring layer holds slot s at
+        index s % W in both, so the same indices copy."""
+        for j in range(len(self.layers)):
+            n = min(slots, src.slots[j])
+            stored = self.read_layer(j)
+            stored[:, :, :, :n] = src.read_layer(j)[:, :1, :, :n].to(stored.device)
+            self.write_layer(j, stored)
+        self._work = {}
+
     def close(self) -> None:
         for store in self.layers:
             if isinstance(store, SpillFile):

@@ -37,6 +37,10 @@ class _SchedulerCollector(Collector):
                                    "timeout.", m.requests_timed_out),
             ("prompt_tokens", "Prompt tokens submitted.", m.prompt_tokens),
             ("generated_tokens", "Tokens generated.", m.generated_tokens),
+            ("shared_prefixes", "Micro-batches whose common prompt prefix was computed once.",
+             m.shared_prefixes),
+            ("shared_prompt_tokens", "Prompt tokens copied from a shared prefix instead of "
+                                     "computed.", m.shared_prompt_tokens),
             ("steps", "Engine steps run.", m.steps),
             ("merges", "Micro-batches merged into another once their prompts were in.", m.merges),
         ]:

@@ -1,0 +1,108 @@
+"""A prompt prefix shared by a block's sequences is computed once and copied into each row's
+cache: the same tokens, log-probabilities and prompt log-probabilities as computing it per
+row, for every architecture, through a disk policy, in micro-batches, and in the server's
+scheduler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiergen import LLM, SamplingParams
+from tiergen.engine.generate import MIN_SHARED_PREFIX
+from tiergen.engine.scheduler import Scheduler
+from tiergen.offload.policy import Policy
+
+from tiny_models import CASES, build
+
+PREFIX = [(7 * i) % 97 + 3 for i in range(MIN_SHARED_PREFIX + 9)]
+RESTS = [[11], [20, 21, 22, 23, 24], [30, 31, 32], list(range(40, 52))]  # lengths differ
+SAME = [[11, 12, 13], [20, 21, 22], [30, 31, 32], [41, 42, 43]]  # lengths equal
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    return llm.generate(prompts, params)
+
+
+def assert_same(got: list, want: list) -> None:
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for pos_g, pos_w in zip(g.prompt_logprobs[1:] + g.logprobs,
+                                w.prompt_logprobs[1:] + w.logprobs):
+            assert pos_g.keys() == pos_w.keys()
+            for token in pos_g:
+                assert abs(pos_g[token].logprob - pos_w[token].logprob) < 1e-4
+        assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(w.prompt_logprobs)
+
+
+def windows_below(llm: LLM, slots: int) -> bool:
+    cfg = llm.config
+    return any(w and w < slots for w in map(cfg.window, range(cfg.num_layers)))
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def model_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    build(request.param, directory)
+    return directory
+
+
+@pytest.mark.parametrize("rests", [RESTS, SAME], ids=["rests-differ", "rests-equal"])
+def test_shared_prefix_is_exact(model_dir, rests):
+    prompts = [PREFIX + r for r in rests]
+    llm = LLM(model_dir, dtype="float32")
+    shared = run(llm, prompts)
+    saved = llm.last_stats.shared_prompt_tokens
+    llm.share_prefixes = False
+    alone = run(llm, prompts)
+    assert llm.last_stats.shared_prompt_tokens == 0
+    assert_same(shared, alone)
+    longest = max(map(len, prompts)) + 12
+    if rests is RESTS and windows_below(llm, longest):
+        assert saved == 0  # the padding after the prefix would sit inside a ring's window
+    else:
+        assert saved == len(PREFIX) * (len(prompts) - 1)
+
+
+def test_shared_prefix_through_a_disk_policy_and_micro_batches(tmp_path):
+    directory = tmp_path / "model"
+    build("llama-gqa-tied", directory)
+    policy = Policy(weights=(0, 0), cache=(0, 0), activations=(0, 0), gpu_batch_size=2,
+                    num_gpu_batches=2, offload_dir=tmp_path / "offload")
+    prompts = [PREFIX + r for r in RESTS]
+    llm = LLM(directory, dtype="float32", policy=policy)
+    shared = run(llm, prompts)
+    assert llm.last_stats.shared_prompt_tokens == len(PREFIX) * (len(prompts) - 1)
+    plain = LLM(directory, dtype="float32", share_prefixes=False)
+    assert_same(shared, run(plain, prompts))
+
+
+def test_prompts_without_a_long_common_prefix_compute_their_own(tmp_path):
+    build("llama-mha", tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    run(llm, [PREFIX[:MIN_SHARED_PREFIX - 1] + r for r in SAME])
+    assert llm.last_stats.shared_prompt_tokens == 0
+    run(llm, [PREFIX[:MIN_SHARED_PREFIX] + r for r in SAME])
+    assert llm.last_stats.shared_prompt_tokens == MIN_SHARED_PREFIX * (len(SAME) - 1)
+
+
+def test_the_server_scheduler_shares_a_prefix_and_counts_it(tmp_path):
+    build("qwen3", tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    prompts = [PREFIX + r for r in RESTS]
+    want = [r.token_ids for r in llm.generate(prompts, SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True))]
+    scheduler = Scheduler(llm)  # not started: the requests wait, then are admitted together
+    requests = [scheduler.submit(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+                for p in prompts]
+    scheduler.start()
+    try:
+        got = [[ev.token_id for ev in r.events(timeout=60) if ev.token_id >= 0] for r in requests]
+    finally:
+        scheduler.stop()
+    assert got == want
+    m = scheduler.snapshot()
+    assert m.shared_prefixes == 1
+    assert m.shared_prompt_tokens == len(PREFIX) * (len(prompts) - 1)
