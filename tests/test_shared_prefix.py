@@ -106,3 +106,22 @@ def test_the_server_scheduler_shares_a_prefix_and_counts_it(tmp_path):
     m = scheduler.snapshot()
     assert m.shared_prefixes == 1
     assert m.shared_prompt_tokens == len(PREFIX) * (len(prompts) - 1)
+
+
+def test_on_the_integer_path_sharing_equals_chunks_that_end_where_the_prefix_ends():
+    """The packaged model's packed weights on the integer path: sharing a prefix gives what a
+    run that computes it per row in a prefill chunk of its own gives, within float rounding
+    (against another chunking, the 8-bit rounding of activations can turn float rounding
+    into whole steps)."""
+    llm = LLM("smollm2", activations="int8")
+    prefix = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
+    # rests of one length: without sharing, the rows' chunks then all end where the prefix does
+    prompts = [prefix + llm.tokenizer.encode(q, add_special_tokens=False)[:3]
+               for q in (" Why did it?", " What did the fox do", " Who saw it then")]
+    assert len({len(p) for p in prompts}) == 1
+    shared = run(llm, prompts)
+    assert llm.last_stats.shared_prompt_tokens == len(prefix) * 2
+    plain = LLM("smollm2", activations="int8", share_prefixes=False,
+                prefill_chunk_size=len(prefix))
+    alone = run(plain, prompts)
+    assert_same(shared, alone)

@@ -224,8 +224,8 @@ def set_activations(kind: str) -> None:
     compute): "float32" (the default: decoded weights times float32 activations), "int8" or
     "int16" (:data:`ACTIVATION_FORMATS`, on a CPU: activations quantised per row and
     multiplied by the integer kernels, whatever the number of rows: from three rows on, the
-    tiles of ``int8.c``, which match or beat the float32 BLAS on the decoded matrix at every
-    row count, without decoding it). A row gets the same numbers whatever the batch around
+    tiles of ``int8.c``, about as fast as the float32 BLAS on the decoded matrix at 512 rows
+    and faster below, without decoding it). A row gets the same numbers whatever the batch around
     it, within float rounding (exactly, from three rows on)."""
     if kind not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {kind!r}")
