@@ -30,7 +30,7 @@ GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS, *PARALLEL_OPT
 CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
 MODEL_OPTIONS = COMMON_OPTIONS[:COMMON_OPTIONS.index("--max-tokens")]
 SERVE_OPTIONS = ["--host", "--port", "--max-queue", "--default-max-tokens", "--chat-template",
-                 "--api-key", "--queue-timeout",
+                 "--api-key", "--queue-timeout", "--prefix-cache",
                  *MODEL_OPTIONS, *PARALLEL_OPTIONS]
 RUN_BATCH_OPTIONS = ["--input", "--output", "--default-max-tokens", "--chat-template",
                      *MODEL_OPTIONS, *PARALLEL_OPTIONS]
@@ -172,6 +172,7 @@ def test_chat_with_invalid_template_fails_before_reading(use_smol, monkeypatch, 
     (["generate", "--temperature", "-1", "Hello"], "temperature must be a number >= 0"),
     (["generate"], "no prompts"),  # standard input is empty and not a terminal
     (["generate", "--json-schema", "{not json", "Hello"], "json_schema is not valid JSON"),
+    (["serve", "--prefix-cache", "lots"], "cannot read memory size 'lots'"),
 ])
 def test_process_error_is_one_line_and_status_2(tmp_path, args, match):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

@@ -104,8 +104,69 @@ def test_the_server_scheduler_shares_a_prefix_and_counts_it(tmp_path):
         scheduler.stop()
     assert got == want
     m = scheduler.snapshot()
-    assert m.shared_prefixes == 1
+    assert m.prefix_cache_hits == 0
     assert m.shared_prompt_tokens == len(PREFIX) * (len(prompts) - 1)
+
+
+def one_at_a_time(scheduler: Scheduler, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Each request submitted once the one before has finished: nothing to share but what the
+    prefix cache kept."""
+    out = []
+    for p in prompts:
+        events = list(scheduler.submit(p, params).events(timeout=60))
+        out.append(([ev.token_id for ev in events if ev.token_id >= 0],
+                    [ev.logprobs for ev in events if ev.token_id >= 0]))
+    return out
+
+
+@pytest.mark.parametrize("case", ["llama-gqa-tied", "deepseek-v2", "mistral-window"])
+def test_the_prefix_cache_serves_later_requests(tmp_path, case):
+    build(case, tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    # the first prompt's entry holds 4 tokens past PREFIX, which the second does not share
+    prompts = [PREFIX + r for r in (RESTS[1], RESTS[0], RESTS[2], RESTS[3], RESTS[1])]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    llm.share_prefixes = False
+    want = [(r.token_ids, r.logprobs) for r in llm.generate(prompts, params)]
+    llm.share_prefixes = True
+    scheduler = Scheduler(llm, prefix_cache=1 << 26).start()
+    try:
+        got = one_at_a_time(scheduler, prompts, params)
+    finally:
+        scheduler.stop()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens
+        for a, b in zip(logprobs, want_logprobs):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    m = scheduler.snapshot()
+    if case == "mistral-window":
+        # a ring holds an entry's last slots, not its first: the second request cannot take
+        # part of the first's entry and leaves one of its own (PREFIX), which the next two
+        # take whole; the repeat takes the first's whole
+        assert m.prefix_cache_hits == len(prompts) - 2
+    else:  # every request after the first takes PREFIX, the repeat all but its last token
+        assert m.prefix_cache_hits == len(prompts) - 1
+        assert m.shared_prompt_tokens == len(PREFIX) * 3 + len(prompts[-1]) - 1
+    assert 0 < m.prefix_cache_bytes <= 1 << 26
+    assert scheduler.prefixes is not None and len(scheduler.prefixes) == 0  # closed at stop
+
+
+def test_the_prefix_cache_stays_within_its_budget(tmp_path):
+    build("llama-mha", tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    one = llm.executor.new_cache(1, len(PREFIX) + 12)
+    budget = int(2.5 * one.nbytes)  # room for two entries of about this size
+    one.close()
+    scheduler = Scheduler(llm, prefix_cache=budget).start()
+    try:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        distinct = [[(i * 13 + j) % 90 + 5 for j in range(len(PREFIX) + 5)] for i in range(5)]
+        one_at_a_time(scheduler, distinct, params)
+        assert len(scheduler.prefixes) == 2 and scheduler.prefixes.used <= budget
+        assert scheduler.snapshot().prefix_cache_hits == 0
+    finally:
+        scheduler.stop()
 
 
 def test_on_the_integer_path_sharing_equals_chunks_that_end_where_the_prefix_ends():

@@ -359,12 +359,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.queue_timeout is not None and not args.queue_timeout > 0:
         raise TiergenError(f"--queue-timeout must be a positive number of seconds, got "
                            f"{args.queue_timeout}")
+    from tiergen.offload.policy import parse_size
+
+    prefix_cache = parse_size(args.prefix_cache)  # a bad size fails before the model loads
     api_key = args.api_key or os.environ.get("TIERGEN_API_KEY") or None
     llm = on_short_lived_thread(lambda: _load(args))  # see on_short_lived_thread
     _check_chat_template(llm, args)
     serve(llm, args.host, args.port, model_names=[args.model], max_queue=args.max_queue,
           default_max_tokens=args.default_max_tokens, chat_template=args.chat_template,
-          verbose=args.verbose, api_key=api_key, queue_timeout=args.queue_timeout)
+          verbose=args.verbose, api_key=api_key, queue_timeout=args.queue_timeout,
+          prefix_cache=prefix_cache)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
@@ -725,6 +729,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--queue-timeout", type=float, metavar="SECONDS",
                    help="answer a request still waiting for a place after SECONDS with 503 "
                         "(default: wait)")
+    g.add_argument("--prefix-cache", default="1G", metavar="SIZE",
+                   help="prompt prefixes kept for the requests that follow, least recently used "
+                        "out first: a repeated system prompt or few-shot preamble skips its "
+                        "prefill (default: 1G; 0: none)")
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 

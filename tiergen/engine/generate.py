@@ -150,19 +150,17 @@ def shared_length(cfg: ModelConfig, seqs: list[Sequence]) -> int:
 
 
 class SharedPrefix:
-    """The first ``length`` prompt tokens of a block of sequences, prefilled once as a single
-    row into a cache of its own, for every micro-batch of the block to copy into each of its
-    rows instead of computing them per row (:meth:`TieredKV.share_prefix`). Its prompt
-    log-probabilities and the logits at its last token, which score each row's next prompt
-    token, go to the rows that asked for prompt log-probabilities."""
+    """Prompt tokens prefilled once as a single row into a cache of their own, for the rows of
+    micro-batches that start with them to copy (:meth:`TieredKV.share_prefix`) instead of
+    computing them; its first n tokens serve any rows that start with those. With
+    ``logprobs`` it keeps the prompt log-probabilities of its tokens and the logits at its
+    last one, which score the next prompt token of each row."""
 
-    def __init__(self, executor: Executor, seqs: list[Sequence], length: int,
-                 chunk_size: int | None) -> None:
-        asked = {s.params.prompt_logprobs for s in seqs} - {None}
-        self.length, self.logprobs = length, asked.pop() if asked else None
-        self.seq = Sequence(-1, seqs[0].prompt_ids[:length],
-                            SamplingParams(max_tokens=1, prompt_logprobs=self.logprobs),
-                            frozenset(), None, tokenizer=seqs[0].tokenizer)
+    def __init__(self, executor: Executor, tokens: list[int], logprobs: int | None,
+                 chunk_size: int | None, tokenizer: Tokenizer | None) -> None:
+        self.tokens, self.length, self.logprobs = list(tokens), len(tokens), logprobs
+        self.seq = Sequence(-1, self.tokens, SamplingParams(max_tokens=1, prompt_logprobs=logprobs),
+                            frozenset(), None, tokenizer=tokenizer)
         state = MicroBatchState(executor, [self.seq], chunk_size)
         try:
             while True:
@@ -175,15 +173,43 @@ class SharedPrefix:
             state.cache.close()
             raise
         self.cache = state.cache
-        executor.stats.shared_prompt_tokens += length * (len(seqs) - 1)
+        self.nbytes = state.cache.nbytes
 
-    def give_logprobs(self, seqs: list[Sequence]) -> None:
-        """Start the prompt log-probabilities of the rows that asked with the prefix's."""
+    @classmethod
+    def common(cls, executor: Executor, seqs: list[Sequence], length: int,
+               chunk_size: int | None) -> SharedPrefix:
+        """The first ``length`` tokens that every one of ``seqs`` starts with."""
+        asked = {s.params.prompt_logprobs for s in seqs} - {None}
+        return cls(executor, seqs[0].prompt_ids[:length], asked.pop() if asked else None,
+                   chunk_size, seqs[0].tokenizer)
+
+    def serves(self, cfg: ModelConfig, seqs: list[Sequence]) -> int:
+        """How many of its tokens ``seqs`` can take from it (as :func:`shared_length` counts
+        for their own common prefix); 0 for none. Only all of them where a ring holds its
+        last slots in place of its first, and only where it kept what the rows' prompt
+        log-probabilities need."""
+        if {s.params.prompt_logprobs for s in seqs} - {None, self.logprobs}:
+            return 0
+        n = min(len(os.path.commonprefix([self.tokens, s.prompt_ids])) for s in seqs)
+        n = min(n, min(len(s.prompt_ids) for s in seqs) - 1)
+        windows = [w for w in map(cfg.window, range(cfg.num_layers)) if w]
+        if n < MIN_SHARED_PREFIX or (windows and n < self.length) or (
+                windows and capacity(seqs) > min(windows)
+                and len({len(s.prompt_ids) for s in seqs}) > 1):
+            return 0
+        return n
+
+    def give_logprobs(self, seqs: list[Sequence], n: int) -> None:
+        """Start the prompt log-probabilities of the rows that asked with those of its first
+        ``n`` tokens and of the token after them."""
         rows = [s for s in seqs if s.prompt_logprobs is not None]
         if not rows:
             return
-        following = torch.tensor([s.prompt_ids[self.length] for s in rows],
-                                 device=self.last.device)
+        if n < self.length:  # the token after them is one of its own: scored already
+            for s in rows:
+                s.prompt_logprobs = self.seq.prompt_logprobs[:n + 1]
+            return
+        following = torch.tensor([s.prompt_ids[n] for s in rows], device=self.last.device)
         entries = position_logprobs(self.last.expand(len(rows), -1), following,
                                     [self.logprobs] * len(rows))
         for s, entry in zip(rows, entries):
@@ -203,10 +229,11 @@ class MicroBatchState:
 
     def __init__(self, executor: Executor, seqs: list[Sequence],
                  chunk_size: int | None = None, key: int = 0,
-                 shared: SharedPrefix | None = None) -> None:
+                 shared: SharedPrefix | None = None, shared_tokens: int | None = None) -> None:
         self.key = key  # the scheduler's name for it, the same on every rank
         device = executor.device
-        self.shared = n = shared.length if shared else 0
+        # the first shared_tokens (default: all) of ``shared``
+        self.shared = n = 0 if shared is None else shared_tokens or shared.length
         longest = max(len(s.prompt_ids) for s in seqs)  # = n + the longest rest
         ids = torch.zeros(len(seqs), longest, dtype=torch.long)
         self.slots = slots = capacity(seqs)
@@ -227,7 +254,7 @@ class MicroBatchState:
             except BaseException:
                 self.cache.close()
                 raise
-            shared.give_logprobs(seqs)
+            shared.give_logprobs(seqs, n)
         self.sampler = Sampler([s.params for s in seqs], [s.prompt_ids for s in seqs],
                                executor.cfg.vocab_size, device, [s.constraint for s in seqs])
         self.live = list(seqs)
@@ -381,7 +408,8 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
     longest = max(len(s.prompt_ids) for s in seqs)
     executor.check_block([(len(g), capacity(g)) for g in groups], longest)
     n = shared_length(executor.cfg, seqs) if share else 0
-    shared = SharedPrefix(executor, seqs, n, chunk_size) if n else None
+    shared = SharedPrefix.common(executor, seqs, n, chunk_size) if n else None
+    executor.stats.shared_prompt_tokens += n * (len(seqs) - 1)
     states = []
     try:
         for g in groups:

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from tiergen.engine.executor import MicroBatch
-from tiergen.engine.generate import (MicroBatchState, Sequence, SharedPrefix, StepEvent, capacity,
-                                     shared_length)
+from tiergen.engine.generate import (MIN_SHARED_PREFIX, MicroBatchState, Sequence, SharedPrefix,
+                                     StepEvent, capacity, shared_length)
+from tiergen.engine.prefix_cache import PrefixCache
 from tiergen.engine.pipeline import step_ranks
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
 from tiergen.engine.sampler import SamplingParams
@@ -123,8 +124,9 @@ class SchedulerMetrics:
     requests_timed_out: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    shared_prefixes: int = 0  # micro-batches whose common prompt prefix was computed once
-    shared_prompt_tokens: int = 0  # prompt tokens those rows copied instead of computing
+    prefix_cache_hits: int = 0  # micro-batches that took a prompt prefix from the prefix cache
+    shared_prompt_tokens: int = 0  # prompt tokens copied from a shared prefix, not computed
+    prefix_cache_bytes: int = 0  # what the prefix cache holds
     steps: int = 0
     merges: int = 0  # micro-batches merged into another
     batch_sizes: Counter[int] = field(default_factory=Counter)  # sequences per step -> steps
@@ -141,8 +143,10 @@ class Scheduler:
     """
 
     def __init__(self, llm: LLM, max_queue: int = 256, max_running: int | None = None,
-                 queue_timeout: float | None = None) -> None:
+                 queue_timeout: float | None = None, prefix_cache: int = 0) -> None:
         self.llm = llm
+        # prompt prefixes kept for the requests that follow, up to ``prefix_cache`` bytes
+        self.prefixes = PrefixCache(prefix_cache) if prefix_cache and llm.share_prefixes else None
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.max_running = max_running or llm.block_size
@@ -278,20 +282,36 @@ class Scheduler:
         self.metrics.running = running
 
     def _start(self, group: list[Request]) -> MicroBatchState:
-        """A micro-batch for ``group``, a prompt prefix they all start with computed once (on
-        one rank; over several, every row computes its own)."""
-        llm, seqs = self.llm, [r.seq for r in group]
-        n = shared_length(llm.executor.cfg, seqs) if llm.share_prefixes and llm.group is None else 0
-        if not n:
-            return MicroBatchState(llm.executor, seqs, llm.prefill_chunk_size, key=group[0].id)
-        shared = SharedPrefix(llm.executor, seqs, n, llm.prefill_chunk_size)
+        """A micro-batch for ``group``. Its rows copy the prompt prefix they share from the
+        prefix cache where it holds one, else compute it once; a prompt alone has all its
+        tokens but the last computed as a prefix, for the prefix cache to keep. On one rank
+        only: over several, every row computes its own prompt."""
+        llm, seqs, key = self.llm, [r.seq for r in group], group[0].id
+        ex, chunk = llm.executor, llm.prefill_chunk_size
+        if not llm.share_prefixes or llm.group is not None:
+            return MicroBatchState(ex, seqs, chunk, key=key)
+        found = self.prefixes.find(ex.cfg, seqs) if self.prefixes is not None else None
+        n = shared_length(ex.cfg, seqs)
+        if found is not None and found[1] >= n:
+            (shared, n), computed = found, False
+        elif n:
+            shared, computed = SharedPrefix.common(ex, seqs, n, chunk), True
+        elif self.prefixes is not None and len(seqs) == 1 and len(seqs[0].prompt_ids) > MIN_SHARED_PREFIX:
+            s = seqs[0]
+            shared = SharedPrefix(ex, s.prompt_ids[:-1], s.params.prompt_logprobs, chunk,
+                                  s.tokenizer)
+            n, computed = shared.length, True
+        else:
+            return MicroBatchState(ex, seqs, chunk, key=key)
         try:
-            state = MicroBatchState(llm.executor, seqs, llm.prefill_chunk_size, key=group[0].id,
-                                    shared=shared)
+            state = MicroBatchState(ex, seqs, chunk, key=key, shared=shared, shared_tokens=n)
         finally:
-            shared.close()
-        self.metrics.shared_prefixes += 1
-        self.metrics.shared_prompt_tokens += n * (len(seqs) - 1)
+            if computed and not (self.prefixes is not None and self.prefixes.add(shared)):
+                shared.close()
+        if not computed:
+            self.metrics.prefix_cache_hits += 1
+        self.metrics.shared_prompt_tokens += n * (len(seqs) - computed)
+        self.metrics.prefix_cache_bytes = self.prefixes.used if self.prefixes is not None else 0
         return state
 
     def _finish_if_cancelled(self, req: Request) -> bool:
@@ -323,6 +343,8 @@ class Scheduler:
                     self._admit()
                     if not self._states:
                         if self._stopping:
+                            if self.prefixes is not None:
+                                self.prefixes.close()
                             return
                         self._lock.wait()
                         continue

@@ -120,6 +120,11 @@ class TieredKV:
     def _slot_bytes(self) -> int:
         return self.parts * self.batch * self.heads * self.stored_width * self.stored_dtype.itemsize
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes its layers hold, on whichever tier."""
+        return sum(self._numel(j) for j in range(len(self.layers))) * self.stored_dtype.itemsize
+
     def on_disk(self, j: int) -> bool:
         return isinstance(self.layers[j], SpillFile)
 

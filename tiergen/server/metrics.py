@@ -37,14 +37,17 @@ class _SchedulerCollector(Collector):
                                    "timeout.", m.requests_timed_out),
             ("prompt_tokens", "Prompt tokens submitted.", m.prompt_tokens),
             ("generated_tokens", "Tokens generated.", m.generated_tokens),
-            ("shared_prefixes", "Micro-batches whose common prompt prefix was computed once.",
-             m.shared_prefixes),
-            ("shared_prompt_tokens", "Prompt tokens copied from a shared prefix instead of "
-                                     "computed.", m.shared_prompt_tokens),
+            ("prefix_cache_hits", "Micro-batches that took a prompt prefix from the prefix "
+                                  "cache.", m.prefix_cache_hits),
+            ("shared_prompt_tokens", "Prompt tokens copied from a shared prefix (the prefix "
+                                     "cache's, or one computed once for a micro-batch) instead "
+                                     "of computed.", m.shared_prompt_tokens),
             ("steps", "Engine steps run.", m.steps),
             ("merges", "Micro-batches merged into another once their prompts were in.", m.merges),
         ]:
             yield CounterMetricFamily(f"tiergen_{name}", help, value=value)
+        yield GaugeMetricFamily("tiergen_prefix_cache_bytes", "Bytes the prefix cache holds.",
+                                value=m.prefix_cache_bytes)
         yield GaugeMetricFamily("tiergen_queue_depth", "Requests waiting to be admitted.",
                                 value=m.queue_depth)
         yield GaugeMetricFamily("tiergen_running_sequences", "Sequences in the running batch.",
