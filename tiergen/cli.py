@@ -43,6 +43,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk-size", type=int, default=None,
                    help="feed prompts in chunks of this many tokens, bounding prefill memory "
                         "(default: 512)")
+    g.add_argument("--no-share-prefixes", action="store_false", dest="share_prefixes",
+                   help="compute every prompt whole, even the prefix the prompts of a batch "
+                        "share (default: once)")
     g.add_argument("--max-batch-size", type=int, default=64,
                    help="most prompts run together in one batch when --gpu-batch-size is not "
                         "given (default: 64)")
@@ -183,6 +186,7 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
                    max_batch_size=args.max_batch_size, policy=policy,
                    device_memory=args.device_memory, host_memory=args.host_memory,
                    compile=args.compile, prefill_chunk_size=chunk,
+                   share_prefixes=getattr(args, "share_prefixes", True),
                    activations=args.activations, pipeline_parallel=getattr(args, "pipeline_parallel", 1),
                    tensor_parallel=getattr(args, "tensor_parallel", 1),
                    parallel_timeout=getattr(args, "parallel_timeout", 60.0))

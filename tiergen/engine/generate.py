@@ -130,23 +130,30 @@ def capacity(seqs: list[Sequence]) -> int:
     return max(len(s.prompt_ids) for s in seqs) + max(s.params.max_tokens for s in seqs)
 
 
-def shared_length(cfg: ModelConfig, seqs: list[Sequence]) -> int:
-    """How many leading prompt tokens ``seqs`` can compute once for all of them: their longest
-    common prefix, short of every prompt's end (each row keeps a token of its own, whose
-    logits give its first sample). 0 where that is under MIN_SHARED_PREFIX tokens, where the
-    rows ask for different numbers of prompt log-probabilities, or where a sliding window
-    would see the padding between the prefix and prompts of different lengths (a ring's
-    window counts slots, and that padding would take slots inside it)."""
-    if len(seqs) < 2 or len({s.params.prompt_logprobs for s in seqs} - {None}) > 1:
-        return 0
-    n = min(len(os.path.commonprefix([s.prompt_ids for s in seqs])),
-            min(len(s.prompt_ids) for s in seqs) - 1)
-    if n < MIN_SHARED_PREFIX:
-        return 0
-    windows = [w for w in map(cfg.window, range(cfg.num_layers)) if w]
-    if windows and capacity(seqs) > min(windows) and len({len(s.prompt_ids) for s in seqs}) > 1:
+def _windows(cfg: ModelConfig) -> list[int]:
+    return [w for w in map(cfg.window, range(cfg.num_layers)) if w]
+
+
+def _sharable(cfg: ModelConfig, seqs: list[Sequence], n: int) -> int:
+    """``n`` leading tokens, short of every prompt's end (each row keeps a token of its own,
+    whose logits give its first sample), or 0: under MIN_SHARED_PREFIX tokens, or where a
+    sliding window would see the padding between a shared prefix and prompts of different
+    lengths (a ring's window counts slots, and that padding would take slots inside it)."""
+    n = min(n, min(len(s.prompt_ids) for s in seqs) - 1)
+    windows = _windows(cfg)
+    if n < MIN_SHARED_PREFIX or (windows and capacity(seqs) > min(windows)
+                                 and len({len(s.prompt_ids) for s in seqs}) > 1):
         return 0
     return n
+
+
+def shared_length(cfg: ModelConfig, seqs: list[Sequence]) -> int:
+    """How many leading prompt tokens ``seqs`` can compute once for all of them: their longest
+    common prefix as :func:`_sharable` allows it; 0 also where the rows ask for different
+    numbers of prompt log-probabilities."""
+    if len(seqs) < 2 or len({s.params.prompt_logprobs for s in seqs} - {None}) > 1:
+        return 0
+    return _sharable(cfg, seqs, len(os.path.commonprefix([s.prompt_ids for s in seqs])))
 
 
 class SharedPrefix:
@@ -190,14 +197,9 @@ class SharedPrefix:
         log-probabilities need."""
         if {s.params.prompt_logprobs for s in seqs} - {None, self.logprobs}:
             return 0
-        n = min(len(os.path.commonprefix([self.tokens, s.prompt_ids])) for s in seqs)
-        n = min(n, min(len(s.prompt_ids) for s in seqs) - 1)
-        windows = [w for w in map(cfg.window, range(cfg.num_layers)) if w]
-        if n < MIN_SHARED_PREFIX or (windows and n < self.length) or (
-                windows and capacity(seqs) > min(windows)
-                and len({len(s.prompt_ids) for s in seqs}) > 1):
-            return 0
-        return n
+        n = _sharable(cfg, seqs, min(len(os.path.commonprefix([self.tokens, s.prompt_ids]))
+                                     for s in seqs))
+        return 0 if _windows(cfg) and n < self.length else n
 
     def give_logprobs(self, seqs: list[Sequence], n: int) -> None:
         """Start the prompt log-probabilities of the rows that asked with those of its first
