@@ -283,20 +283,24 @@ class Scheduler:
 
     def _start(self, group: list[Request]) -> MicroBatchState:
         """A micro-batch for ``group``. Its rows copy the prompt prefix they share from the
-        prefix cache where it holds one, else compute it once; a prompt alone has all its
-        tokens but the last computed as a prefix, for the prefix cache to keep. On one rank
+        prefix cache where it holds one. Else, when nothing else runs, the prefix is computed
+        here, once; a prompt alone has all its tokens but the last computed so, for the prefix
+        cache to keep. (Beside running streams a prompt goes in chunk by chunk between their
+        steps instead: computing a prefix here would hold them up for all of it.) On one rank
         only: over several, every row computes its own prompt."""
         llm, seqs, key = self.llm, [r.seq for r in group], group[0].id
         ex, chunk = llm.executor, llm.prefill_chunk_size
         if not llm.share_prefixes or llm.group is not None:
             return MicroBatchState(ex, seqs, chunk, key=key)
         found = self.prefixes.find(ex.cfg, seqs) if self.prefixes is not None else None
-        n = shared_length(ex.cfg, seqs)
+        idle = not self._states
+        n = shared_length(ex.cfg, seqs) if idle else 0
         if found is not None and found[1] >= n:
             (shared, n), computed = found, False
         elif n:
             shared, computed = SharedPrefix.common(ex, seqs, n, chunk), True
-        elif self.prefixes is not None and len(seqs) == 1 and len(seqs[0].prompt_ids) > MIN_SHARED_PREFIX:
+        elif (idle and self.prefixes is not None and len(seqs) == 1
+              and len(seqs[0].prompt_ids) > MIN_SHARED_PREFIX):
             s = seqs[0]
             shared = SharedPrefix(ex, s.prompt_ids[:-1], s.params.prompt_logprobs, chunk,
                                   s.tokenizer)
