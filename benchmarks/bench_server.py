@@ -7,7 +7,10 @@ token and latency (p50, p99); between rounds, while the server idles, it runs `L
 on the same prompts in this process. Prompts are random token ids; every request generates
 exactly --new-tokens tokens (ignore_eos), greedy. The best of --repeat rounds counts.
 
-    python benchmarks/bench_server.py [--model smollm2] [--concurrency 1 8 32 64]
+    python benchmarks/bench_server.py [--model smollm2] [--concurrency 1 8 32 64] [--half-constrained]
+
+With --half-constrained, each N also runs with every other request held to a JSON schema
+(``response_format``), and the table gives its throughput against the unconstrained round's.
 """
 
 from __future__ import annotations
@@ -69,11 +72,20 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     return proc, found.group(0)
 
 
+# What --half-constrained holds every other request to: a JSON object with a list of strings,
+# which 64 tokens do not close, so that every stream generates as many tokens as the others.
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+          "required": ["items"]}
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                      new_tokens: int) -> tuple[float, float, int]:
+                      new_tokens: int, constrained: bool = False) -> tuple[float, float, int]:
     """Stream one completion; return (time to first token, latency, generated tokens)."""
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if constrained:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "items", "schema": SCHEMA}}
     start = time.perf_counter()
     first, tokens = None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -88,12 +100,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return first or 0.0, time.perf_counter() - start, tokens
 
 
-async def load(url: str, model: str, batch: list[list[int]], new_tokens: int) -> Load:
+async def load(url: str, model: str, batch: list[list[int]], new_tokens: int,
+               half_constrained: bool = False) -> Load:
     limits = httpx.Limits(max_connections=len(batch), max_keepalive_connections=len(batch))
     async with httpx.AsyncClient(limits=limits, timeout=TIMEOUT_S) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*[one_request(client, url, model, p, new_tokens)
-                                         for p in batch])
+        results = await asyncio.gather(*[
+            one_request(client, url, model, p, new_tokens, half_constrained and i % 2 == 1)
+            for i, p in enumerate(batch)])
         seconds = time.perf_counter() - start
     return Load(sum(r[2] for r in results), seconds, [r[0] for r in results],
                 [r[1] for r in results])
@@ -110,9 +124,11 @@ def offline_rate(llm, batch: list[list[int]], new_tokens: int) -> float:
 
 
 def measure(args: argparse.Namespace, batches: dict[int, list[list[int]]]
-            ) -> dict[int, tuple[Load, float]]:
-    """For each N, the best of --repeat server rounds and of as many offline runs, taken
-    alternately (the server idles meanwhile) so that both meet the same machine."""
+            ) -> dict[int, tuple[Load, float, Load | None]]:
+    """For each N, the best of --repeat server rounds and of as many offline runs (and, with
+    --half-constrained, of as many server rounds with every other request held to a JSON
+    schema), taken alternately (the server idles meanwhile) so that all meet the same
+    machine."""
     from tiergen import LLM
 
     proc, url = start_server(args)
@@ -122,12 +138,18 @@ def measure(args: argparse.Namespace, batches: dict[int, list[list[int]]]
         asyncio.run(load(url, args.model, warm, 4))
         offline_rate(llm, warm, 4)
         results = {}
+        if args.half_constrained:
+            asyncio.run(load(url, args.model, warm, 4, True))
         for n, batch in batches.items():
-            served, offline = [], []
+            served, offline, constrained = [], [], []
             for _ in range(args.repeat):
                 served.append(asyncio.run(load(url, args.model, batch, args.new_tokens)))
                 offline.append(offline_rate(llm, batch, args.new_tokens))
-            results[n] = max(served, key=lambda s: s.throughput), max(offline)
+                if args.half_constrained:
+                    constrained.append(asyncio.run(load(url, args.model, batch, args.new_tokens,
+                                                        True)))
+            best = max(constrained, key=lambda s: s.throughput) if constrained else None
+            results[n] = max(served, key=lambda s: s.throughput), max(offline), best
         return results
     finally:
         proc.terminate()
@@ -142,6 +164,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2, help="rounds per N; the best counts")
+    p.add_argument("--half-constrained", action="store_true",
+                   help="also rounds with every other request held to a JSON schema")
     args = p.parse_args()
     if not all(1 <= n <= MAX_CONCURRENCY for n in args.concurrency):
         raise SystemExit(f"--concurrency values must be between 1 and {MAX_CONCURRENCY}")
@@ -158,10 +182,16 @@ def main() -> None:
     print("| concurrent | server tok/s | offline tok/s | server/offline | TTFT p50 | TTFT p99 "
           "| latency p50 | latency p99 |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n, (s, offline) in results.items():
+    for n, (s, offline, _) in results.items():
         print(f"| {n} | {s.throughput:.1f} | {offline:.1f} | {s.throughput / offline:.0%} "
               f"| {percentile(s.ttft, 50):.3f}s | {percentile(s.ttft, 99):.3f}s "
               f"| {percentile(s.latency, 50):.3f}s | {percentile(s.latency, 99):.3f}s |")
+    if args.half_constrained:
+        print("\n| concurrent | server tok/s | half held to a JSON schema tok/s | ratio |")
+        print("|---:|---:|---:|---:|")
+        for n, (s, _, c) in results.items():
+            print(f"| {n} | {s.throughput:.1f} | {c.throughput:.1f} | "
+                  f"{c.throughput / s.throughput:.0%} |")
     for n, target in ((32, 0.95), (64, 0.90)):
         if n in results:
             ratio = results[n][0].throughput / results[n][1]
