@@ -16,12 +16,12 @@
  * One or two rows (decode): each weight block is decoded to bytes once and dotted with every
  * activation row, 32 values per instruction; its 32-bit lanes hold 4 values each, so each
  * lane takes its own scale from a vector load: a scale per 4 values costs nothing more than
- * one per 32. More rows (batches, prompt chunks): eight weight rows are decoded and
- * interleaved four bytes at a time, so one 32-byte vector holds four values of each of the
- * eight rows and each 32-bit lane accumulates its own output; every activation row then
- * broadcasts four of its bytes against that tile, and each activation block's sum is scaled
- * as it ends. Either way each weight block is decoded once per product, whatever the number
- * of rows.
+ * one per 32. More rows (batches, prompts): TR weight rows (16 with AVX-512, 8 otherwise) are
+ * decoded and interleaved four bytes at a time, so one vector holds four values of each and
+ * each 32-bit lane accumulates its own output; the activation rows, packed into panels of MI
+ * interleaved the same way, each broadcast four of their bytes against that tile, and each
+ * activation block's sum is scaled as it ends. Each weight block is decoded once per product
+ * (once per MB rows of a prompt), whatever the number of rows.
  */
 #include <math.h>
 
