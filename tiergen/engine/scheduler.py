@@ -295,7 +295,9 @@ class Scheduler:
         found = self.prefixes.find(ex.cfg, seqs) if self.prefixes is not None else None
         idle = not self._states
         n = shared_length(ex.cfg, seqs) if idle else 0
-        if found is not None and found[1] >= n:
+        # a cached prefix a little shorter than the one the rows share beats computing theirs:
+        # each row then computes the tokens between the two itself
+        if found is not None and (found[1] >= n or (n - found[1]) * len(seqs) <= n):
             (shared, n), computed = found, False
         elif n:
             shared, computed = SharedPrefix.common(ex, seqs, n, chunk), True
