@@ -186,3 +186,30 @@ def test_on_the_integer_path_sharing_equals_chunks_that_end_where_the_prefix_end
                 prefill_chunk_size=len(prefix))
     alone = run(plain, prompts)
     assert_same(shared, alone)
+
+
+def test_a_cached_prefix_a_little_shorter_than_the_rows_share_is_taken(tmp_path):
+    """Rows sharing two tokens more than an entry holds copy the entry and compute those two
+    each: cheaper than computing their whole common prefix again."""
+    build("qwen2", tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    first = [PREFIX + [60, 61, i] for i in range(4)]
+    second = [PREFIX + [62, 63, i] for i in range(4)]
+    llm.share_prefixes = False
+    want = [r.token_ids for r in llm.generate(first + second, params)]
+    llm.share_prefixes = True
+    scheduler = Scheduler(llm, prefix_cache=1 << 26).start()
+    got = []
+    try:
+        for group in (first, second):
+            with scheduler._lock:  # all four wait together, so they are admitted together
+                requests = [scheduler.submit(p, params) for p in group]
+            got += [[ev.token_id for ev in r.events(timeout=60) if ev.token_id >= 0]
+                    for r in requests]
+    finally:
+        scheduler.stop()
+    assert got == want
+    m = scheduler.snapshot()
+    assert m.prefix_cache_hits == 1  # the second group took the first's prefix
+    assert m.shared_prompt_tokens == (len(PREFIX) + 2) * 3 + len(PREFIX) * 4
