@@ -166,3 +166,14 @@ def test_every_instruction_set_build_does_the_same_arithmetic(isa_library, ggml_
         assert torch.equal(values, q) and torch.equal(got.sums, sums)
         y = kernels.integer_linear(x, w, None, block, wide)
         assert_close_relative(y, integer_reference(x, w, block, wide))
+
+
+def test_a_prompt_whose_panels_outgrow_the_kept_buffer_multiplies_the_same():
+    """More than 64 MiB of activation panels (here 4,100 rows of 8,192 values): the buffer is
+    freed after the product and made again for the next, which gives the same numbers."""
+    w = random_packed(GGMLType.Q8_0, 24, 8192, 1)
+    x = torch.randn(4100, 8192, generator=torch.Generator().manual_seed(3))
+    first = kernels.integer_linear(x, w, None, 4)
+    again = kernels.integer_linear(x, w, None, 4)
+    assert torch.equal(first, again)
+    assert torch.equal(first[4090:], kernels.integer_linear(x[4090:], w, None, 4))

@@ -237,7 +237,10 @@ typedef struct {
 } Panels;
 
 /* One buffer per thread for its panels, kept for the next product: a fresh allocation of
- * this size would be mapped, faulted in and zeroed every time. */
+ * this size would be mapped, faulted in and zeroed every time. One larger than PANEL_KEEP
+ * (a long prompt in a large batch) is freed after its product instead: beside the product's
+ * own cost, mapping it again is small, and holding it would not be. */
+#define PANEL_KEEP ((size_t)64 << 20)
 static __thread void *panel_buf;
 static __thread size_t panel_cap;
 
@@ -517,13 +520,17 @@ int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
     if (!make_panels(m, k, xq, xl, xs4, xsum, &P)) return -2;
     /* MB rows at a time, so that their panels stay in cache while every tile passes over
      * them (each tile is decoded again for each MB rows: a small cost against MB rows) */
-    for (int64_t m0 = 0; m0 < m; m0 += MB) {
+    int err = 0;
+    for (int64_t m0 = 0; m0 < m && !err; m0 += MB) {
         const Panels B = {P.q + m0 * k, P.l ? P.l + m0 * k : NULL, P.s + m0 * (k / 4),
                           P.sum + m0 * (k / SB), k};
-        const int err = tiled(type, w, n, k, &B, qa, m - m0 < MB ? m - m0 : MB, y + m0 * ldy, ldy);
-        if (err) return err;
+        err = tiled(type, w, n, k, &B, qa, m - m0 < MB ? m - m0 : MB, y + m0 * ldy, ldy);
     }
-    return 0;
+    if (panel_cap > PANEL_KEEP) {
+        free(panel_buf);
+        panel_buf = NULL, panel_cap = 0;
+    }
+    return err;
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */
