@@ -71,8 +71,8 @@ def main() -> None:
     print(f"{args.prompts} prompts of {tokens} tokens ({args.prefix} shared), scored with "
           f"prompt log-probabilities; {llm.micro_batch} rows per block; activations "
           f"{llm.activations}")
-    print(f"| run | prompts | seconds | prompts/s | prompt tokens/s | vs without |")
-    print(f"|---|---|---|---|---|---|")
+    print("| run | prompts | seconds | prompts/s | prompt tokens/s | vs without |")
+    print("|---|---|---|---|---|---|")
     print(f"| shared prefixes | {args.prompts} | {shared_s:.1f} | {rate_shared:.2f} | "
           f"{rate_shared * tokens:.0f} | {rate_shared / rate_alone:.1f}x |")
     print(f"| without | {n} | {alone_s:.1f} | {rate_alone:.2f} | {rate_alone * tokens:.0f} | - |")

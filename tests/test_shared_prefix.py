@@ -6,7 +6,6 @@ scheduler."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tiergen import LLM, SamplingParams
 from tiergen.engine.generate import MIN_SHARED_PREFIX
