@@ -31,7 +31,7 @@ GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS, *PARALLEL_OPT
 CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
 MODEL_OPTIONS = COMMON_OPTIONS[:COMMON_OPTIONS.index("--max-tokens")]
 SERVE_OPTIONS = ["--host", "--port", "--max-queue", "--default-max-tokens", "--chat-template",
-                 "--api-key", "--queue-timeout", "--prefix-cache",
+                 "--api-key", "--queue-timeout", "--prefix-cache", "--prefix-cache-disk",
                  *MODEL_OPTIONS, *PARALLEL_OPTIONS]
 RUN_BATCH_OPTIONS = ["--input", "--output", "--default-max-tokens", "--chat-template",
                      *MODEL_OPTIONS, *PARALLEL_OPTIONS]

@@ -212,3 +212,32 @@ def test_a_cached_prefix_a_little_shorter_than_the_rows_share_is_taken(tmp_path)
     m = scheduler.snapshot()
     assert m.prefix_cache_hits == 1  # the second group took the first's prefix
     assert m.shared_prompt_tokens == (len(PREFIX) + 2) * 3 + len(PREFIX) * 4
+
+
+def test_prefixes_that_leave_the_prefix_cache_are_served_from_spill_files(tmp_path):
+    build("qwen3", tmp_path / "model")
+    policy = Policy(offload_dir=tmp_path / "offload")
+    llm = LLM(tmp_path / "model", dtype="float32", policy=policy)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    first, second = PREFIX + [60, 61], [p + 1 for p in PREFIX] + [62, 63]
+    prompts = [first, second, first[:-1] + [70]]  # the last takes the first's, from disk
+    llm.share_prefixes = False
+    want = [(r.token_ids, r.logprobs) for r in llm.generate(prompts, params)]
+    llm.share_prefixes = True
+    one = llm.executor.new_cache(1, len(first))
+    scheduler = Scheduler(llm, prefix_cache=int(1.5 * one.nbytes), prefix_cache_disk=1 << 26)
+    one.close()
+    scheduler.start()
+    try:
+        got = one_at_a_time(scheduler, prompts, params)
+        m = scheduler.snapshot()
+        spill = list((tmp_path / "offload").rglob("spill-*.bin"))
+        assert len(spill) > 0  # the first's entry, moved on when the second's came
+    finally:
+        scheduler.stop()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens
+        for a, b in zip(logprobs, want_logprobs):
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert m.prefix_cache_hits == 1 and m.prefix_cache_disk_bytes > 0
+    assert not list((tmp_path / "offload").rglob("spill-*.bin"))  # removed at stop

@@ -365,14 +365,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
                            f"{args.queue_timeout}")
     from tiergen.offload.policy import parse_size
 
-    prefix_cache = parse_size(args.prefix_cache)  # a bad size fails before the model loads
+    # a bad size fails before the model loads
+    prefix_cache, prefix_cache_disk = parse_size(args.prefix_cache), parse_size(args.prefix_cache_disk)
     api_key = args.api_key or os.environ.get("TIERGEN_API_KEY") or None
     llm = on_short_lived_thread(lambda: _load(args))  # see on_short_lived_thread
     _check_chat_template(llm, args)
     serve(llm, args.host, args.port, model_names=[args.model], max_queue=args.max_queue,
           default_max_tokens=args.default_max_tokens, chat_template=args.chat_template,
           verbose=args.verbose, api_key=api_key, queue_timeout=args.queue_timeout,
-          prefix_cache=prefix_cache)
+          prefix_cache=prefix_cache, prefix_cache_disk=prefix_cache_disk)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> None:
@@ -737,6 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt prefixes kept for the requests that follow, least recently used "
                         "out first: a repeated system prompt or few-shot preamble skips its "
                         "prefill (default: 1G; 0: none)")
+    g.add_argument("--prefix-cache-disk", default="0", metavar="SIZE",
+                   help="prompt prefixes that leave the prefix cache go on to spill files in "
+                        "the offload directory, up to SIZE (default: 0, none)")
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -216,6 +218,14 @@ class SharedPrefix:
                                     [self.logprobs] * len(rows))
         for s, entry in zip(rows, entries):
             s.prompt_logprobs = [*self.seq.prompt_logprobs, s.decoded(entry)]
+
+    def spilled(self, spill_dir: Path) -> SharedPrefix:
+        """This prefix with its cache moved to spill files under ``spill_dir`` (this one's
+        closed)."""
+        other = copy.copy(self)
+        other.cache = self.cache.spilled(spill_dir)
+        self.close()
+        return other
 
     def close(self) -> None:
         self.cache.close()

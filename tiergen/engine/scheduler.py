@@ -126,7 +126,8 @@ class SchedulerMetrics:
     generated_tokens: int = 0
     prefix_cache_hits: int = 0  # micro-batches that took a prompt prefix from the prefix cache
     shared_prompt_tokens: int = 0  # prompt tokens copied from a shared prefix, not computed
-    prefix_cache_bytes: int = 0  # what the prefix cache holds
+    prefix_cache_bytes: int = 0  # what the prefix cache holds where the policy keeps caches
+    prefix_cache_disk_bytes: int = 0  # what it holds in spill files
     steps: int = 0
     merges: int = 0  # micro-batches merged into another
     batch_sizes: Counter[int] = field(default_factory=Counter)  # sequences per step -> steps
@@ -143,10 +144,14 @@ class Scheduler:
     """
 
     def __init__(self, llm: LLM, max_queue: int = 256, max_running: int | None = None,
-                 queue_timeout: float | None = None, prefix_cache: int = 0) -> None:
+                 queue_timeout: float | None = None, prefix_cache: int = 0,
+                 prefix_cache_disk: int = 0) -> None:
         self.llm = llm
-        # prompt prefixes kept for the requests that follow, up to ``prefix_cache`` bytes
-        self.prefixes = PrefixCache(prefix_cache) if prefix_cache and llm.share_prefixes else None
+        # prompt prefixes kept for the requests that follow: up to ``prefix_cache`` bytes
+        # where the policy keeps caches, then up to ``prefix_cache_disk`` in spill files
+        self.prefixes = PrefixCache(prefix_cache, prefix_cache_disk,
+                                    llm.executor.spill_dir / "prefixes") \
+            if prefix_cache and llm.share_prefixes else None
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.max_running = max_running or llm.block_size
@@ -317,7 +322,9 @@ class Scheduler:
         if not computed:
             self.metrics.prefix_cache_hits += 1
         self.metrics.shared_prompt_tokens += n * (len(seqs) - computed)
-        self.metrics.prefix_cache_bytes = self.prefixes.used if self.prefixes is not None else 0
+        if self.prefixes is not None:
+            self.metrics.prefix_cache_bytes = self.prefixes.used
+            self.metrics.prefix_cache_disk_bytes = self.prefixes.spilled
         return state
 
     def _finish_if_cancelled(self, req: Request) -> bool:

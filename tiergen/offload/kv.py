@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -237,6 +238,22 @@ class TieredKV:
                 row += cache.batch
             self.write_layer(j, merged)
         self._work = {}
+
+    def spilled(self, spill_dir: Path) -> TieredKV:
+        """A copy of this cache with every layer in a spill file under ``spill_dir``, to read
+        rows back from (:meth:`read_layer`)."""
+        other = copy.copy(self)
+        other.layers = []
+        try:
+            for j in range(len(self.layers)):
+                other.layers.append(SpillFile(spill_dir, self._numel(j) * self.stored_dtype.itemsize))
+                other.write_layer(j, self.read_layer(j))
+        except BaseException:
+            other.close()
+            raise
+        other.tiers = ["disk"] * len(self.layers)
+        other._moves, other._work, other._resident = [True] * len(self.layers), {}, {}
+        return other
 
     def share_prefix(self, src: TieredKV, slots: int) -> None:
         """Copy timeline slots [0, ``slots``) of ``src``'s single row into every row of this

@@ -89,10 +89,11 @@ class Server(Endpoints):
     def __init__(self, llm: LLM, model_names: Sequence[str], max_queue: int,
                  max_running: int | None, default_max_tokens: int,
                  chat_template: str | None, queue_timeout: float | None,
-                 prefix_cache: int) -> None:
+                 prefix_cache: int, prefix_cache_disk: int) -> None:
         super().__init__(llm, model_names, default_max_tokens, chat_template)
         self.scheduler = Scheduler(llm, max_queue=max_queue, max_running=max_running,
-                                   queue_timeout=queue_timeout, prefix_cache=prefix_cache)
+                                   queue_timeout=queue_timeout, prefix_cache=prefix_cache,
+                                   prefix_cache_disk=prefix_cache_disk)
         self.metrics = ServerMetrics(self.scheduler)
         self.closing = False
         self.engine_failed = False
@@ -220,18 +221,19 @@ def create_app(llm: LLM, model_names: Sequence[str] = (), *, max_queue: int = 25
                max_running: int | None = None, default_max_tokens: int = 256,
                chat_template: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                api_key: str | None = None, queue_timeout: float | None = None,
-               prefix_cache: int = PREFIX_CACHE_BYTES) -> FastAPI:
+               prefix_cache: int = PREFIX_CACHE_BYTES, prefix_cache_disk: int = 0) -> FastAPI:
     """An OpenAI-compatible app serving ``llm``.
 
     ``model_names``: the names clients may ask for (the first is listed by /v1/models; the
     model's own name is always accepted). ``default_max_tokens`` applies to requests that
     give none. ``api_key``: the key every /v1/ request must bear. ``queue_timeout``: seconds a
     request may wait to be admitted before it gets a 503. ``prefix_cache``: bytes of prompt
-    prefixes kept for the requests that follow (0: none). The scheduler starts and stops with
-    the app's lifespan.
+    prefixes kept for the requests that follow (0: none), and ``prefix_cache_disk`` bytes more
+    in spill files for those that leave it. The scheduler starts and stops with the app's
+    lifespan.
     """
     server = Server(llm, model_names, max_queue, max_running, default_max_tokens, chat_template,
-                    queue_timeout, prefix_cache)
+                    queue_timeout, prefix_cache, prefix_cache_disk)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -46,8 +46,10 @@ class _SchedulerCollector(Collector):
             ("merges", "Micro-batches merged into another once their prompts were in.", m.merges),
         ]:
             yield CounterMetricFamily(f"tiergen_{name}", help, value=value)
-        yield GaugeMetricFamily("tiergen_prefix_cache_bytes", "Bytes the prefix cache holds.",
-                                value=m.prefix_cache_bytes)
+        yield GaugeMetricFamily("tiergen_prefix_cache_bytes", "Bytes the prefix cache holds "
+                                "where the policy keeps KV caches.", value=m.prefix_cache_bytes)
+        yield GaugeMetricFamily("tiergen_prefix_cache_disk_bytes", "Bytes the prefix cache holds "
+                                "in spill files.", value=m.prefix_cache_disk_bytes)
         yield GaugeMetricFamily("tiergen_queue_depth", "Requests waiting to be admitted.",
                                 value=m.queue_depth)
         yield GaugeMetricFamily("tiergen_running_sequences", "Sequences in the running batch.",

@@ -29,12 +29,13 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *, model_names: Sequence[str] = (),
           max_queue: int = 256, default_max_tokens: int = 256, chat_template: str | None = None,
           verbose: bool = False, api_key: str | None = None,
-          queue_timeout: float | None = None, prefix_cache: int = PREFIX_CACHE_BYTES) -> None:
+          queue_timeout: float | None = None, prefix_cache: int = PREFIX_CACHE_BYTES,
+          prefix_cache_disk: int = 0) -> None:
     """Serve ``llm`` over HTTP (OpenAI's API) until interrupted."""
     sock = listen(host, port)
     app = create_app(llm, model_names, max_queue=max_queue, default_max_tokens=default_max_tokens,
                      chat_template=chat_template, api_key=api_key, queue_timeout=queue_timeout,
-                     prefix_cache=prefix_cache)
+                     prefix_cache=prefix_cache, prefix_cache_disk=prefix_cache_disk)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     bound_host, bound_port = sock.getsockname()[:2]
