@@ -95,6 +95,14 @@ static inline void un_q4_1(const uint8_t *R b, int8_t *R q, float *R a, float *R
 }
 
 static inline void un_q5(const uint8_t *R qs, uint32_t qh, int8_t *R q) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* value j's fifth bit is bit j of qh: qh is a byte mask as it stands */
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(15);
+    const __m256i nibbles = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low),
+                                             _mm_and_si128(v, low));
+    const __m256i fifth = _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16));
+    _mm256_storeu_si256((__m256i *)q, _mm256_or_si256(nibbles, fifth));
+#else
     /* value j's fifth bit is bit j of qh: spread qh's bytes over lanes, test one bit each */
     static const u8x16 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     const uint8_t b0 = qh & 255, b1 = (qh >> 8) & 255, b2 = (qh >> 16) & 255, b3 = qh >> 24;
@@ -103,6 +111,7 @@ static inline void un_q5(const uint8_t *R qs, uint32_t qh, int8_t *R q) {
     const u8x16 v = load16(qs);
     store32b(q, join16((v & 15) | ((u8x16)((lo & bit) != 0) & 16),
                        (v >> 4) | ((u8x16)((hi & bit) != 0) & 16)));
+#endif
 }
 
 static inline void un_q5_0(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
