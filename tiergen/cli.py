@@ -186,7 +186,7 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
                    max_batch_size=args.max_batch_size, policy=policy,
                    device_memory=args.device_memory, host_memory=args.host_memory,
                    compile=args.compile, prefill_chunk_size=chunk,
-                   share_prefixes=getattr(args, "share_prefixes", True),
+                   share_prefixes=args.share_prefixes,
                    activations=args.activations, pipeline_parallel=getattr(args, "pipeline_parallel", 1),
                    tensor_parallel=getattr(args, "tensor_parallel", 1),
                    parallel_timeout=getattr(args, "parallel_timeout", 60.0))

@@ -182,7 +182,10 @@ class SharedPrefix:
             state.cache.close()
             raise
         self.cache = state.cache
-        self.nbytes = state.cache.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
 
     @classmethod
     def common(cls, executor: Executor, seqs: list[Sequence], length: int,

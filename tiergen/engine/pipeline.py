@@ -201,8 +201,8 @@ def start_ranks(files, stages: int, tensor: int, timeout: float, options: dict,
     threads_before = torch.get_num_threads()
     threads = max(1, threads_before // (stages * tensor))
     model, packed, quantize = files.opened_as
-    spec = dict(model=model, packed=packed, quantize=quantize, pipeline_parallel=stages, tensor_parallel=tensor,
-                parallel_timeout=timeout, **options)
+    spec = dict(model=model, packed=packed, quantize=quantize, pipeline_parallel=stages,
+                tensor_parallel=tensor, parallel_timeout=timeout, **options)
     group = launch(stages * tensor, tensor, timeout, partial(serve, spec), threads)
     group.threads_before = threads_before
     torch.set_num_threads(threads)

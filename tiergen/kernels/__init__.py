@@ -135,8 +135,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_dequant.argtypes = [ctypes.c_int, ptr, i64, ptr]
     lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
     lib.tg_quantize_act.restype = None
-    lib.tg_qmatmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, ptr, ctypes.c_int,
-                               i64, ptr, i64]
+    lib.tg_qmatmul.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr]
     f32 = ctypes.c_float
     lib.tg_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, f32, ptr]
     lib.tg_rms_norm.restype = None
@@ -247,6 +246,15 @@ def activations_set(kind: str) -> Iterator[None]:
         _arith.kind = before
 
 
+def matrix_descriptor(w: Packed) -> ctypes.Array:
+    """``w`` as the C kernels take a packed matrix of several parts: {rows, columns, parts,
+    then (GGML type, rows, address) for each part}."""
+    cells = [w.shape[0], w.shape[1], len(w.parts)]
+    for ggml_type, _, rows, start, _ in layout(w.shape, w.parts):
+        cells += [ggml_type, rows, w.data.data_ptr() + start]
+    return (ctypes.c_int64 * len(cells))(*cells)
+
+
 def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
                    block: int = 4, wide: bool = False) -> torch.Tensor:
     """``x @ w.T + bias`` by the integer kernels, ``x`` quantised as
@@ -257,16 +265,13 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     rows = x.shape[:-1].numel()
     a = quantize_activations(x.reshape(rows, x.shape[-1]), block, wide)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32)
-    base, yp = w.data.data_ptr(), y.data_ptr()
-    qp, sp, mp = a.q.data_ptr(), a.scales.data_ptr(), a.sums.data_ptr()
-    lp = None if a.low is None else a.low.data_ptr()
-    for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
-        err = lib.tg_qmatmul(ggml_type, base + start, n, w.shape[1], qp, lp, sp, mp, a.block,
-                             rows, yp + 4 * row, w.shape[0])
-        if err == -2:
-            raise MemoryError(f"integer product of {rows} rows: out of memory for its panels")
-        if err:
-            raise ValueError(f"no integer kernel for GGML type {ggml_type}")
+    err = lib.tg_qmatmul(matrix_descriptor(w), a.q.data_ptr(),
+                         None if a.low is None else a.low.data_ptr(), a.scales.data_ptr(),
+                         a.sums.data_ptr(), a.block, rows, y.data_ptr())
+    if err == -2:
+        raise MemoryError(f"integer product of {rows} rows: out of memory for its panels")
+    if err:
+        raise ValueError(f"no integer kernel for a GGML type of {[t for t, _ in w.parts]}")
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])

@@ -509,22 +509,42 @@ static int tiled(int type, const uint8_t *w, int64_t n, int64_t k, const Panels 
     DISPATCH(im, type, _tiled, (w, n, k, P, m, y, ldy, qa))
 }
 
-/* y (m rows, row stride ldy) = the quantised activations (m, k) @ W(n, k)^T; -1 for a type
- * without a kernel, -2 out of memory. */
-int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-               const int8_t *xl, const float *xs4, const float *xsum, int qa, int64_t m,
-               float *y, int64_t ldy) {
+static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+               const int8_t *xl, const float *xs4, const float *xsum, int64_t m, float *y,
+               int64_t ldy) {
+    DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
+}
+
+/* y (m rows, row stride n) = the quantised activations (m, k) @ W(n, k)^T for a packed matrix
+ * whose rows come in parts of one GGML type each, described as {n, k, parts, then (type,
+ * rows, address) for each part} (layer.c's matrix). The activations are packed into panels
+ * once for every part. -1 for a type without a kernel, -2 out of memory. */
+int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float *xs4,
+               const float *xsum, int qa, int64_t m, float *y) {
+    const int64_t n = w[0], k = w[1], parts = w[2];
     if (m <= 0) return 0;
-    if (m <= FEWI) DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
     Panels P;
-    if (!make_panels(m, k, xq, xl, xs4, xsum, &P)) return -2;
-    /* MB rows at a time, so that their panels stay in cache while every tile passes over
-     * them (each tile is decoded again for each MB rows: a small cost against MB rows) */
+    if (m > FEWI && !make_panels(m, k, xq, xl, xs4, xsum, &P)) return -2;
     int err = 0;
-    for (int64_t m0 = 0; m0 < m && !err; m0 += MB) {
-        const Panels B = {P.q + m0 * k, P.l ? P.l + m0 * k : NULL, P.s + m0 * (k / 4),
-                          P.sum + m0 * (k / SB), k};
-        err = tiled(type, w, n, k, &B, qa, m - m0 < MB ? m - m0 : MB, y + m0 * ldy, ldy);
+    int64_t row = 0;
+    for (int64_t p = 0; p < parts && !err; p++) {
+        const int type = (int)w[3 + 3 * p];
+        const int64_t rows = w[4 + 3 * p];
+        const uint8_t *data = (const uint8_t *)(intptr_t)w[5 + 3 * p];
+        if (m <= FEWI) {
+            err = few(type, data, rows, k, xq, xl, xs4, xsum, m, y + row, n);
+        } else {
+            /* MB rows at a time, so that their panels stay in cache while every tile passes
+             * over them (each tile is decoded again for each MB rows: a small cost against
+             * MB rows) */
+            for (int64_t m0 = 0; m0 < m && !err; m0 += MB) {
+                const Panels B = {P.q + m0 * k, P.l ? P.l + m0 * k : NULL, P.s + m0 * (k / 4),
+                                  P.sum + m0 * (k / SB), k};
+                err = tiled(type, data, rows, k, &B, qa, m - m0 < MB ? m - m0 : MB,
+                            y + row + m0 * n, n);
+            }
+        }
+        row += rows;
     }
     if (panel_cap > PANEL_KEEP) {
         free(panel_buf);

@@ -5,9 +5,8 @@
  * run as a layer of torch operations and kernel calls per matrix spends as long again in
  * dispatch between them. Here the layer's operations follow each other in C, with the same
  * kernels as the layer-by-operation path (tg_rms_norm, tg_rope, tg_decode_attention,
- * tg_quantize_act with tg_qmatmul, or tg_matmul), so the two paths compute the same numbers:
- * only the activation functions (SiLU, GELU) are C's instead of torch's, within float
- * rounding.
+ * tg_quantize_act with tg_qmatmul, or tg_matmul, tg_glu), so the two paths compute the same
+ * numbers.
  *
  * The layer is the pre-norm block of the Llama family and Gemma 3:
  *   x = norm(h); q, k, v = x Wqkv (+ b); q, k = norm_q(q), norm_k(k) (optional);
@@ -32,9 +31,8 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
 void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
                      float *xs4, float *xsum);
 void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, float *out);
-int tg_qmatmul(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-               const int8_t *xl, const float *xs4, const float *xsum, int qa, int64_t m,
-               float *y, int64_t ldy);
+int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float *xs4,
+               const float *xsum, int qa, int64_t m, float *y);
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy);
 
@@ -61,17 +59,18 @@ typedef struct {  /* the quantised activations' buffers, sized for the widest pr
 static int product(const tg_layer *L, matrix w, const float *x, int64_t m, float *y,
                    const float *bias, act_buffers *a) {
     const int64_t n = w[0], k = w[1], parts = w[2];
-    if (L->qa) tg_quantize_act(x, m, k, L->qa, a->q, L->wide ? a->low : NULL, a->s4, a->sum);
-    int64_t row = 0;
-    for (int64_t p = 0; p < parts; p++) {
-        const int type = (int)w[3 + 3 * p];
-        const int64_t rows = w[4 + 3 * p];
-        const uint8_t *data = (const uint8_t *)(intptr_t)w[5 + 3 * p];
-        const int err = L->qa ? tg_qmatmul(type, data, rows, k, a->q, L->wide ? a->low : NULL,
-                                           a->s4, a->sum, L->qa, m, y + row, n)
-                              : tg_matmul(type, data, rows, k, x, m, y + row, n);
+    if (L->qa) {
+        tg_quantize_act(x, m, k, L->qa, a->q, L->wide ? a->low : NULL, a->s4, a->sum);
+        const int err = tg_qmatmul(w, a->q, L->wide ? a->low : NULL, a->s4, a->sum, L->qa, m, y);
         if (err) return err;
-        row += rows;
+    } else {
+        int64_t row = 0;
+        for (int64_t p = 0; p < parts; p++) {
+            const int err = tg_matmul((int)w[3 + 3 * p], (const uint8_t *)(intptr_t)w[5 + 3 * p],
+                                      w[4 + 3 * p], k, x, m, y + row, n);
+            if (err) return err;
+            row += w[4 + 3 * p];
+        }
     }
     if (bias)
         for (int64_t i = 0; i < m; i++)

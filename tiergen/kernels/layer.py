@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tiergen import kernels
-from tiergen.weights.packed import Packed, layout
+from tiergen.weights.packed import Packed
 from tiergen.weights.quant import GGMLType
 
 NORMS = ("attn_norm", "q_norm", "k_norm", "attn_out_norm", "ffn_norm", "ffn_out_norm")
@@ -49,13 +49,6 @@ class LayerKind:
 _built: dict[tuple, tuple[_Layer, list]] = {}  # by the addresses (and layouts) they point to
 
 
-def _matrix(w: Packed) -> ctypes.Array:
-    cells = [w.shape[0], w.shape[1], len(w.parts)]
-    for ggml_type, _, rows, start, _ in layout(w.shape, w.parts):
-        cells += [ggml_type, rows, w.data.data_ptr() + start]
-    return (ctypes.c_int64 * len(cells))(*cells)
-
-
 def _usable(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
                          and t.is_contiguous())
@@ -81,7 +74,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
         return None
     if not all(map(_usable, vecs)):
         return None
-    arrays = [_matrix(m) for m in mats]
+    arrays = [kernels.matrix_descriptor(m) for m in mats]
     qa, wide = fmt or (0, False)
     layer = _Layer(w["o"].shape[0], kind.heads, kind.kv_heads, kind.head_dim,
                    w["down"].shape[1], kind.eps, kind.shift, kind.q_scale, int(kind.gelu),
