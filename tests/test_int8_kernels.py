@@ -65,10 +65,59 @@ def test_activation_formats_that_do_not_exist_are_refused():
 
 
 def integer_reference(x: torch.Tensor, w, block: int, wide: bool) -> torch.Tensor:
+    """The product as the kernels do it: the row-by-row kernel (up to two rows) and the
+    16-bit tiles exactly, up to float rounding; the 8-bit tiles (three rows or more) as
+    :func:`tile_reference`."""
+    if x.shape[0] > 2 and not wide:
+        return tile_reference(x, w, block)
     q, scale, _ = quantize_reference(x, block, wide)
     xd = (q.double().view(x.shape[0], -1, block) * scale.double()[..., None]).view(x.shape)
     dense = torch.cat([dequantize(raw, t, (n, w.shape[1])) for t, _, n, raw in w.segments()])
     return (xd @ dense.double().T).float()
+
+
+MAGIC = 12582912.0  # int8.c's MAGIC: 1.5 * 2^23
+
+
+def tile_view(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights as the tiles hold them (int8.c's tg_tile_view): integer values (n, k) and
+    per 16 values a scale and an offset (n, k / 16), checked to give the decoded weights."""
+    import ctypes
+
+    lib, k = kernels.library(), w.shape[1]
+    qs, scales, offsets = [], [], []
+    for ggml_type, _, n, raw in w.segments():
+        q = torch.empty(n, k, dtype=torch.uint8)
+        a, c = torch.empty(n, k // 16), torch.empty(n, k // 16)
+        signed = ctypes.c_int()
+        nb = n * k // ggml_type_sizes(ggml_type)[0]
+        assert lib.tg_tile_view(ggml_type, raw.data_ptr(), nb, q.data_ptr(), a.data_ptr(),
+                                c.data_ptr(), ctypes.byref(signed)) == 0
+        q = (q.view(torch.int8) if signed.value else q).double()
+        values = q.view(n, -1, 16) * a.double()[..., None] + c.double()[..., None]
+        dense = dequantize(raw, ggml_type, (n, k)).double()
+        torch.testing.assert_close(values.view(n, k), dense, rtol=1e-6, atol=1e-6)
+        qs.append(q), scales.append(a), offsets.append(c)
+    return torch.cat(qs), torch.cat(scales), torch.cat(offsets)
+
+
+def tile_reference(x: torch.Tensor, w, block: int) -> torch.Tensor:
+    """The 8-bit tiles' arithmetic done plainly: each activation block's integer sum D,
+    read as the float32 MAGIC + D, multiply-added with the block's scale into a part per 16
+    values that starts at -MAGIC times the sum of their scales; the parts take the weights'
+    scales and offsets in float64 (the kernels add them in float32, whose rounding alone
+    stays below the comparison's tolerance). Each float32 multiply-add is one float64 one
+    rounded to float32."""
+    q, scale, sums = quantize_reference(x, block, False)
+    wq, a, c = tile_view(w)
+    m, k = q.shape
+    d = torch.einsum("mbl,nbl->mnb", q.double().view(m, k // block, block),
+                     wq.view(-1, k // block, block)).view(m, -1, k // 16, 16 // block)
+    s = scale.view(m, k // 16, 16 // block)
+    part = (-MAGIC * s.double().sum(-1)).float()[:, None].expand(-1, d.shape[1], -1)
+    for b in range(16 // block):
+        part = ((MAGIC + d[..., b]) * s[:, None, :, b].double() + part.double()).float()
+    return (part.double() * a.double() + c.double() * sums.double()[:, None]).sum(-1).float()
 
 
 def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-5) -> None:
@@ -117,8 +166,7 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind):
     # numbers as it would alone
     assert torch.equal(got_many, kernels.integer_linear(many, w, None, *fmt))
     assert torch.equal(got_many[:3], kernels.integer_linear(many[:3], w, None, *fmt))
-    torch.testing.assert_close(
-        got_many, kernels.quantized_values(many, *fmt) @ w.dequantize().T, rtol=1e-4, atol=1e-4)
+    assert_close_relative(got_many, integer_reference(many, w, *fmt))
     with pytest.raises(ValueError, match="float32, int8, int16"):
         kernels.set_activations("int4")
 

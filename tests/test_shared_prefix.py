@@ -25,14 +25,14 @@ def run(llm: LLM, prompts: list[list[int]]) -> list:
     return llm.generate(prompts, params)
 
 
-def assert_same(got: list, want: list) -> None:
+def assert_same(got: list, want: list, tol: float = 1e-4) -> None:
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         for pos_g, pos_w in zip(g.prompt_logprobs[1:] + g.logprobs,
                                 w.prompt_logprobs[1:] + w.logprobs):
             assert pos_g.keys() == pos_w.keys()
             for token in pos_g:
-                assert abs(pos_g[token].logprob - pos_w[token].logprob) < 1e-4
+                assert abs(pos_g[token].logprob - pos_w[token].logprob) < tol
         assert g.prompt_logprobs[0] is None and len(g.prompt_logprobs) == len(w.prompt_logprobs)
 
 
@@ -170,9 +170,10 @@ def test_the_prefix_cache_stays_within_its_budget(tmp_path):
 
 def test_on_the_integer_path_sharing_equals_chunks_that_end_where_the_prefix_ends():
     """The packaged model's packed weights on the integer path: sharing a prefix gives what a
-    run that computes it per row in a prefill chunk of its own gives, within float rounding
-    (against another chunking, the 8-bit rounding of activations can turn float rounding
-    into whole steps)."""
+    run that computes it per row in a prefill chunk of its own gives, within the path's float
+    rounding (the 8-bit tiles round at about a unit of each activation block's scale, so a
+    last-bit difference in attention moves a log-probability by up to about 1e-3; against
+    another chunking, the 8-bit rounding of activations can turn it into whole steps)."""
     llm = LLM("smollm2", activations="int8")
     prefix = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
     # rests of one length: without sharing, the rows' chunks then all end where the prefix does
@@ -184,7 +185,7 @@ def test_on_the_integer_path_sharing_equals_chunks_that_end_where_the_prefix_end
     plain = LLM("smollm2", activations="int8", share_prefixes=False,
                 prefill_chunk_size=len(prefix))
     alone = run(plain, prompts)
-    assert_same(shared, alone)
+    assert_same(shared, alone, tol=5e-3)
 
 
 def test_a_cached_prefix_a_little_shorter_than_the_rows_share_is_taken(tmp_path):

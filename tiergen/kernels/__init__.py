@@ -148,6 +148,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_glu.restype = None
     lib.tg_argmax.restype = None
     lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    lib.tg_tile_view.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr]
     return lib
 
 
@@ -208,14 +209,6 @@ def quantize_activations(x: torch.Tensor, block: int, wide: bool = False) -> Int
                         None if rows.low is None else rows.low.data_ptr(),
                         rows.scales.data_ptr(), rows.sums.data_ptr())
     return rows
-
-
-def quantized_values(x: torch.Tensor, block: int, wide: bool) -> torch.Tensor:
-    """``x`` (float32) rounded as :func:`quantize_activations` rounds it: the values the
-    integer kernels multiply."""
-    rows = quantize_activations(x.reshape(-1, x.shape[-1]), block, wide)
-    q = rows.q.float() if rows.low is None else 255 * rows.q.float() + rows.low.float()
-    return (q.view(-1, q.shape[1] // 4, 4) * rows.scales[..., None]).view(x.shape)
 
 
 def set_activations(kind: str) -> None:

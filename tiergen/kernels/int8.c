@@ -30,11 +30,16 @@
 #define SB 16     /* values per activation block sum, and per weight scale in a tile */
 #define IKC 1024  /* weight values decoded at a time (a multiple of every block size) */
 #define MB 256    /* activation rows per pass of the tiles over a matrix (a multiple of MI) */
+/* 1.5 * 2^23, as a float and as its bits: the float whose bits are MAGIC_BITS + d is exactly
+ * MAGIC + d for |d| < 2^22, so an integer sum started at MAGIC_BITS is read as a float with
+ * no conversion instruction (see tile_rows) */
+#define MAGIC 12582912.0f
+#define MAGIC_BITS 0x4B400000
 #define FEWI 2    /* up to this many rows: the row-by-row kernel (more: the tiles) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TILE512 1 /* tiles of sixteen rows, one 64-byte vector per four values */
 #define TR 16     /* weight rows per interleaved tile */
-#define MI 8      /* activation rows per pass over a tile */
+#define MI 4      /* activation rows per pass over a tile */
 #else
 #define TILE512 0
 #define TR 8
@@ -227,12 +232,13 @@ block_dot(const int ROWS, const int SIGNED, const int WIDE, const int QK, const 
 /* ---- activation panels -----------------------------------------------------------
  * The tiles take MI activation rows at a time, interleaved four values at a time as the
  * weights are, so that a pass reads its rows' next values from one place: panel p holds
- * q[(g MI + i) 4 + l] = value 4 g + l of row p MI + i (l likewise for 16 bits), s[g MI + i]
- * that value's scale and sum[t MI + i] row i's sum over values 16 t .. 16 t + 15. Rows past
- * m are zero. */
+ * q[(g MI + i) 4 + l] = value 4 g + l of row p MI + i (l likewise for 16 bits) and
+ * sum[t MI + i] row i's sum over values 16 t .. 16 t + 15, s[g MI + i] the scale of value
+ * 4 g, and start[t MI + i] = -MAGIC * (the sum of the scales of row i's activation blocks
+ * in values 16 t .. 16 t + 15) for the 8-bit tiles (see tile_rows). Rows past m are zero. */
 typedef struct {
     int8_t *q, *l;
-    float *s, *sum;
+    float *s, *sum, *start;
     int64_t k;
 } Panels;
 
@@ -245,10 +251,11 @@ static __thread void *panel_buf;
 static __thread size_t panel_cap;
 
 static int make_panels(int64_t m, int64_t k, const int8_t *xq, const int8_t *xl,
-                       const float *xs4, const float *xsum, Panels *P) {
+                       const float *xs4, const float *xsum, int qa, Panels *P) {
     const int64_t rows = (m + MI - 1) / MI * MI;
     const size_t qb = (size_t)(rows * k), sb = sizeof(float) * (size_t)(rows * (k / 4)),
-                 tb = sizeof(float) * (size_t)(rows * (k / SB)), need = qb * (xl ? 2 : 1) + sb + tb;
+                 tb = sizeof(float) * (size_t)(rows * (k / SB)),
+                 need = qb * (xl ? 2 : 1) + sb + 2 * tb;
     if (need > panel_cap) {
         free(panel_buf);
         panel_cap = 0;
@@ -256,8 +263,8 @@ static int make_panels(int64_t m, int64_t k, const int8_t *xq, const int8_t *xl,
         panel_cap = need;
     }
     P->k = k;
-    P->s = panel_buf, P->sum = (float *)((char *)panel_buf + sb);
-    P->q = (int8_t *)((char *)panel_buf + sb + tb), P->l = xl ? P->q + qb : NULL;
+    P->s = panel_buf, P->sum = (float *)((char *)panel_buf + sb), P->start = P->sum + tb / sizeof(float);
+    P->q = (int8_t *)((char *)panel_buf + sb + 2 * tb), P->l = xl ? P->q + qb : NULL;
     _Pragma("omp parallel for schedule(static) if (m * k > 65536)")
     for (int64_t r = 0; r < rows; r++) {
         const int64_t p = r / MI, i = r % MI;
@@ -272,8 +279,15 @@ static int make_panels(int64_t m, int64_t k, const int8_t *xq, const int8_t *xl,
             if (xl) memcpy(P->l + 4 * at, &low, 4);
             P->s[at] = r < m ? xs4[r * (k / 4) + g] : 0.0f;
         }
-        for (int64_t t = 0; t < k / SB; t++)
-            P->sum[(p * (k / SB) + t) * MI + i] = r < m ? xsum[r * (k / SB) + t] : 0.0f;
+        for (int64_t t = 0; t < k / SB; t++) {
+            const int64_t at = (p * (k / SB) + t) * MI + i;
+            P->sum[at] = r < m ? xsum[r * (k / SB) + t] : 0.0f;
+            if (xl) continue;
+            double total = 0.0;  /* what the tiles' integer sums start from, in sum */
+            for (int b = 0; b < SB / qa; b++)
+                total += r < m ? xs4[r * (k / 4) + (SB * t + qa * b) / 4] : 0.0f;
+            P->start[at] = (float)(-(double)MAGIC * total);
+        }
     }
     return 1;
 }
@@ -281,46 +295,85 @@ static int make_panels(int64_t m, int64_t k, const int8_t *xq, const int8_t *xl,
 /* ---- a tile of TR weight rows, interleaved -------------------------------------------
  * tile[g * 4 TR + r * 4 + l] = value 4 g + l of row r; as[t * TR + r], cs[t * TR + r]: the
  * scale and offset of row r's values 16 t .. 16 t + 15. Rows past the matrix are zero.
- * y[i, r] (+)= the products for a panel's activation rows i < rows (q, l, s, sum at the
- * chunk's start) and r < ncols; QA: the activations' block size. Each activation block's
- * integer sum lives in one register for its QA / 4 products, then is scaled into part[i];
- * part[i] takes the weight scale every 16 values. */
+ * y[i, r] (+)= the products for a panel's activation rows i < rows (q, l, s, sum, start at
+ * the chunk's start) and r < ncols; QA: the activations' block size. part, each row's sum
+ * over a block of 16 values, takes the weight scale as the block ends.
+ *
+ * 8 bits: each activation block's integer sum D starts at MAGIC_BITS instead of 0 and is
+ * read as the float MAGIC + D (exact: |D| <= 16 * 255 * 127 < 2^22), multiply-added with
+ * the block's scale into part, which starts at the panel's start to take MAGIC back out.
+ * So a block costs its products and one multiply-add, with no conversion instruction (on
+ * AVX-512 that would share a port with the products: 1.2-1.3x, bench_int8.py). The floats
+ * carry MAGIC's magnitude, so each multiply-add rounds at about one unit of the block's
+ * scale, a small fraction of the activations' own rounding (bench_kld.py measures the
+ * path). 16 bits (sums up to 255 times larger) convert each block's sum. */
 static inline __attribute__((always_inline)) void
 tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,
           const float *restrict as, const float *restrict cs, int64_t len,
           const int8_t *restrict q, const int8_t *restrict l, const float *restrict s,
-          const float *restrict sum, float *restrict y, int64_t ldy, int rows, int ncols,
-          int add) {
+          const float *restrict sum, const float *restrict start, float *restrict y,
+          int64_t ldy, int rows, int ncols, int add) {
 #if TILE512
     /* unsigned weights only: signed ones are offset by 128 when the tile is built */
     (void)SIGNED;
     __m512 acc[MI];
     for (int i = 0; i < MI; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
-        __m512 part[MI];
-        for (int i = 0; i < MI; i++) part[i] = _mm512_setzero_ps();
-        for (int b = 0; b < SB / QA; b++) {
-            const int64_t g0 = SB / 4 * t + QA / 4 * b;
-            __m512i w[QA / 4];
-            for (int g = 0; g < QA / 4; g++) w[g] = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
-            for (int i = 0; i < MI; i++) {
-                __m512i d = _mm512_setzero_si512(), e = _mm512_setzero_si512();
-                for (int g = 0; g < QA / 4; g++) {
+        const int64_t g0 = SB / 4 * t;
+        const __m512 a = _mm512_loadu_ps(as + t * TR), c = _mm512_loadu_ps(cs + t * TR);
+        if (!WIDE) {  /* the rows side by side: few registers, and their chains overlap */
+            __m512i d[MI];
+            __m512 part[MI];
+            for (int i = 0; i < MI; i++) part[i] = _mm512_set1_ps(start[t * MI + i]);
+            for (int g = 0; g < SB / 4; g++) {
+                const __m512i w = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
+                for (int i = 0; i < MI; i++) {
                     int32_t four;
                     memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
-                    d = _mm512_dpbusd_epi32(d, w[g], _mm512_set1_epi32(four));
-                    if (WIDE) {
+                    if (g % (QA / 4) == 0) d[i] = _mm512_set1_epi32(MAGIC_BITS);
+                    d[i] = _mm512_dpbusd_epi32(d[i], w, _mm512_set1_epi32(four));
+                    if (g % (QA / 4) == QA / 4 - 1)
+                        part[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(d[i]),
+                                                  _mm512_set1_ps(s[(g0 + g) * MI + i]), part[i]);
+                }
+            }
+            for (int i = 0; i < MI; i++)
+                acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[t * MI + i]), _mm512_fmadd_ps(part[i], a, acc[i]));
+            continue;
+        }
+        __m512i w[SB / 4];
+        for (int g = 0; g < SB / 4; g++) w[g] = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
+        for (int i = 0; i < MI; i++) {
+            __m512 part;
+            if (WIDE) {
+                part = _mm512_setzero_ps();
+                for (int b = 0; b < SB / QA; b++) {
+                    __m512i d = _mm512_setzero_si512(), e = _mm512_setzero_si512();
+                    for (int g = QA / 4 * b; g < QA / 4 * (b + 1); g++) {
+                        int32_t four;
+                        memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
+                        d = _mm512_dpbusd_epi32(d, w[g], _mm512_set1_epi32(four));
                         memcpy(&four, l + ((g0 + g) * MI + i) * 4, 4);
                         e = _mm512_dpbusd_epi32(e, w[g], _mm512_set1_epi32(four));
                     }
+                    d = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(d, 8), d), e);
+                    part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
+                                           _mm512_set1_ps(s[(g0 + QA / 4 * b) * MI + i]), part);
                 }
-                if (WIDE) d = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(d, 8), d), e);
-                part[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(s[g0 * MI + i]), part[i]);
+            } else {
+                __m512i d = _mm512_set1_epi32(MAGIC_BITS);
+                part = _mm512_set1_ps(start[t * MI + i]);
+                for (int g = 0; g < SB / 4; g++) {
+                    int32_t four;
+                    memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
+                    d = _mm512_dpbusd_epi32(d, w[g], _mm512_set1_epi32(four));
+                    if (g % (QA / 4) == QA / 4 - 1)
+                        part = _mm512_fmadd_ps(_mm512_castsi512_ps(d),
+                                               _mm512_set1_ps(s[(g0 + g) * MI + i]), part);
+                }
             }
+            acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[t * MI + i]), _mm512_fmadd_ps(part, a, acc[i]));
         }
-        const __m512 a = _mm512_loadu_ps(as + t * TR), c = _mm512_loadu_ps(cs + t * TR);
-        for (int i = 0; i < MI; i++)
-            acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[t * MI + i]), _mm512_fmadd_ps(part[i], a, acc[i]));
     }
     const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
     for (int i = 0; i < rows; i++) {
@@ -332,35 +385,46 @@ tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restric
     __m256 acc[MI];
     for (int i = 0; i < MI; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
-        __m256 part[MI];
-        for (int i = 0; i < MI; i++) part[i] = _mm256_setzero_ps();
-        for (int b = 0; b < SB / QA; b++) {
-            const int64_t g0 = SB / 4 * t + QA / 4 * b;
-            __m256i w[QA / 4], wa[QA / 4];
-            for (int g = 0; g < QA / 4; g++) {
-                w[g] = load32(tile + (g0 + g) * 4 * TR);
-                wa[g] = SIGNED ? _mm256_abs_epi8(w[g]) : w[g];
-            }
-            for (int i = 0; i < MI; i++) {
-                __m256i d = _mm256_setzero_si256(), e = _mm256_setzero_si256();
-                for (int g = 0; g < QA / 4; g++) {
-                    int32_t four;
-                    memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
-                    __m256i v = _mm256_set1_epi32(four);
-                    d = dot4(d, wa[g], SIGNED ? _mm256_sign_epi8(v, w[g]) : v);
-                    if (WIDE) {
+        const int64_t g0 = SB / 4 * t;
+        __m256i w[SB / 4], wa[SB / 4];
+        for (int g = 0; g < SB / 4; g++) {
+            w[g] = load32(tile + (g0 + g) * 4 * TR);
+            wa[g] = SIGNED ? _mm256_abs_epi8(w[g]) : w[g];
+        }
+        const __m256 a = _mm256_loadu_ps(as + t * TR), c = _mm256_loadu_ps(cs + t * TR);
+        for (int i = 0; i < MI; i++) {
+            __m256 part;
+            if (WIDE) {
+                part = _mm256_setzero_ps();
+                for (int b = 0; b < SB / QA; b++) {
+                    __m256i d = _mm256_setzero_si256(), e = _mm256_setzero_si256();
+                    for (int g = QA / 4 * b; g < QA / 4 * (b + 1); g++) {
+                        int32_t four;
+                        memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
+                        __m256i v = _mm256_set1_epi32(four);
+                        d = dot4(d, wa[g], SIGNED ? _mm256_sign_epi8(v, w[g]) : v);
                         memcpy(&four, l + ((g0 + g) * MI + i) * 4, 4);
                         v = _mm256_set1_epi32(four);
                         e = dot4(e, wa[g], SIGNED ? _mm256_sign_epi8(v, w[g]) : v);
                     }
+                    part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(join_wide(d, e)),
+                                           _mm256_set1_ps(s[(g0 + QA / 4 * b) * MI + i]), part);
                 }
-                if (WIDE) d = join_wide(d, e);
-                part[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(s[g0 * MI + i]), part[i]);
+            } else {
+                __m256i d = _mm256_setzero_si256();
+                part = _mm256_set1_ps(start[t * MI + i]);
+                for (int g = 0; g < SB / 4; g++) {
+                    int32_t four;
+                    memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
+                    const __m256i v = _mm256_set1_epi32(four);
+                    if (g % (QA / 4) == 0) d = _mm256_set1_epi32(MAGIC_BITS);
+                    d = dot4(d, wa[g], SIGNED ? _mm256_sign_epi8(v, w[g]) : v);
+                    if (g % (QA / 4) == QA / 4 - 1)
+                        part = _mm256_fmadd_ps(_mm256_castsi256_ps(d),
+                                               _mm256_set1_ps(s[(g0 + g) * MI + i]), part);
+                }
             }
-        }
-        const __m256 a = _mm256_loadu_ps(as + t * TR), c = _mm256_loadu_ps(cs + t * TR);
-        for (int i = 0; i < MI; i++) {
-            acc[i] = _mm256_fmadd_ps(part[i], a, acc[i]);
+            acc[i] = _mm256_fmadd_ps(part, a, acc[i]);
             if (!SIGNED) acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(sum[t * MI + i]), acc[i]);
         }
     }
@@ -374,25 +438,71 @@ tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restric
         for (int r = 0; r < ncols; r++) {
             float acc = 0.0f;
             for (int64_t t = 0; t < len / SB; t++) {
-                float part = 0.0f;
-                for (int64_t g0 = SB / 4 * t; g0 < SB / 4 * (t + 1); g0 += QA / 4) {
-                    int32_t d = 0, e = 0;
-                    for (int64_t g = g0; g < g0 + QA / 4; g++)
-                        for (int j = 0; j < 4; j++) {
-                            const uint8_t wb = tile[g * 4 * TR + r * 4 + j];
-                            const int32_t wv = SIGNED ? (int32_t)(int8_t)wb : (int32_t)wb;
-                            d += wv * q[(g * MI + i) * 4 + j];
-                            if (WIDE) e += wv * l[(g * MI + i) * 4 + j];
-                        }
-                    if (WIDE) d = 255 * d + e;
-                    part += (float)d * s[g0 * MI + i];
+                float part = WIDE ? 0.0f : start[t * MI + i];
+                int32_t d = 0, e = 0;
+                for (int64_t g = SB / 4 * t; g < SB / 4 * (t + 1); g++) {
+                    if (g % (QA / 4) == 0) d = WIDE ? 0 : MAGIC_BITS, e = 0;
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t wb = tile[g * 4 * TR + r * 4 + j];
+                        const int32_t wv = SIGNED ? (int32_t)(int8_t)wb : (int32_t)wb;
+                        d += wv * q[(g * MI + i) * 4 + j];
+                        if (WIDE) e += wv * l[(g * MI + i) * 4 + j];
+                    }
+                    if (g % (QA / 4) != QA / 4 - 1) continue;
+                    if (WIDE) {
+                        part = fmaf((float)(255 * d + e), s[(g + 1 - QA / 4) * MI + i], part);
+                    } else {
+                        float f;
+                        memcpy(&f, &d, 4);
+                        part = fmaf(f, s[g * MI + i], part);
+                    }
                 }
-                acc += part * as[t * TR + r] + cs[t * TR + r] * sum[t * MI + i];
+                acc = fmaf(part, as[t * TR + r], acc);
+                acc = fmaf(cs[t * TR + r], sum[t * MI + i], acc);
             }
             y[i * ldy + r] = add ? y[i * ldy + r] + acc : acc;
         }
 #endif
 }
+
+#if TILE512
+/* r[j] lane i := r[i] lane j, for 16 x 16 32-bit values */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* each 128-bit lane now holds a 4 x 4 block, transposed */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {  /* then the blocks change places */
+        const __m512i v0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE),
+                      w0 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44), w1 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+        t[e] = _mm512_shuffle_i32x4(v0, w0, 0x88), t[4 + e] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+        t[8 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88), t[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* The tile (as tile_rows reads it) of TR = 16 decoded rows of len values, IKC apart; flip:
+ * signed values, offset by 128 to be read as unsigned. */
+static void interleave16(const int8_t *restrict rows, int64_t len, int flip, uint8_t *restrict tile) {
+    const __m512i offset = _mm512_set1_epi8((char)(flip ? 0x80 : 0));
+    for (int64_t j = 0; j < len; j += 64) {  /* 16 groups of four values per row at a time */
+        const int groups = len - j < 64 ? (int)(len - j) / 4 : 16;
+        const __mmask64 keep = groups == 16 ? ~(__mmask64)0 : ((__mmask64)1 << (4 * groups)) - 1;
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_maskz_loadu_epi8(keep, rows + i * IKC + j);
+        transpose16(r);
+        for (int g = 0; g < groups; g++)
+            _mm512_store_si512(tile + (j / 4 + g) * 4 * TR, _mm512_xor_si512(r[g], offset));
+    }
+}
+#endif
 
 /* tile_rows over every panel, with the block size as a constant. */
 static inline __attribute__((always_inline)) void
@@ -403,10 +513,11 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
     for (int64_t p = 0; p < (m + MI - 1) / MI; p++) {
         const int64_t g = p * (k / 4) + k0 / 4;
         const int8_t *q = P->q + g * MI * 4, *l = P->l ? P->l + g * MI * 4 : NULL;
-        const float *s = P->s + g * MI, *sum = P->sum + (p * (k / SB) + k0 / SB) * MI;
+        const float *s = P->s + g * MI, *sum = P->sum + (p * (k / SB) + k0 / SB) * MI,
+                    *start = P->start + (p * (k / SB) + k0 / SB) * MI;
         float *yp = y + p * MI * ldy;
         const int rows = m - p * MI < MI ? (int)(m - p * MI) : MI;
-#define TILE(Q, W) tile_rows(Q, SIGNED, W, tile, as, cs, len, q, l, s, sum, yp, ldy, rows, ncols, k0 > 0)
+#define TILE(Q, W) tile_rows(Q, SIGNED, W, tile, as, cs, len, q, l, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
         if (l) TILE(16, 1);
         else if (qa == 4) TILE(4, 0);
         else if (qa == 8) TILE(8, 0);
@@ -460,14 +571,16 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
         const int64_t nb = k / QK;                                                            \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
-            uint8_t tile[IKC * TR] __attribute__((aligned(32)));                              \
+            uint8_t tile[IKC * TR] __attribute__((aligned(64)));                              \
             float as[IKC / SB * TR], cs[IKC / SB * TR];                                       \
-            int8_t q[IKC] __attribute__((aligned(32)));                                       \
+            /* AVX-512: every row decoded, then interleaved at once */                        \
+            int8_t rows[TILE512 ? IKC * TR : IKC] __attribute__((aligned(64)));               \
             float a16[IKC / SB], c16[IKC / SB];                                               \
             const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                               \
             for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
                 const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
                 for (int r = 0; r < TR; r++) {                                                \
+                    int8_t *q = TILE512 ? rows + r * IKC : rows;                              \
                     if (r < ncols) {                                                          \
                         DECODE_CHUNK(UNPACK, QK, L, BYTES, w + ((r0 + r) * nb + k0 / QK) * BYTES, \
                                      len / QK, q, a16, c16)                                   \
@@ -478,10 +591,9 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
                     }                                                                         \
                     if (TILE512 && SIGNED) /* q + 128 unsigned, value a (q + 128) - 128 a */ \
                         for (int64_t t = 0; t < len / SB; t++) c16[t] = -128.0f * a16[t];     \
-                    for (int64_t g = 0; g < len / 4; g++) {                                   \
+                    for (int64_t g = 0; g < len / 4 && !TILE512; g++) {                       \
                         uint32_t four;                                                        \
                         memcpy(&four, q + 4 * g, 4);                                          \
-                        if (TILE512 && SIGNED) four ^= 0x80808080u;                           \
                         memcpy(tile + g * 4 * TR + r * 4, &four, 4);                          \
                     }                                                                         \
                     for (int64_t t = 0; t < len / SB; t++) {                                  \
@@ -489,8 +601,17 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
                         cs[t * TR + r] = c16[t];                                              \
                     }                                                                         \
                 }                                                                             \
+                if (TILE512) interleave16(rows, len, SIGNED, tile);                           \
                 tile_pass(SIGNED && !TILE512, qa, m, tile, as, cs, k0, len, P, y + r0, ldy, ncols); \
             }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    /* nb blocks as a tile holds them (tg_tile_view) */                                       \
+    static void NAME##_view(const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16) { \
+        DECODE_CHUNK(UNPACK, QK, L, BYTES, w, nb, (int8_t *)q, a16, c16)                      \
+        if (TILE512 && SIGNED) {                                                              \
+            for (int64_t t = 0; t < nb * QK / SB; t++) c16[t] = -128.0f * a16[t];             \
+            for (int64_t j = 0; j < nb * QK; j++) q[j] ^= 0x80;                               \
         }                                                                                     \
     }
 
@@ -509,6 +630,16 @@ static int tiled(int type, const uint8_t *w, int64_t n, int64_t k, const Panels 
     DISPATCH(im, type, _tiled, (w, n, k, P, m, y, ldy, qa))
 }
 
+/* nb blocks of a type as a tile holds them, for tests of the tiles' arithmetic: each block's
+ * values q (signed ones offset by 128 with AVX-512, and then unsigned) and, per 16 values,
+ * the scale and offset. *is_signed: 1 where q is to be read as int8. -1 for a type without
+ * a kernel. */
+int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16,
+                 int *is_signed) {
+    *is_signed = type == 8 && !TILE512;
+    DISPATCH(im, type, _view, (w, nb, q, a16, c16))
+}
+
 static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                const int8_t *xl, const float *xs4, const float *xsum, int64_t m, float *y,
                int64_t ldy) {
@@ -524,7 +655,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
     const int64_t n = w[0], k = w[1], parts = w[2];
     if (m <= 0) return 0;
     Panels P;
-    if (m > FEWI && !make_panels(m, k, xq, xl, xs4, xsum, &P)) return -2;
+    if (m > FEWI && !make_panels(m, k, xq, xl, xs4, xsum, qa, &P)) return -2;
     int err = 0;
     int64_t row = 0;
     for (int64_t p = 0; p < parts && !err; p++) {
@@ -539,7 +670,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
              * MB rows) */
             for (int64_t m0 = 0; m0 < m && !err; m0 += MB) {
                 const Panels B = {P.q + m0 * k, P.l ? P.l + m0 * k : NULL, P.s + m0 * (k / 4),
-                                  P.sum + m0 * (k / SB), k};
+                                  P.sum + m0 * (k / SB), P.start + m0 * (k / SB), k};
                 err = tiled(type, data, rows, k, &B, qa, m - m0 < MB ? m - m0 : MB,
                             y + row + m0 * n, n);
             }
