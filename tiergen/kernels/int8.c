@@ -20,8 +20,9 @@
  * decoded and interleaved four bytes at a time, so one vector holds four values of each and
  * each 32-bit lane accumulates its own output; the activation rows, packed into panels of MI
  * interleaved the same way, each broadcast four of their bytes against that tile, and each
- * activation block's sum is scaled as it ends. Each weight block is decoded once per product
- * (once per MB rows of a prompt), whatever the number of rows.
+ * activation block's sum is scaled as it ends, read as a float without a conversion
+ * instruction (MAGIC, tile_rows). Each weight block is decoded once per product (once per MB
+ * rows of a prompt), whatever the number of rows.
  */
 #include <math.h>
 
