@@ -6,13 +6,24 @@ of each matrix (256 MiB in all), so that every product reads its weights from me
 model's layers do, instead of from a cache warmed by the run before.
 
     python benchmarks/bench_int8.py [--threads 2] [--types Q4_1,Q4_K,Q6_K,Q8_0] [--rows 1,2,32,512] [--cold]
+
+--against REV times this tree's int8 products (a scale per 4) against those of a git revision,
+both built here and loaded in this process, taking turns: the best time of each and the median
+of their ratios over the turns (this machine's speed drifts between runs; turns see the same
+drift).
+
+    python benchmarks/bench_int8.py --threads 2 --against HEAD~1 [--rows 4,32,512]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
+import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -44,16 +55,69 @@ def random_packed(ggml_type: int, rows: int, cols: int) -> Packed:
     return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
 
 
+def build_at(rev: str, out: Path) -> ctypes.CDLL:
+    """The C kernels of git revision ``rev``, built into ``out``."""
+    root = Path(__file__).resolve().parents[1]
+    src = out.parent / "src"
+    src.mkdir()
+    for path in kernels.SOURCES + kernels.HEADERS:
+        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{path.relative_to(root)}"],
+                              check=True, capture_output=True).stdout
+        (src / path.name).write_bytes(text)
+    sources = kernels.SOURCES
+    kernels.SOURCES = [src / p.name for p in sources]
+    try:
+        kernels._compile(out)
+    finally:
+        kernels.SOURCES = sources
+    lib = ctypes.CDLL(str(out))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
+    lib.tg_quantize_act.restype = None
+    lib.tg_qmatmul.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr]
+    return lib
+
+
+def against(rev: str, types: list[str], rows: list[int]) -> None:
+    """This tree's int8 products (a scale per 4) against revision ``rev``'s, taking turns."""
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {rev: build_at(rev, Path(tmp) / "rev.so"), "this tree": kernels.library()}
+        print(f"| type | matrix | rows | {rev} ms | this tree ms | speed-up (median of turns) |")
+        print("|---|---|---|---|---|---|")
+        for name in types:
+            ggml_type = GGMLType[name]
+            for n, k in SHAPES:
+                if k % ggml_type_sizes(ggml_type)[0]:
+                    continue
+                w = random_packed(ggml_type, n, k)
+                for m in rows:
+                    x = torch.randn(m, k)
+                    best, ratios = dict.fromkeys(libs, float("inf")), []
+                    for turn in range(20):
+                        took = {}
+                        for key in sorted(libs, reverse=turn % 2 == 1):
+                            kernels._lib = libs[key]
+                            took[key] = best_ms(lambda: kernels.integer_linear(x, w, None, 4), 3)
+                            best[key] = min(best[key], took[key])
+                        ratios.append(took[rev] / took["this tree"])
+                    kernels._lib = libs["this tree"]
+                    print(f"| {name} | {n}x{k} | {m} | {best[rev]:.3f} | {best['this tree']:.3f} | "
+                          f"{statistics.median(ratios):.2f}x |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--types", default="Q4_1,Q4_K,Q6_K,Q8_0")
     ap.add_argument("--rows", default="1,2,32,512")
     ap.add_argument("--cold", action="store_true", help="weights from memory, not cache")
+    ap.add_argument("--against", metavar="REV", help="a git revision to time against")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu = cpu_description()
-    print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
+    print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}); threads {args.threads}")
+    if args.against:
+        return against(args.against, args.types.split(","), list(map(int, args.rows.split(","))))
     print(f"threads {args.threads}; {'weights from memory' if args.cold else 'warm'}; integer kernels: "
           f"{['portable C', 'AVX2', 'VNNI'][kernels.library().tg_int8_isa()]}")
     print("| type | matrix | rows | float32 ms | " + " | ".join(f"{f} ms (x)" for f in FORMATS)
