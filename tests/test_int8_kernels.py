@@ -1,7 +1,8 @@
 """The integer kernels (int8.c): activations quantised to int8 in blocks of 16 equal a plain
 torch quantiser bit for bit, and every packed type's integer product equals the same
-arithmetic done plainly (decoded weights times the quantised activations, in float64), up
-to float rounding, on random blocks, odd shapes and tile edges."""
+arithmetic done plainly (decoded weights times the quantised activations in float64, and for
+the 8-bit tiles their float32 reading of each block's sum, see tile_reference), up to float
+rounding, on random blocks, odd shapes and tile edges."""
 
 from __future__ import annotations
 

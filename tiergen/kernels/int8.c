@@ -342,36 +342,22 @@ tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restric
                 acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[t * MI + i]), _mm512_fmadd_ps(part[i], a, acc[i]));
             continue;
         }
-        __m512i w[SB / 4];
+        __m512i w[SB / 4];  /* 16 bits */
         for (int g = 0; g < SB / 4; g++) w[g] = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
         for (int i = 0; i < MI; i++) {
-            __m512 part;
-            if (WIDE) {
-                part = _mm512_setzero_ps();
-                for (int b = 0; b < SB / QA; b++) {
-                    __m512i d = _mm512_setzero_si512(), e = _mm512_setzero_si512();
-                    for (int g = QA / 4 * b; g < QA / 4 * (b + 1); g++) {
-                        int32_t four;
-                        memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
-                        d = _mm512_dpbusd_epi32(d, w[g], _mm512_set1_epi32(four));
-                        memcpy(&four, l + ((g0 + g) * MI + i) * 4, 4);
-                        e = _mm512_dpbusd_epi32(e, w[g], _mm512_set1_epi32(four));
-                    }
-                    d = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(d, 8), d), e);
-                    part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
-                                           _mm512_set1_ps(s[(g0 + QA / 4 * b) * MI + i]), part);
-                }
-            } else {
-                __m512i d = _mm512_set1_epi32(MAGIC_BITS);
-                part = _mm512_set1_ps(start[t * MI + i]);
-                for (int g = 0; g < SB / 4; g++) {
+            __m512 part = _mm512_setzero_ps();
+            for (int b = 0; b < SB / QA; b++) {
+                __m512i d = _mm512_setzero_si512(), e = _mm512_setzero_si512();
+                for (int g = QA / 4 * b; g < QA / 4 * (b + 1); g++) {
                     int32_t four;
                     memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
                     d = _mm512_dpbusd_epi32(d, w[g], _mm512_set1_epi32(four));
-                    if (g % (QA / 4) == QA / 4 - 1)
-                        part = _mm512_fmadd_ps(_mm512_castsi512_ps(d),
-                                               _mm512_set1_ps(s[(g0 + g) * MI + i]), part);
+                    memcpy(&four, l + ((g0 + g) * MI + i) * 4, 4);
+                    e = _mm512_dpbusd_epi32(e, w[g], _mm512_set1_epi32(four));
                 }
+                d = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(d, 8), d), e);
+                part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
+                                       _mm512_set1_ps(s[(g0 + QA / 4 * b) * MI + i]), part);
             }
             acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[t * MI + i]), _mm512_fmadd_ps(part, a, acc[i]));
         }
