@@ -137,15 +137,15 @@ void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, i
 }
 
 /* ---- one chunk of a weight row, decoded ------------------------------------------------
- * q: len bytes; a16, c16: each block of 16's weight scale and offset. */
-#define DECODE_CHUNK(UNPACK, QK, L, BYTES, src, nblk, q, a16, c16)                            \
+ * q: len bytes; a16, c16: each block of 16's weight scale and offset, st floats apart. */
+#define DECODE_CHUNK(UNPACK, QK, L, BYTES, src, nblk, q, a16, c16, st)                        \
     for (int64_t b_ = 0; b_ < (nblk); b_++) {                                                 \
         float a_[QK / L], c_[QK / L];                                                         \
         PREFETCH((src) + b_ * BYTES);                                                         \
         UNPACK((src) + b_ * BYTES, (q) + b_ * QK, a_, c_);                                    \
         for (int s_ = 0; s_ < QK / SB; s_++) {                                                \
-            (a16)[b_ * (QK / SB) + s_] = a_[s_ * SB / L];                                     \
-            (c16)[b_ * (QK / SB) + s_] = c_[s_ * SB / L];                                     \
+            (a16)[(b_ * (QK / SB) + s_) * (st)] = a_[s_ * SB / L];                            \
+            (c16)[(b_ * (QK / SB) + s_) * (st)] = c_[s_ * SB / L];                            \
         }                                                                                     \
     }
 
@@ -562,7 +562,6 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
             float as[IKC / SB * TR], cs[IKC / SB * TR];                                       \
             /* AVX-512: every row decoded, then interleaved at once */                        \
             int8_t rows[TILE512 ? IKC * TR : IKC] __attribute__((aligned(64)));               \
-            float a16[IKC / SB], c16[IKC / SB];                                               \
             const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                               \
             for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
                 const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
@@ -570,22 +569,17 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
                     int8_t *q = TILE512 ? rows + r * IKC : rows;                              \
                     if (r < ncols) {                                                          \
                         DECODE_CHUNK(UNPACK, QK, L, BYTES, w + ((r0 + r) * nb + k0 / QK) * BYTES, \
-                                     len / QK, q, a16, c16)                                   \
+                                     len / QK, q, as + r, cs + r, TR)                         \
                     } else {                                                                  \
                         memset(q, 0, len);                                                    \
-                        memset(a16, 0, sizeof(float) * (len / SB));                           \
-                        memset(c16, 0, sizeof(float) * (len / SB));                           \
+                        for (int64_t t = 0; t < len / SB; t++) as[t * TR + r] = cs[t * TR + r] = 0.0f; \
                     }                                                                         \
                     if (TILE512 && SIGNED) /* q + 128 unsigned, value a (q + 128) - 128 a */ \
-                        for (int64_t t = 0; t < len / SB; t++) c16[t] = -128.0f * a16[t];     \
+                        for (int64_t t = 0; t < len / SB; t++) cs[t * TR + r] = -128.0f * as[t * TR + r]; \
                     for (int64_t g = 0; g < len / 4 && !TILE512; g++) {                       \
                         uint32_t four;                                                        \
                         memcpy(&four, q + 4 * g, 4);                                          \
                         memcpy(tile + g * 4 * TR + r * 4, &four, 4);                          \
-                    }                                                                         \
-                    for (int64_t t = 0; t < len / SB; t++) {                                  \
-                        as[t * TR + r] = a16[t];                                              \
-                        cs[t * TR + r] = c16[t];                                              \
                     }                                                                         \
                 }                                                                             \
                 if (TILE512) interleave16(rows, len, SIGNED, tile);                           \
@@ -595,7 +589,7 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
     }                                                                                         \
     /* nb blocks as a tile holds them (tg_tile_view) */                                       \
     static void NAME##_view(const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16) { \
-        DECODE_CHUNK(UNPACK, QK, L, BYTES, w, nb, (int8_t *)q, a16, c16)                      \
+        DECODE_CHUNK(UNPACK, QK, L, BYTES, w, nb, (int8_t *)q, a16, c16, 1)                   \
         if (TILE512 && SIGNED) {                                                              \
             for (int64_t t = 0; t < nb * QK / SB; t++) c16[t] = -128.0f * a16[t];             \
             for (int64_t j = 0; j < nb * QK; j++) q[j] ^= 0x80;                               \
