@@ -64,12 +64,7 @@ def build_at(rev: str, out: Path) -> ctypes.CDLL:
         text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{path.relative_to(root)}"],
                               check=True, capture_output=True).stdout
         (src / path.name).write_bytes(text)
-    sources = kernels.SOURCES
-    kernels.SOURCES = [src / p.name for p in sources]
-    try:
-        kernels._compile(out)
-    finally:
-        kernels.SOURCES = sources
+    kernels._compile(out, sources=[src / p.name for p in kernels.SOURCES])
     lib = ctypes.CDLL(str(out))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]

@@ -31,8 +31,7 @@ MATRICES = {"smollm2": ["gate_proj", "down_proj", "embed_tokens"],
 
 
 def build(sources: list[Path], out: Path) -> ctypes.CDLL:
-    K.SOURCES = sources
-    K._compile(out)
+    K._compile(out, sources=sources)
     lib = ctypes.CDLL(str(out))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tg_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64]

@@ -6,6 +6,8 @@ rounding, on random blocks, odd shapes and tile edges."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -65,11 +67,14 @@ def test_activation_formats_that_do_not_exist_are_refused():
         kernels.quantize_activations(torch.randn(1, 32), 8, wide=True)
 
 
+FEW_ROWS = 2  # int8.c's FEWI: up to this many rows, the row-by-row kernel
+
+
 def integer_reference(x: torch.Tensor, w, block: int, wide: bool) -> torch.Tensor:
-    """The product as the kernels do it: the row-by-row kernel (up to two rows) and the
-    16-bit tiles exactly, up to float rounding; the 8-bit tiles (three rows or more) as
+    """The product as the kernels do it: the row-by-row kernel (up to FEW_ROWS rows) and the
+    16-bit tiles exactly, up to float rounding; the 8-bit tiles (more rows) as
     :func:`tile_reference`."""
-    if x.shape[0] > 2 and not wide:
+    if x.shape[0] > FEW_ROWS and not wide:
         return tile_reference(x, w, block)
     q, scale, _ = quantize_reference(x, block, wide)
     xd = (q.double().view(x.shape[0], -1, block) * scale.double()[..., None]).view(x.shape)
@@ -83,8 +88,6 @@ MAGIC = 12582912.0  # int8.c's MAGIC: 1.5 * 2^23
 def tile_view(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The weights as the tiles hold them (int8.c's tg_tile_view): integer values (n, k) and
     per 16 values a scale and an offset (n, k / 16), checked to give the decoded weights."""
-    import ctypes
-
     lib, k = kernels.library(), w.shape[1]
     qs, scales, offsets = [], [], []
     for ggml_type, _, n, raw in w.segments():
@@ -182,7 +185,6 @@ ISA_LEVEL = {"avx2": 1, "avx512-vnni": 2, "portable": 0}
 
 @pytest.fixture(scope="module", params=sorted(ISA_BUILDS))
 def isa_library(request, tmp_path_factory):
-    import ctypes
     import platform
 
     from tiergen._platform import cpu_flags

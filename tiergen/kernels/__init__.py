@@ -68,8 +68,9 @@ FLAGS = ["-O3", "-march=native" if platform.machine() in ("x86_64", "AMD64") els
          "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-std=gnu11"]
 
 
-def _compile(target: Path, flags: list[str] = FLAGS) -> None:
-    """Build the C sources into ``target`` (written beside it, then renamed into place)."""
+def _compile(target: Path, flags: list[str] = FLAGS, sources: list[Path] | None = None) -> None:
+    """Build the C sources (``sources``, else this tree's) into ``target`` (written beside it,
+    then renamed into place)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise OSError("no C compiler (cc, gcc or clang) found")
@@ -82,7 +83,7 @@ def _compile(target: Path, flags: list[str] = FLAGS) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, *libs], check=True,
+        subprocess.run([cc, *flags, *map(str, sources or SOURCES), "-o", tmp, *libs], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:

@@ -137,7 +137,9 @@ void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, i
 }
 
 /* ---- one chunk of a weight row, decoded ------------------------------------------------
- * q: len bytes; a16, c16: each block of 16's weight scale and offset, st floats apart. */
+ * q: len bytes; a16, c16: each block of 16's weight scale and offset, st floats apart.
+ * TILE_OFFSET: signed values in an AVX-512 tile are read as q + 128 (unsigned), so their
+ * offset becomes -128 a (the bytes are flipped where the tile is interleaved). */
 #define DECODE_CHUNK(UNPACK, QK, L, BYTES, src, nblk, q, a16, c16, st)                        \
     for (int64_t b_ = 0; b_ < (nblk); b_++) {                                                 \
         float a_[QK / L], c_[QK / L];                                                         \
@@ -148,6 +150,9 @@ void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, i
             (c16)[(b_ * (QK / SB) + s_) * (st)] = c_[s_ * SB / L];                            \
         }                                                                                     \
     }
+#define TILE_OFFSET(SIGNED, n, a16, c16, st)                                                  \
+    if (TILE512 && (SIGNED))                                                                  \
+        for (int64_t t_ = 0; t_ < (n); t_++) (c16)[t_ * (st)] = -128.0f * (a16)[t_ * (st)];
 
 #if defined(__AVX2__)
 /* Four products of each 32-bit lane summed, added to acc: w unsigned, x signed. */
@@ -574,8 +579,7 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
                         memset(q, 0, len);                                                    \
                         for (int64_t t = 0; t < len / SB; t++) as[t * TR + r] = cs[t * TR + r] = 0.0f; \
                     }                                                                         \
-                    if (TILE512 && SIGNED) /* q + 128 unsigned, value a (q + 128) - 128 a */ \
-                        for (int64_t t = 0; t < len / SB; t++) cs[t * TR + r] = -128.0f * as[t * TR + r]; \
+                    TILE_OFFSET(SIGNED, len / SB, as + r, cs + r, TR)                         \
                     for (int64_t g = 0; g < len / 4 && !TILE512; g++) {                       \
                         uint32_t four;                                                        \
                         memcpy(&four, q + 4 * g, 4);                                          \
@@ -590,10 +594,8 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
     /* nb blocks as a tile holds them (tg_tile_view) */                                       \
     static void NAME##_view(const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16) { \
         DECODE_CHUNK(UNPACK, QK, L, BYTES, w, nb, (int8_t *)q, a16, c16, 1)                   \
-        if (TILE512 && SIGNED) {                                                              \
-            for (int64_t t = 0; t < nb * QK / SB; t++) c16[t] = -128.0f * a16[t];             \
-            for (int64_t j = 0; j < nb * QK; j++) q[j] ^= 0x80;                               \
-        }                                                                                     \
+        TILE_OFFSET(SIGNED, nb * QK / SB, a16, c16, 1)                                        \
+        for (int64_t j = 0; j < nb * QK && TILE512 && SIGNED; j++) q[j] ^= 0x80;               \
     }
 
 IKERNELS(im_q4_0, 32, 32, 18, un_q4_0, 0)
