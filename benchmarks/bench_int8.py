@@ -12,7 +12,10 @@ both built here and loaded in this process, taking turns: the best time of each 
 of their ratios over the turns (this machine's speed drifts between runs; turns see the same
 drift).
 
-    python benchmarks/bench_int8.py --threads 2 --against HEAD~1 [--rows 4,32,512]
+    python benchmarks/bench_int8.py --threads 2 --against HEAD~1 [--rows 4,32,512] [--march haswell]
+
+--march builds both for another instruction set than this CPU's own (haswell: AVX2 without
+VNNI, the path of an AMD EPYC).
 """
 
 from __future__ import annotations
@@ -55,16 +58,20 @@ def random_packed(ggml_type: int, rows: int, cols: int) -> Packed:
     return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
 
 
-def build_at(rev: str, out: Path) -> ctypes.CDLL:
-    """The C kernels of git revision ``rev``, built into ``out``."""
+def build_at(rev: str | None, out: Path, march: str | None = None) -> ctypes.CDLL:
+    """The C kernels of git revision ``rev`` (None: this tree), built into ``out`` for
+    ``-march=march`` (None: this CPU)."""
     root = Path(__file__).resolve().parents[1]
     src = out.parent / "src"
     src.mkdir()
     for path in kernels.SOURCES + kernels.HEADERS:
-        text = subprocess.run(["git", "-C", str(root), "show", f"{rev}:{path.relative_to(root)}"],
-                              check=True, capture_output=True).stdout
+        text = path.read_bytes() if rev is None else subprocess.run(
+            ["git", "-C", str(root), "show", f"{rev}:{path.relative_to(root)}"],
+            check=True, capture_output=True).stdout
         (src / path.name).write_bytes(text)
-    kernels._compile(out, sources=[src / p.name for p in kernels.SOURCES])
+    flags = [f for f in kernels.FLAGS if not f.startswith("-march")] + [f"-march={march}"] \
+        if march else kernels.FLAGS
+    kernels._compile(out, flags, sources=[src / p.name for p in kernels.SOURCES])
     lib = ctypes.CDLL(str(out))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
@@ -73,10 +80,13 @@ def build_at(rev: str, out: Path) -> ctypes.CDLL:
     return lib
 
 
-def against(rev: str, types: list[str], rows: list[int]) -> None:
+def against(rev: str, types: list[str], rows: list[int], march: str | None) -> None:
     """This tree's int8 products (a scale per 4) against revision ``rev``'s, taking turns."""
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {rev: build_at(rev, Path(tmp) / "rev.so"), "this tree": kernels.library()}
+        (Path(tmp) / "rev").mkdir(), (Path(tmp) / "tree").mkdir()
+        libs = {rev: build_at(rev, Path(tmp) / "rev" / "k.so", march),
+                "this tree": build_at(None, Path(tmp) / "tree" / "k.so", march)
+                if march else kernels.library()}
         print(f"| type | matrix | rows | {rev} ms | this tree ms | speed-up (median of turns) |")
         print("|---|---|---|---|---|---|")
         for name in types:
@@ -107,12 +117,14 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,32,512")
     ap.add_argument("--cold", action="store_true", help="weights from memory, not cache")
     ap.add_argument("--against", metavar="REV", help="a git revision to time against")
+    ap.add_argument("--march", help="with --against: build both for this -march")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}); threads {args.threads}")
     if args.against:
-        return against(args.against, args.types.split(","), list(map(int, args.rows.split(","))))
+        return against(args.against, args.types.split(","), list(map(int, args.rows.split(","))),
+                       args.march)
     print(f"threads {args.threads}; {'weights from memory' if args.cold else 'warm'}; integer kernels: "
           f"{['portable C', 'AVX2', 'VNNI'][kernels.library().tg_int8_isa()]}")
     print("| type | matrix | rows | float32 ms | " + " | ".join(f"{f} ms (x)" for f in FORMATS)

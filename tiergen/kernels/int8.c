@@ -309,7 +309,7 @@ static int make_panels(int64_t m, int64_t k, const int8_t *xq, const int8_t *xl,
  * read as the float MAGIC + D (exact: |D| <= 16 * 255 * 127 < 2^22), multiply-added with
  * the block's scale into part, which starts at the panel's start to take MAGIC back out.
  * So a block costs its products and one multiply-add, with no conversion instruction (on
- * AVX-512 that would share a port with the products: 1.2-1.3x, bench_int8.py). The floats
+ * AVX-512 that would share a port with the products; docs/BENCHMARKS.md). The floats
  * carry MAGIC's magnitude, so each multiply-add rounds at about one unit of the block's
  * scale, a small fraction of the activations' own rounding (bench_kld.py measures the
  * path). 16 bits (sums up to 255 times larger) convert each block's sum. */
