@@ -453,3 +453,16 @@ def test_template_errors(smollm: Tokenizer) -> None:
             messages, template="{{ raise_exception('roles must alternate') }}")
     with pytest.raises(TiergenError, match="not valid Jinja"):
         smollm.apply_chat_template(messages, template="{% for m in messages %}")
+
+
+def test_a_loaded_gguf_model_keeps_its_vocabulary_once(smollm_gguf: Path) -> None:
+    # The tokenizer holds the vocabulary; the file's metadata forgets its copy (about 10 MB
+    # of Python strings) and the model still encodes and decodes.
+    from tiergen.weights import open_model
+
+    files = open_model(smollm_gguf)
+    meta = files.source.file.metadata
+    assert not [k for k in meta if k.startswith("tokenizer.ggml.") and isinstance(meta[k], list)]
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+    ids = files.tokenizer.encode("The capital of France is Paris.")
+    assert files.tokenizer.decode(ids) == "The capital of France is Paris."

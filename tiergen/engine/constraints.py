@@ -28,13 +28,13 @@ def grammar_of(json_schema: dict | str | None = None, regex: str | None = None,
     """The llguidance grammar for at most one of a JSON schema (a dict or its text), a
     regular expression or a Lark grammar; None for none. A TiergenError names what is wrong
     with an invalid one."""
-    import llguidance
-
     given = [(name, value) for name, value in
              (("json_schema", json_schema), ("regex", regex), ("grammar", grammar))
              if value is not None]
     if not given:
         return None
+    import llguidance  # only when a request is constrained: loading it costs resident memory
+
     if len(given) > 1:
         raise TiergenError("invalid sampling parameter: json_schema, regex and grammar are "
                            f"exclusive; got {' and '.join(n for n, _ in given)}")

@@ -181,8 +181,9 @@ def _from_gguf(path: Path, packed: bool = True) -> ModelFiles:
     from tiergen.weights.gguf_map import GGUFSource
 
     source = GGUFSource(path, packed)
-    return ModelFiles(path.stem, source.config, source,
-                      Tokenizer.from_gguf_metadata(source.file.metadata), None, fingerprint([path]),
+    tokenizer = Tokenizer.from_gguf_metadata(source.file.metadata)
+    source.file.drop_vocabulary()
+    return ModelFiles(path.stem, source.config, source, tokenizer, None, fingerprint([path]),
                       packed=source.keeps_any_packed())
 
 

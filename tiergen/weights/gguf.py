@@ -180,6 +180,13 @@ class GGUFFile:
             self._whole: torch.Tensor | None = None  # the map as one tensor, made on first use
         self._check_tensor_ranges(size)
 
+    def drop_vocabulary(self) -> None:
+        """Forget the tokenizer's arrays once a Tokenizer holds them: as Python strings they
+        take about 10 MB of resident memory for a 49k-token vocabulary."""
+        for key in [k for k, v in self.metadata.items()
+                    if k.startswith("tokenizer.ggml.") and isinstance(v, (list, np.ndarray))]:
+            del self.metadata[key]
+
     def _error(self, what: str) -> TiergenError:
         return TiergenError(f"cannot read GGUF file {self.path}: {what}")
 
