@@ -155,6 +155,12 @@ def test_unsupported_architecture_lists_supported_ones(copy_model):
         assert arch in str(e.value)
 
 
+def test_quantised_checkpoints_are_refused_not_misread(copy_model):
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(TiergenError, match="quantised with 'fp8' are not supported"):
+        LLM(copy_model(quantization_config=fp8))
+
+
 def test_config_without_architectures(copy_model):
     with pytest.raises(TiergenError, match="names no architecture.*LlamaForCausalLM"):
         LLM(copy_model(architectures=None))

@@ -15,7 +15,8 @@ from tiny_models import CASES, build
 from test_offload import PROMPTS, prefill_and_decode_logits
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-MOE_CASES = ["deepseek-v2", "deepseek-v2-lite", "mixtral", "qwen2-moe", "qwen3-moe"]
+MOE_CASES = ["deepseek-v2", "deepseek-v2-lite", "deepseek-v3", "mixtral", "qwen2-moe",
+             "qwen3-moe"]
 
 EXPERT_POLICIES = {
     "experts-on-disk": dict(experts="disk"),
@@ -65,8 +66,8 @@ def test_experts_on_disk_read_only_routed_experts(moe_dir, tmp_path, monkeypatch
     routed: list[set[int]] = []
     route = moe.route
 
-    def recording(cfg, x, gate):
-        ids, weights = route(cfg, x, gate)
+    def recording(cfg, x, gate, bias=None):
+        ids, weights = route(cfg, x, gate, bias)
         routed.append(set(ids.flatten().tolist()))
         return ids, weights
 
@@ -99,7 +100,7 @@ def test_mla_cache_holds_only_the_latent(tmp_path):
     cache.close()
 
 
-@pytest.mark.parametrize("case", ["deepseek-v2", "deepseek-v2-lite"])
+@pytest.mark.parametrize("case", ["deepseek-v2", "deepseek-v2-lite", "deepseek-v3"])
 def test_absorbed_equals_naive(case, tmp_path):
     build(case, tmp_path)
     llm = LLM(tmp_path, dtype="float32")
@@ -135,6 +136,12 @@ def test_bad_moe_configs_are_refused():
         from_hf_config(ds | dict(topk_method="group_limited_greedy", n_group=3, topk_group=1))
     with pytest.raises(TiergenError, match="topk_method"):
         from_hf_config(ds | dict(topk_method="noaux_tc"))
+    v3 = ds | dict(architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(TiergenError, match="scoring_func"):
+        from_hf_config(v3 | dict(scoring_func="softmax"))
+    with pytest.raises(TiergenError, match="best two"):
+        from_hf_config(v3 | dict(n_group=4, topk_group=2))
+    assert from_hf_config(v3 | dict(n_group=2, topk_group=1)).moe.scoring == "sigmoid"
     with pytest.raises(TiergenError, match="experts must be one of"):
         Policy(experts="gpu")
 
@@ -144,3 +151,22 @@ def test_measured_rates_fill_in_defaults():
     assert rates.host_bandwidth == 1e10
     assert rates.host_flops == HostRates().host_flops
     assert rates.link_bandwidth == HostRates().link_bandwidth
+
+
+def test_deepseek_v3_skips_its_multi_token_prediction_layer(tmp_path):
+    # DeepSeek-V3 and Kimi K2 checkpoints carry a next-token-prediction layer after the last
+    # one (model.layers.{num_hidden_layers}.*); generation does not use it.
+    from safetensors.torch import load_file, save_file
+
+    build("deepseek-v3", tmp_path)
+    expected = [r.token_ids for r in LLM(tmp_path, dtype="float32").generate(PROMPTS, GREEDY)]
+    (shard,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(shard)
+    n = sum(k.endswith("input_layernorm.weight") for k in tensors)
+    extra = {f"model.layers.{n}.{k.split('.', 3)[3]}": v.clone()
+             for k, v in tensors.items() if k.startswith("model.layers.1.")}
+    extra |= {f"model.layers.{n}.eh_proj.weight": torch.zeros(64, 128),
+              f"model.layers.{n}.enorm.weight": torch.ones(64)}
+    save_file(tensors | extra, shard, metadata={"format": "pt"})
+    assert [r.token_ids for r in LLM(tmp_path, dtype="float32").generate(PROMPTS, GREEDY)] \
+        == expected

@@ -75,6 +75,14 @@ CASES: dict[str, tuple[str, dict]] = {
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
         first_k_dense_replace=1, topk_method="greedy")),
+    # DeepSeek-V3 (Kimi K2's architecture): sigmoid routing with a learned bias (randomised in
+    # build), groups scored by their best two, normalised and scaled weights; rope in halves.
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=24,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_interleave=False)),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)),
 }
@@ -94,6 +102,9 @@ def build(case: str, directory: Path, seed: int = 0, **overrides) -> transformer
                 p.add_(torch.randn_like(p) * 0.1)
             else:
                 p.normal_(0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros: choosing would ignore it
+                b.normal_(0, 0.3)
     model.eval()
     model.generation_config.eos_token_id = None
     model.save_pretrained(directory)

@@ -13,6 +13,7 @@ from tiergen.errors import TiergenError
 
 SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -51,6 +52,11 @@ class MoEConfig:
     Each token's router picks ``top_k`` of ``num_experts`` SwiGLU experts; their outputs are
     mixed by the router weights. Shared experts (always on) are one SwiGLU MLP of
     ``shared_intermediate_size``, optionally gated by a sigmoid (Qwen2-MoE).
+
+    DeepSeek-V3 scores experts with a sigmoid and chooses them by score plus a learned bias
+    (``router_bias``: the checkpoint's ``e_score_correction_bias``), first keeping the
+    ``topk_groups`` groups whose two best biased scores sum highest ("noaux_tc"); the mixing
+    weights are the unbiased scores.
     """
 
     num_experts: int
@@ -61,7 +67,9 @@ class MoEConfig:
     shared_gate: bool = False
     dense_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP
     router_float32: bool = False  # DeepSeek scores experts in float32
-    topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2)
+    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    router_bias: bool = False  # a per-expert bias added to the scores only to choose experts
+    topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2), "noaux_tc" (V3)
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
@@ -84,6 +92,7 @@ class MLAConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    rope_interleave: bool = True  # rotation pairs are adjacent elements (DeepSeek's layout)
 
 
 @dataclass
@@ -143,14 +152,18 @@ class ModelConfig:
             if not 0 < m.top_k <= m.num_experts:
                 raise TiergenError(f"model config: num_experts_per_tok ({m.top_k}) must be between "
                                    f"1 and the number of experts ({m.num_experts})")
-            if m.topk_method not in ("greedy", "group_limited_greedy"):
+            if m.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
                 raise TiergenError(f"model config: unsupported topk_method {m.topk_method!r} "
-                                   "(supported: greedy, group_limited_greedy)")
-            if m.topk_method == "group_limited_greedy" and (
+                                   "(supported: greedy, group_limited_greedy, noaux_tc)")
+            if m.topk_method != "greedy" and (
                     m.num_experts % m.num_groups or not 0 < m.topk_groups <= m.num_groups):
                 raise TiergenError(f"model config: n_group ({m.num_groups}) must divide the "
                                    f"{m.num_experts} experts and topk_group ({m.topk_groups}) "
                                    "must be between 1 and n_group")
+            if m.topk_method == "noaux_tc" and m.num_experts < 2 * m.num_groups:
+                raise TiergenError(f"model config: n_group ({m.num_groups}) leaves fewer than "
+                                   f"two of the {m.num_experts} experts per group; a group "
+                                   "is scored by its best two")
         act = _ACTIVATIONS.get(self.architecture, "silu")
         if self.hidden_act != act:
             raise TiergenError(f"model config: {self.architecture} with hidden activation "
@@ -320,20 +333,31 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             shared_gate=arch == "Qwen2MoeForCausalLM",
             dense_layers=[i for i in range(layers) if i in only or (i + 1) % step])
         return dict(moe=moe)
-    # DeepseekV2ForCausalLM
+    # DeepseekV2ForCausalLM, DeepseekV3ForCausalLM (Kimi K2 too)
+    v3 = arch == "DeepseekV3ForCausalLM"
     if cfg.get("attention_bias"):
-        raise TiergenError("model config: DeepSeek-V2 with attention_bias is not supported")
+        raise TiergenError("model config: DeepSeek with attention_bias is not supported")
+    if v3 and cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise TiergenError(f"model config: DeepSeek-V3 with scoring_func "
+                           f"{cfg['scoring_func']!r} is not supported (only sigmoid)")
+    if not v3 and cfg.get("topk_method") == "noaux_tc":
+        raise TiergenError("model config: DeepSeek-V2 with topk_method 'noaux_tc' is not "
+                           "supported (DeepseekV3ForCausalLM routes that way)")
     moe = MoEConfig(
         num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
-        intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=False,
+        intermediate_size=cfg["moe_intermediate_size"],
+        # transformers' V3 always routes this way, whatever topk_method says
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
         shared_intermediate_size=cfg["moe_intermediate_size"] * int(cfg.get("n_shared_experts") or 0),
         dense_layers=list(range(min(int(cfg.get("first_k_dense_replace") or 0), layers))),
-        router_float32=True, topk_method=cfg.get("topk_method") or "greedy",
+        router_float32=True, scoring="sigmoid" if v3 else "softmax", router_bias=v3,
+        topk_method="noaux_tc" if v3 else cfg.get("topk_method") or "greedy",
         num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
     mla = MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
                     qk_nope_head_dim=cfg["qk_nope_head_dim"],
-                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"])
+                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                    rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
     return dict(moe=moe, mla=mla, head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
 
 
@@ -363,6 +387,12 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise TiergenError(f"unsupported architecture {arch!r}; tiergen supports "
                            + ", ".join(SUPPORTED_ARCHITECTURES))
+    quant = cfg.get("quantization_config")
+    if quant:  # read as plain tensors, its weights would give wrong results silently
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise TiergenError(f"config.json: checkpoints quantised with {method!r} are not "
+                           "supported; load an unquantised checkpoint (tiergen quantises it "
+                           "with --quantize) or a GGUF file")
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -383,7 +413,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         if arch == "Gemma3ForCausalLM":
             fields |= _gemma3_from_hf(cfg)
         if arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                    "DeepseekV2ForCausalLM"):
+                    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
             fields |= _moe_from_hf(arch, cfg)
         return ModelConfig(
             architecture=arch,

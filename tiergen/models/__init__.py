@@ -8,6 +8,7 @@ from tiergen.models.llama import Llama
 
 FAMILIES = {
     "DeepseekV2ForCausalLM": DeepseekV2,
+    "DeepseekV3ForCausalLM": DeepseekV2,  # V3's differences are in its config (routing)
     "Gemma3ForCausalLM": Gemma3,
     "LlamaForCausalLM": Llama,
     "MistralForCausalLM": Llama,

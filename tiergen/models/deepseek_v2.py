@@ -1,4 +1,5 @@
-"""DeepSeek-V2 (and V2-Lite): multi-head latent attention (MLA) and DeepSeekMoE.
+"""DeepSeek-V2 (and V2-Lite) and DeepSeek-V3 (and Kimi K2): multi-head latent attention
+(MLA) and DeepSeekMoE. V3 differs only in how its router chooses experts (``MoEConfig``).
 
 MLA compresses keys and values into one latent per token: c_kv = norm(W_DKV x) of
 kv_lora_rank numbers, plus a RoPE key k_pe of qk_rope_head_dim numbers shared by all heads.
@@ -116,9 +117,9 @@ class DeepseekV2:
         q_nope, q_pe = q.split([m.qk_nope_head_dim, rope], dim=-1)
         c_kv, k_pe = latent.split([rank, rope], dim=-1)
         cos, sin = shared
-        q_pe = apply_rope_interleaved(q_pe, cos, sin)
+        q_pe = self._rope(q_pe, cos, sin)
         row = torch.cat([rms_norm(c_kv, w["kv_norm"], c.rms_norm_eps),
-                         apply_rope_interleaved(k_pe[:, None], cos, sin)[:, 0]], dim=-1)[:, None]
+                         self._rope(k_pe[:, None], cos, sin)[:, 0]], dim=-1)[:, None]
         if self.absorb:
             q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w["w_uk"])
             # attention scales by (rank + rope)**-0.5; MLA wants self.scale
@@ -129,6 +130,14 @@ class DeepseekV2:
             o = self._naive_attention(w, q_nope, q_pe, row, cache, meta)
         h = h + self.reduce(linear(o.transpose(1, 2).reshape(B, T, -1), w["o"]))
         return h + self.reduce(ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps)))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate RoPE dimensions laid out in adjacent pairs, or (``rope_interleave`` off) in
+        halves: those are permuted into pairs first. Queries and keys are permuted alike, so
+        their dot products are unchanged and the cache holds the permuted keys."""
+        if not self.mla.rope_interleave:
+            x = x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        return apply_rope_interleaved(x, cos, sin)
 
     def _naive_attention(self, w: Weights, q_nope: torch.Tensor, q_pe: torch.Tensor,
                          row: torch.Tensor, cache: KVView, meta: StepMeta) -> torch.Tensor:

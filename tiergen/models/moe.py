@@ -39,21 +39,33 @@ class Experts:
         return swiglu_mlp(x, self.gate_up[e], self.down[e])
 
 
-def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen experts (N, k) and their float32 mixing weights (N, k) for tokens x (N, H)."""
+def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen experts (N, k) and their float32 mixing weights (N, k) for tokens x (N, H).
+    ``bias`` (E,): added to the scores to choose experts, not to weigh them (DeepSeek-V3)."""
     if cfg.router_float32:
         logits = F.linear(x.float(), gate.float())
     else:
         logits = linear(x, gate)
-    scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    if cfg.topk_method == "group_limited_greedy":
-        # DeepSeek-V2: keep the topk_groups groups whose best expert scores highest.
-        groups = scores.view(len(x), cfg.num_groups, -1)
-        best = groups.max(dim=-1).values.topk(cfg.topk_groups, dim=-1).indices
+    if cfg.scoring == "sigmoid":
+        scores = logits.float().sigmoid()
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    choice = scores if bias is None else scores + bias.float()
+    if cfg.topk_method != "greedy":
+        # Keep the topk_groups groups that score highest: by their best expert (DeepSeek-V2)
+        # or by the sum of their best two (V3); the others' experts cannot be chosen.
+        groups = choice.view(len(x), cfg.num_groups, -1)
+        group_score = (groups.max(dim=-1).values if cfg.topk_method == "group_limited_greedy"
+                       else groups.topk(2, dim=-1).values.sum(dim=-1))
+        best = group_score.topk(cfg.topk_groups, dim=-1).indices
         keep = torch.zeros(len(x), cfg.num_groups, dtype=torch.bool, device=x.device)
         keep.scatter_(1, best, True)
-        scores = (groups * keep[..., None]).view(len(x), -1)
-    weights, ids = scores.topk(cfg.top_k, dim=-1)
+        # as transformers does: V2 zeroes the other groups' scores, V3 sets them to -inf
+        masked = 0.0 if cfg.topk_method == "group_limited_greedy" else float("-inf")
+        choice = groups.masked_fill(~keep[..., None], masked).view(len(x), -1)
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = (scores if bias is not None else choice).gather(1, ids)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights * cfg.routed_scaling_factor
@@ -89,7 +101,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    ids, weights = route(cfg, x, w["router"])
+    ids, weights = route(cfg, x, w["router"], w.get("router_bias"))
     y = routed_experts(x, ids, weights, w["experts"], cfg.local_experts)
     if cfg.shared_intermediate_size:
         shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
@@ -116,6 +128,8 @@ CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
                                       "shared_up": "mlp.shared_experts.up_proj.weight",
                                       "shared_down": "mlp.shared_experts.down_proj.weight"},
 }
+CHECKPOINT_NAMES["DeepseekV3ForCausalLM"] = CHECKPOINT_NAMES["DeepseekV2ForCausalLM"] | {
+    "router_bias": "mlp.gate.e_score_correction_bias"}
 
 
 # -- the feed-forward part of a layer: a dense SwiGLU MLP, or a MoE one ---------------------
@@ -167,6 +181,8 @@ def moe_specs(cfg: MoEConfig, hidden: int) -> Specs:
     e, i = len(cfg.local_experts), cfg.intermediate_size
     specs = {"router": (cfg.num_experts, hidden), "experts.gate_up": (e, 2 * i, hidden),
              "experts.down": (e, hidden, i)}
+    if cfg.router_bias:
+        specs["router_bias"] = (cfg.num_experts,)
     if cfg.shared_intermediate_size:
         s = cfg.shared_intermediate_size
         specs |= {"shared_gate_up": (2 * s, hidden), "shared_down": (hidden, s)}
@@ -187,6 +203,8 @@ def fuse_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) 
          "experts.gate_up": torch.stack([torch.cat([r[names["gate"].format(e=e)],
                                                     r[names["up"].format(e=e)]]) for e in n]),
          "experts.down": torch.stack([r[names["down"].format(e=e)] for e in n])}
+    if cfg.router_bias:
+        w["router_bias"] = r[names["router_bias"]]
     if cfg.shared_intermediate_size:
         w["shared_gate_up"] = cat_rows([r[names["shared_gate"]], r[names["shared_up"]]])
         w["shared_down"] = r[names["shared_down"]]
@@ -200,6 +218,8 @@ def checkpoint_moe_specs(cfg: MoEConfig, hidden: int, names: dict[str, str]
     """Checkpoint names (as in :func:`fuse_moe`) and shapes of a MoE MLP."""
     i = cfg.intermediate_size
     specs = {names["router"]: (cfg.num_experts, hidden)}
+    if cfg.router_bias:
+        specs[names["router_bias"]] = (cfg.num_experts,)
     for e in cfg.local_experts:
         specs |= {names["gate"].format(e=e): (i, hidden), names["up"].format(e=e): (i, hidden),
                   names["down"].format(e=e): (hidden, i)}

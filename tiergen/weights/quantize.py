@@ -42,7 +42,8 @@ _MAGIC = "tiergen-quantized"
 # reshaped as plain tensors, so those stay float, as do routers, norms, biases and embeddings.
 _LAYER_MATRIX = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|q_b)_proj"
                            r"|mlp(\.shared_experts?)?\.(gate|up|down)_proj)\.weight")
-_JOINED_AS_TENSORS = {"DeepseekV2ForCausalLM": re.compile(r".*\.self_attn\.q_proj\.weight")}
+_JOINED_AS_TENSORS = dict.fromkeys(["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"],
+                                   re.compile(r".*\.self_attn\.q_proj\.weight"))
 
 # Rows quantised at once: bounds the memory of the quantisers' intermediates.
 _CHUNK_VALUES = 1 << 20
