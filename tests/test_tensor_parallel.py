@@ -42,6 +42,8 @@ def test_two_shards_match_one_process(case, tmp_path):
     ("llama-mha", 1, 3),  # KV heads 2+1+1 with their query heads
     ("gemma3-window8-linear", 1, 3),  # one KV head shared by all three
     ("qwen2-moe", 2, 2),  # a grid: two stages of two shards, experts dealt out
+    ("gpt-oss", 1, 2),  # sinks split with their heads, experts with their biases dealt out
+    ("deepseek-v3", 1, 2),  # the bias-corrected router replicated, experts dealt out
 ])
 def test_more_ranks_match_one_process(name, pipeline, tensor, tmp_path):
     build(name, tmp_path / "model")

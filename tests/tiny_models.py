@@ -83,6 +83,16 @@ CASES: dict[str, tuple[str, dict]] = {
         n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=24,
         first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         norm_topk_prob=True, rope_interleave=False)),
+    # gpt-oss: attention sinks, sliding (window 8) and full layers, q/k/v/o biases, YaRN, a
+    # router with a bias and a softmax over the chosen experts, clamped SwiGLU experts with
+    # biases (a low limit, so that the clamps act).
+    "gpt-oss": ("GptOssConfig", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=8,
+        swiglu_limit=1.0,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False,
+                             original_max_position_embeddings=16))),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)),
 }

@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
@@ -57,6 +58,11 @@ class MoEConfig:
     (``router_bias``: the checkpoint's ``e_score_correction_bias``), first keeping the
     ``topk_groups`` groups whose two best biased scores sum highest ("noaux_tc"); the mixing
     weights are the unbiased scores.
+
+    gpt-oss's router has a bias in its logits, mixes by a softmax over the chosen experts'
+    logits ("topk_softmax"), and its experts have biases and a clamped SwiGLU
+    (``expert_act`` "clamped_swiglu": (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate
+    clamped from above at ``swiglu_limit``; gate and up rows alternate, as gpt-oss stores them).
     """
 
     num_experts: int
@@ -67,8 +73,13 @@ class MoEConfig:
     shared_gate: bool = False
     dense_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP
     router_float32: bool = False  # DeepSeek scores experts in float32
-    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3), "topk_softmax" (gpt-oss)
     router_bias: bool = False  # a per-expert bias added to the scores only to choose experts
+    router_logit_bias: bool = False  # the router's linear layer has a bias (gpt-oss)
+    expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    expert_act: str = "silu"  # or "clamped_swiglu" (gpt-oss)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2), "noaux_tc" (V3)
     num_groups: int = 1
     topk_groups: int = 1
@@ -113,6 +124,7 @@ class ModelConfig:
     o_bias: bool = False  # Llama's attention_bias
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax
     sliding_window: int | None = None
     # Per-layer attention kinds ("sliding_attention" / "full_attention"); None: every layer
     # uses sliding_window (if any). Gemma 3 interleaves the two.
@@ -316,6 +328,14 @@ def _gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
 def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The MoE (and MLA) fields of a ModelConfig for the mixture-of-experts architectures."""
     layers = cfg["num_hidden_layers"]
+    if arch == "GptOssForCausalLM":
+        moe = MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                        intermediate_size=cfg["intermediate_size"], norm_topk_prob=False,
+                        scoring="topk_softmax", router_logit_bias=True, expert_bias=True,
+                        expert_act="clamped_swiglu",
+                        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+        return dict(moe=moe)
     if arch == "MixtralForCausalLM":
         moe = MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                         intermediate_size=cfg["intermediate_size"])
@@ -407,13 +427,18 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             rope=_rope_from_hf(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            attention_sinks=arch == "GptOssForCausalLM",
             sliding_window=window,
             hidden_act=cfg.get("hidden_act") or "silu",
         )
         if arch == "Gemma3ForCausalLM":
             fields |= _gemma3_from_hf(cfg)
+        if arch == "GptOssForCausalLM":  # sliding and full layers as layer_types says
+            fields["layer_types"] = list(cfg.get("layer_types") or [
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(cfg["num_hidden_layers"])])
         if arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+                    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"):
             fields |= _moe_from_hf(arch, cfg)
         return ModelConfig(
             architecture=arch,

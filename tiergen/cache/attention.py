@@ -12,7 +12,8 @@ from tiergen import kernels
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              sparsity: float = 1.0, key_valid: torch.Tensor | None = None) -> torch.Tensor:
+              sparsity: float = 1.0, key_valid: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention of q (B, H, T, D) over k (B, KVH, S, D), v (B, KVH, S, Dv),
     scaled by D**-0.5 (a layer wanting another scale pre-scales q).
 
@@ -22,10 +23,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     query's largest attention weights, renormalised, and reads only their V rows.
     ``key_valid`` (B, S), given when the keys are timeline slots [0, S) ending with the
     query's own T tokens (a prompt chunk after the first), says which slots hold tokens; it
-    lets a chunk skip the masked path (see ``_chunk_attention``).
+    lets a chunk skip the masked path (see ``_chunk_attention``). ``sinks`` (H,): gpt-oss's
+    attention sinks, one logit per head that joins the softmax but adds no value.
     """
     B, H, T, D = q.shape
     kvh = k.shape[1]
+    if sinks is not None:
+        return _sink_attention(q, k, v, mask, sinks)
     if T == 1 and sparsity == 1 and (out := kernels.decode_attention(q, k, v, mask)) is not None:
         return out  # float32 on a CPU: one call
     if T == 1:
@@ -44,6 +48,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+_SINK_QUERIES = 256  # queries per pass of _sink_attention: bounds its scores' memory
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax also holds one logit per head (its sink) that takes weight
+    but gives no value, as gpt-oss computes it: the scores spelled out, a few hundred
+    queries at a time. A query whose keys are all masked gets all its weight on the sink."""
+    B, H, T, D = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    if mask is None:  # plain causal: the T queries are the last T of the S keys
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+    sink = sinks.to(torch.float32).view(1, H, 1, 1)
+    out = []
+    for t in range(0, T, _SINK_QUERIES):
+        qt = q[:, :, t:t + _SINK_QUERIES]
+        n = qt.shape[2]
+        scores = torch.matmul(qt.reshape(B, kvh, H // kvh * n, D), k.transpose(-1, -2))
+        scores = (scores.view(B, H, n, S) * D**-0.5).float()
+        scores = scores.masked_fill(~mask[:, :, t:t + n], float("-inf"))
+        probs = torch.softmax(torch.cat([scores, sink.expand(B, H, n, 1)], dim=-1), dim=-1)
+        probs = probs[..., :-1].to(v.dtype).reshape(B, kvh, H // kvh * n, S)
+        out.append(torch.matmul(probs, v).view(B, H, n, v.shape[-1]))
+    return torch.cat(out, dim=2)
 
 
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

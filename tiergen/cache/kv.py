@@ -22,17 +22,21 @@ class KVView:
         self.sparsity = sparsity  # of decode attention (see cache.attention)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-               meta: StepMeta) -> torch.Tensor:
-        """Append this step's k, v (B, KVH, T, D) and attend q (B, H, T, D) over the cache."""
+               meta: StepMeta, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Append this step's k, v (B, KVH, T, D) and attend q (B, H, T, D) over the cache
+        (``sinks``: per-head logits in the softmax's denominator, see ``attention``)."""
         where, there = q.device, self.k.device
         if there != where:
             q, k, meta = q.to(there), k.to(there), meta.to(there)
             v = None if v is None else v.to(there)
-        return self._attend(q, k, v, meta).to(where)
+            sinks = None if sinks is None else sinks.to(there)
+        return self._attend(q, k, v, meta, sinks).to(where)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta,
+                sinks: torch.Tensor | None) -> torch.Tensor:
         k_all, v_all = self.update(k, v, meta)
-        return attention(q, k_all, v_all, meta.mask, self.sparsity, meta.valid[:, :meta.end])
+        return attention(q, k_all, v_all, meta.mask, self.sparsity, meta.valid[:, :meta.end],
+                         sinks)
 
     def decode_slots(self, meta: StepMeta) -> tuple[int, torch.Tensor] | None:
         """For a step of one new token per row that attends to the buffers as they are once
@@ -101,14 +105,16 @@ class RollingKVView(KVView):
         self.k[:, :, idx] = k[:, :, -keep:]
         self.v[:, :, idx] = v[:, :, -keep:]
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta,
+                sinks: torch.Tensor | None) -> torch.Tensor:
         if k.shape[2] == 1:  # decode: write first, then the ring is exactly the window
             self._write(k, v, meta)
-            return attention(q, self.k, self.v, self._decode_mask(meta), self.sparsity)
+            return attention(q, self.k, self.v, self._decode_mask(meta), self.sparsity,
+                             sinks=sinks)
         key_slots = torch.cat([self._slots(meta.start, q.device),
                                torch.arange(meta.start, meta.end, device=q.device)])
         out = attention(q, torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
-                        self._mask(key_slots, meta))
+                        self._mask(key_slots, meta), sinks=sinks)
         self._write(k, v, meta)
         return out
 
@@ -138,7 +144,7 @@ class LatentKVView(KVView):
         return None  # the latent rows are no K/V a fused layer writes
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                meta: StepMeta) -> torch.Tensor:
+                meta: StepMeta, sinks: torch.Tensor | None) -> torch.Tensor:
         rows, _ = self.update(k, None, meta)
         # values are the first `rank` numbers of each row: attend with the whole row as value
         # (contiguous, no copy) and drop the RoPE part of the output

@@ -10,6 +10,7 @@ FAMILIES = {
     "DeepseekV2ForCausalLM": DeepseekV2,
     "DeepseekV3ForCausalLM": DeepseekV2,  # V3's differences are in its config (routing)
     "Gemma3ForCausalLM": Gemma3,
+    "GptOssForCausalLM": Llama,
     "LlamaForCausalLM": Llama,
     "MistralForCausalLM": Llama,
     "MixtralForCausalLM": Llama,

@@ -1,7 +1,7 @@
 """The Llama family: Llama 2/3.x, Mistral (sliding window or not), Qwen2 (q/k/v biases),
-Qwen3 (per-head q/k RMSNorm), and their mixture-of-experts versions Mixtral, Qwen2-MoE and
-Qwen3-MoE (``cfg.moe``: the MLP of a layer becomes routed experts). The differences are
-config flags.
+Qwen3 (per-head q/k RMSNorm), their mixture-of-experts versions Mixtral, Qwen2-MoE and
+Qwen3-MoE (``cfg.moe``: the MLP of a layer becomes routed experts), and gpt-oss (attention
+sinks, sliding and full layers, experts with biases). The differences are config flags.
 
 Per layer: h += o_proj(attn(rope(q), rope(k), v)) over rms_norm(h); h += mlp(rms_norm(h)).
 """
@@ -16,7 +16,8 @@ from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
 from tiergen.models.layers import (LayerKind, apply_rope, cat_rows, embedding, fused_decode,
-                                   linear, rms_norm, rope_cos_sin, rope_inv_freq)
+                                   linear, rms_norm, rope_attention_factor, rope_cos_sin,
+                                   rope_inv_freq)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
 
 # the names of tiergen.kernels.layer -> this family's (see fuse_layer)
@@ -30,6 +31,7 @@ class Llama:
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.reduce = cfg, no_reduce
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        self.rope_factor = rope_attention_factor(cfg.rope)  # YaRN scales cos and sin
         self.kind = LayerKind(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
@@ -56,6 +58,8 @@ class Llama:
         if c.qk_norm:
             specs |= {p + "self_attn.q_norm.weight": (c.head_dim,),
                       p + "self_attn.k_norm.weight": (c.head_dim,)}
+        if c.attention_sinks:
+            specs[p + "self_attn.sinks"] = (c.num_heads,)
         return specs
 
     def fused_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
@@ -71,6 +75,8 @@ class Llama:
             specs["o_bias"] = (c.hidden_size,)
         if c.qk_norm:
             specs["q_norm"] = specs["k_norm"] = (c.head_dim,)
+        if c.attention_sinks:
+            specs["sinks"] = (c.num_heads,)
         return specs
 
     def fuse_globals(self, raw: Weights) -> Weights:
@@ -92,10 +98,15 @@ class Llama:
             w["o_bias"] = r["self_attn.o_proj.bias"]
         if self.cfg.qk_norm:
             w["q_norm"], w["k_norm"] = r["self_attn.q_norm.weight"], r["self_attn.k_norm.weight"]
+        if self.cfg.attention_sinks:
+            w["sinks"] = r["self_attn.sinks"]
         return w
 
     def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(self.inv_freq.to(meta.positions.device), meta.positions, dtype)
+        cos, sin = rope_cos_sin(self.inv_freq.to(meta.positions.device), meta.positions, dtype)
+        if self.rope_factor != 1.0:
+            cos, sin = cos * self.rope_factor, sin * self.rope_factor
+        return cos, sin
 
     def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
         # the residual stream is float32 (see rms_norm); the norm weights hold the compute dtype
@@ -105,7 +116,8 @@ class Llama:
               shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, T, _ = h.shape
         c = self.cfg
-        if T == 1 and self.reduce is no_reduce and not c.is_moe_layer(i) and (out := fused_decode(
+        if T == 1 and self.reduce is no_reduce and not c.is_moe_layer(i) \
+                and not c.attention_sinks and (out := fused_decode(
                 self.kind, FUSED_NAMES, w, h, meta, cache, shared)) is not None:
             return out
         x = rms_norm(h, w["input_norm"], c.rms_norm_eps)
@@ -121,7 +133,7 @@ class Llama:
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KVH, T, D)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        o = cache.attend(q, k, v, meta).transpose(1, 2).reshape(B, T, -1)
+        o = cache.attend(q, k, v, meta, w.get("sinks")).transpose(1, 2).reshape(B, T, -1)
         h = h + self.reduce(linear(o, w["o"], w.get("o_bias")))
         return h + self.reduce(ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps)))
 

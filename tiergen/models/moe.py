@@ -26,27 +26,56 @@ Specs = dict[str, tuple[int, ...]]
 
 class Experts:
     """Routed experts' weights as two stacked tensors, gate_up (E, 2I, H) and down (E, H, I),
-    resident where compute runs. Offloaded stores (host RAM behind a GPU, disk) subclass it."""
+    and their biases (E, 2I) and (E, H) where the model has them, resident where compute
+    runs. Offloaded stores (host RAM behind a GPU, disk) subclass it."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,
+                 gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None) -> None:
         self.gate_up, self.down = gate_up, down
+        self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
     def fetch(self, ids: list[int]) -> None:
         """Experts ``ids`` are about to run (the others will not be asked for)."""
 
-    def mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def weights(self, e: int) -> tuple[torch.Tensor | None, ...]:
+        """Expert e's gate_up, down, gate_up bias and down bias (None: no bias)."""
+        return (self.gate_up[e], self.down[e],
+                None if self.gate_up_bias is None else self.gate_up_bias[e],
+                None if self.down_bias is None else self.down_bias[e])
+
+    def mlp(self, e: int, x: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
         """Expert e on its tokens x (n, H)."""
-        return swiglu_mlp(x, self.gate_up[e], self.down[e])
+        return expert_mlp(cfg, x, *self.weights(e))
+
+
+def expert_mlp(cfg: MoEConfig, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               gate_up_bias: torch.Tensor | None = None,
+               down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's MLP: SwiGLU, or gpt-oss's clamped form (see MoEConfig), whose gate and
+    up rows alternate."""
+    if cfg.expert_act == "silu":
+        return swiglu_mlp(x, gate_up, down, gate_up_bias, down_bias)
+    gate_up = linear(x, gate_up, gate_up_bias)
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=cfg.swiglu_limit)
+    up = up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+    return linear((up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha)), down, down_bias)
 
 
 def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          bias: torch.Tensor | None = None, logit_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chosen experts (N, k) and their float32 mixing weights (N, k) for tokens x (N, H).
-    ``bias`` (E,): added to the scores to choose experts, not to weigh them (DeepSeek-V3)."""
+    ``bias`` (E,): added to the scores to choose experts, not to weigh them (DeepSeek-V3);
+    ``logit_bias`` (E,): the router's own bias (gpt-oss)."""
     if cfg.router_float32:
         logits = F.linear(x.float(), gate.float())
     else:
-        logits = linear(x, gate)
+        logits = linear(x, gate, logit_bias)
+    if cfg.scoring == "topk_softmax":  # gpt-oss: a softmax over the chosen experts' logits
+        top, ids = logits.topk(cfg.top_k, dim=-1)
+        return ids, torch.softmax(top.float(), dim=-1) * cfg.routed_scaling_factor
     if cfg.scoring == "sigmoid":
         scores = logits.float().sigmoid()
     else:
@@ -72,23 +101,23 @@ def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   experts: Experts, local: range | None = None) -> torch.Tensor:
+                   experts: Experts, cfg: MoEConfig) -> torch.Tensor:
     """Mix the chosen experts' outputs for tokens x (N, H); returns (N, H) in x's dtype.
-    ``local``: the experts this rank holds (tensor parallelism), ``experts`` indexed from
+    Under tensor parallelism a rank holds ``cfg.local_experts``, ``experts`` indexed from
     its first; the others' shares are left to their ranks."""
+    local = cfg.local_experts
     k = ids.shape[1]
     flat, mix = ids.flatten(), weights.flatten()
     order = flat.argsort(stable=True)  # token slots grouped by expert
     counts = torch.bincount(flat).tolist()
     ends = list(accumulate(counts))
-    first = local.start if local else 0
-    active = [e for e, c in enumerate(counts) if c and (local is None or e in local)]
-    experts.fetch([e - first for e in active])
+    active = [e for e, c in enumerate(counts) if c and e in local]
+    experts.fetch([e - local.start for e in active])
     out = torch.zeros_like(x)
     for e in active:
         slots = order[ends[e] - counts[e]:ends[e]]
         tokens = slots // k
-        y = experts.mlp(e - first, x[tokens])
+        y = experts.mlp(e - local.start, x[tokens], cfg)
         out.index_add_(0, tokens, y * mix[slots, None].to(y.dtype))
     return out
 
@@ -101,8 +130,8 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    ids, weights = route(cfg, x, w["router"], w.get("router_bias"))
-    y = routed_experts(x, ids, weights, w["experts"], cfg.local_experts)
+    ids, weights = route(cfg, x, w["router"], w.get("router_bias"), w.get("router_logit_bias"))
+    y = routed_experts(x, ids, weights, w["experts"], cfg)
     if cfg.shared_intermediate_size:
         shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
         if cfg.shared_gate:
@@ -130,6 +159,12 @@ CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
 }
 CHECKPOINT_NAMES["DeepseekV3ForCausalLM"] = CHECKPOINT_NAMES["DeepseekV2ForCausalLM"] | {
     "router_bias": "mlp.gate.e_score_correction_bias"}
+# gpt-oss stores every expert in one tensor, transposed: gate_up (E, H, 2I) with gate and up
+# in alternate columns (kept alternating: see expert_mlp), down (E, I, H); "stacked" names it.
+CHECKPOINT_NAMES["GptOssForCausalLM"] = {
+    "stacked": "", "router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias",
+    "gate_up": "mlp.experts.gate_up_proj", "gate_up_bias": "mlp.experts.gate_up_proj_bias",
+    "down": "mlp.experts.down_proj", "down_bias": "mlp.experts.down_proj_bias"}
 
 
 # -- the feed-forward part of a layer: a dense SwiGLU MLP, or a MoE one ---------------------
@@ -183,6 +218,10 @@ def moe_specs(cfg: MoEConfig, hidden: int) -> Specs:
              "experts.down": (e, hidden, i)}
     if cfg.router_bias:
         specs["router_bias"] = (cfg.num_experts,)
+    if cfg.router_logit_bias:
+        specs["router_logit_bias"] = (cfg.num_experts,)
+    if cfg.expert_bias:
+        specs |= {"experts.gate_up_bias": (e, 2 * i), "experts.down_bias": (e, hidden)}
     if cfg.shared_intermediate_size:
         s = cfg.shared_intermediate_size
         specs |= {"shared_gate_up": (2 * s, hidden), "shared_down": (hidden, s)}
@@ -199,6 +238,12 @@ def fuse_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) 
     "shared_expert_gate" as the model has them.
     """
     n = cfg.local_experts
+    if "stacked" in names:
+        return {"router": r[names["router"]], "router_logit_bias": r[names["router_logit_bias"]],
+                "experts.gate_up": r[names["gate_up"]][n.start:n.stop].mT.contiguous(),
+                "experts.gate_up_bias": r[names["gate_up_bias"]][n.start:n.stop],
+                "experts.down": r[names["down"]][n.start:n.stop].mT.contiguous(),
+                "experts.down_bias": r[names["down_bias"]][n.start:n.stop]}
     w = {"router": r[names["router"]],
          "experts.gate_up": torch.stack([torch.cat([r[names["gate"].format(e=e)],
                                                     r[names["up"].format(e=e)]]) for e in n]),
@@ -216,7 +261,11 @@ def fuse_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) 
 def checkpoint_moe_specs(cfg: MoEConfig, hidden: int, names: dict[str, str]
                          ) -> dict[str, tuple[int, ...]]:
     """Checkpoint names (as in :func:`fuse_moe`) and shapes of a MoE MLP."""
-    i = cfg.intermediate_size
+    i, e = cfg.intermediate_size, cfg.num_experts
+    if "stacked" in names:
+        return {names["router"]: (e, hidden), names["router_logit_bias"]: (e,),
+                names["gate_up"]: (e, hidden, 2 * i), names["gate_up_bias"]: (e, 2 * i),
+                names["down"]: (e, i, hidden), names["down_bias"]: (e, hidden)}
     specs = {names["router"]: (cfg.num_experts, hidden)}
     if cfg.router_bias:
         specs[names["router_bias"]] = (cfg.num_experts,)

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tiergen.models.layers import swiglu_mlp
-from tiergen.models.moe import Experts
+from tiergen.config import MoEConfig
+from tiergen.models.moe import Experts, expert_mlp
 from tiergen.offload.disk import OffloadedWeights
 
-NAMES = ("experts.gate_up", "experts.down")
+# the stacked tensors of a layer's routed experts (the biases where the model has them)
+NAMES = ("experts.gate_up", "experts.down", "experts.gate_up_bias", "experts.down_bias")
 
 
 def is_expert(name: str) -> bool:
@@ -52,7 +53,7 @@ class HostRates:
 
 
 class OffloadedExperts(Experts):
-    """One layer's routed experts, each of the two stacked tensors either in host RAM
+    """One layer's routed experts, each of the stacked tensors either in host RAM
     (``resident``) or on disk (read row by row into ``buffers``, host tensors of full shape
     owned by the caller and reused layer after layer)."""
 
@@ -60,10 +61,11 @@ class OffloadedExperts(Experts):
                  disk: OffloadedWeights | None, buffers: dict[str, torch.Tensor],
                  device: torch.device, rates: HostRates) -> None:
         self.layer, self.disk, self.device, self.rates = layer, disk, device, rates
-        self.tensors = {n: resident[n] if n in resident else buffers[n] for n in NAMES}
-        self.on_disk = [n for n in NAMES if n not in resident]
+        self.tensors = {n: resident[n] if n in resident else buffers[n] for n in NAMES
+                        if n in resident or n in buffers}
+        self.on_disk = [n for n in self.tensors if n not in resident]
         self.loaded: set[int] = set()  # experts of this layer now in the buffers
-        super().__init__(self.tensors["experts.gate_up"], self.tensors["experts.down"])
+        super().__init__(*(self.tensors.get(n) for n in NAMES))
 
     def fetch(self, ids: list[int]) -> None:
         """Read the chosen experts not yet read for this layer (micro-batches of a block
@@ -74,12 +76,13 @@ class OffloadedExperts(Experts):
                     self.disk.read_row(self.layer, name, e, self.tensors[name][e])
                 self.loaded.add(e)
 
-    def mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.gate_up[e], self.down[e]
+    def mlp(self, e: int, x: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+        weights = self.weights(e)
+        gate_up = weights[0]
         if x.device == gate_up.device:
-            return swiglu_mlp(x, gate_up, down)
-        nbytes = gate_up.nbytes + down.nbytes
+            return expert_mlp(cfg, x, *weights)
+        nbytes = sum(t.nbytes for t in weights if t is not None)
         if self.rates.on_host(x.shape[0], nbytes, x.shape[-1], gate_up.element_size()):
-            return swiglu_mlp(x.to(gate_up.device), gate_up, down).to(x.device)
-        return swiglu_mlp(x, gate_up.to(x.device, non_blocking=True),
-                          down.to(x.device, non_blocking=True))
+            return expert_mlp(cfg, x.to(gate_up.device), *weights).to(x.device)
+        return expert_mlp(cfg, x, *(None if t is None else t.to(x.device, non_blocking=True)
+                                    for t in weights))

@@ -230,6 +230,8 @@ class TieredWeights:
                         for j in range(cfg.num_layers)]
             found = {} if plan.compress else in_place_entries(source, specs, segments, dtype,
                                                               plan.blocks)
+            # routed experts are read expert by expert: always from the converted copy
+            found = {k: e for k, e in found.items() if not is_expert(k.split("/", 1)[1])}
             rest = [[n for n in plan.shapes[j] if OffloadedWeights.key(j, n) not in found]
                     for j in range(cfg.num_layers)]
             converted = None
@@ -323,8 +325,9 @@ class TieredWeights:
             return weights
         weights = {n: t for n, t in weights.items() if not is_expert(n)}
         resident = {n: self.resident[j][n] for n in EXPERT_NAMES if n in self.resident[j]}
-        if len(resident) == 2 and all(t.device == self.device for t in resident.values()):
-            weights["experts"] = Experts(resident[EXPERT_NAMES[0]], resident[EXPERT_NAMES[1]])
+        if (len(resident) == sum(n in self.tiers[j] for n in EXPERT_NAMES)
+                and all(t.device == self.device for t in resident.values())):
+            weights["experts"] = Experts(*(resident.get(n) for n in EXPERT_NAMES))
         else:
             weights["experts"] = OffloadedExperts(j, resident, self.disk, self._expert_buffers,
                                                   self.device, self.expert_rates)

@@ -115,7 +115,7 @@ class ShardPlan:
         q, kv = _scaled(self.heads, q_unit), _scaled(self.kv_heads, cfg.head_dim)
         bias = None if self.rank else (0, range(cfg.hidden_size))
         rules = {"self_attn.q_proj.weight": (0, q), "self_attn.q_proj.bias": (0, q),
-                 "self_attn.q_b_proj.weight": (0, q),
+                 "self_attn.q_b_proj.weight": (0, q), "self_attn.sinks": (0, self.heads),
                  "self_attn.o_proj.weight": (1, _scaled(self.heads, o_unit)),
                  "self_attn.o_proj.bias": bias, "mlp.down_proj.bias": bias,
                  LM_HEAD: (0, self.vocab[self.rank])}
