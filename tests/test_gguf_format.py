@@ -84,6 +84,21 @@ def test_k_quants_match_reference(qtype):
     np.testing.assert_array_equal(got.numpy(), expected)
 
 
+def test_mxfp4_matches_reference():
+    # every exponent (0 and 1 give subnormal scales, 255 the largest) and every nibble
+    rng = np.random.default_rng(39)
+    blocks = rng.integers(0, 256, size=(256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)
+    with np.errstate(over="ignore"):  # the largest exponents times 12 overflow to inf
+        expected = ref_dequantize(blocks.reshape(8, -1), T.MXFP4)
+    got = _deq(blocks, T.MXFP4, (8, 32 * 32))
+    np.testing.assert_array_equal(got.numpy(), expected)
+    x = (rng.standard_normal((4, 64)) * 3).astype(np.float32)
+    raw = ref_quantize(x, T.MXFP4)
+    np.testing.assert_array_equal(_deq(raw.view(np.uint8), T.MXFP4, x.shape).numpy(),
+                                  ref_dequantize(raw, T.MXFP4))
+
+
 def test_q8_k():
     # gguf-py has no Q8_K dequantiser: block = float32 d, int8 qs[256], int16 bsums[16].
     rng = np.random.default_rng(0)

@@ -26,9 +26,11 @@ def random_packed(ggml_type: int, rows: int, cols: int, seed: int = 0) -> Packed
     rng = np.random.default_rng(seed)
     block, size = ggml_type_sizes(ggml_type)
     blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    for offset in F16_FIELDS[ggml_type]:
+    for offset in F16_FIELDS.get(ggml_type, ()):
         scale = rng.uniform(-0.05, 0.05, size=len(blocks)).astype(np.float16)
         blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    if ggml_type == GGMLType.MXFP4:  # its E8M0 exponent: scales 2^-10 to 2^-3
+        blocks[:, 0] = rng.integers(118, 126, size=len(blocks))
     return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
 
 
@@ -45,7 +47,7 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e
 
 def test_every_required_type_is_packed():
     names = {GGMLType(t).name for t in PACKED_TYPES}
-    assert names == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert names == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
 
 
 @pytest.fixture(params=["native", "torch"])

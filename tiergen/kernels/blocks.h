@@ -187,8 +187,32 @@ static inline void un_q6_k(const uint8_t *R b, int8_t *R q, float *R a, float *R
     }
 }
 
+/* MXFP4 (gpt-oss's experts): 32 E2M1 values, low nibbles first, and one E8M0 exponent. The
+ * values are read doubled, {0, 1, 2, 3, 4, 6, 8, 12} and their negatives (all integers), with
+ * the scale halved: 2^(e - 128), made from its bits (e < 2 gives a subnormal), as ggml does. */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void un_mxfp4(const uint8_t *R b, int8_t *R q, float *R a, float *R c) {
+    static const int8_t kv[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#if defined(__AVX2__)
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 1)), low = _mm_set1_epi8(15);
+    const __m128i t = _mm_loadu_si128((const __m128i *)kv);
+    const __m128i lo = _mm_shuffle_epi8(t, _mm_and_si128(v, low));
+    const __m128i hi = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), low));
+    _mm256_storeu_si256((__m256i *)q, _mm256_set_m128i(hi, lo));
+#else
+    for (int j = 0; j < 16; j++) q[j] = kv[b[1 + j] & 15], q[16 + j] = kv[b[1 + j] >> 4];
+#endif
+    a[0] = e8m0_half(b[0]), c[0] = 0.0f;
+}
+
 /* PREFIX_<type>SUFFIX ARGS for a GGML type id (ggml.h: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8,
- * Q4_K 12, Q5_K 13, Q6_K 14), then return 0; -1 for a type without a kernel. */
+ * Q4_K 12, Q5_K 13, Q6_K 14, MXFP4 39), then return 0; -1 for a type without a kernel. */
 #define DISPATCH(PREFIX, TYPE, SUFFIX, ARGS)                                                  \
     switch (TYPE) {                                                                           \
     case 2: PREFIX##_q4_0##SUFFIX ARGS; return 0;                                             \
@@ -199,6 +223,7 @@ static inline void un_q6_k(const uint8_t *R b, int8_t *R q, float *R a, float *R
     case 12: PREFIX##_q4_k##SUFFIX ARGS; return 0;                                            \
     case 13: PREFIX##_q5_k##SUFFIX ARGS; return 0;                                            \
     case 14: PREFIX##_q6_k##SUFFIX ARGS; return 0;                                            \
+    case 39: PREFIX##_mxfp4##SUFFIX ARGS; return 0;                                           \
     default: return -1;                                                                       \
     }
 

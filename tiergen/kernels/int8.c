@@ -606,6 +606,7 @@ IKERNELS(im_q8_0, 32, 32, 34, un_q8_0, 1)
 IKERNELS(im_q4_k, 256, 32, 144, un_q4_k, 0)
 IKERNELS(im_q5_k, 256, 32, 176, un_q5_k, 0)
 IKERNELS(im_q6_k, 256, 16, 210, un_q6_k, 0)
+IKERNELS(im_mxfp4, 32, 32, 17, un_mxfp4, 1)
 
 /* y (m rows, row stride ldy) = the quantised activations (m, k) @ W(n, k)^T. */
 static int tiled(int type, const uint8_t *w, int64_t n, int64_t k, const Panels *P, int qa,
@@ -619,7 +620,7 @@ static int tiled(int type, const uint8_t *w, int64_t n, int64_t k, const Panels 
  * a kernel. */
 int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16,
                  int *is_signed) {
-    *is_signed = type == 8 && !TILE512;
+    *is_signed = (type == 8 || type == 39) && !TILE512;
     DISPATCH(im, type, _view, (w, nb, q, a16, c16))
 }
 

@@ -15,14 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from tiergen import kernels
-from tiergen.weights.packed import Packed
-from tiergen.weights.quant import GGMLType
+from tiergen.weights.packed import PACKED_TYPES, Packed
 
 NORMS = ("attn_norm", "q_norm", "k_norm", "attn_out_norm", "ffn_norm", "ffn_out_norm")
 BIASES = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")
 MATRICES = ("qkv", "o", "gate_up", "down")
-KERNEL_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
-                GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K}
 _ptr = ctypes.c_void_p
 
 
@@ -70,7 +67,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     if entry is not None:
         return entry[0]
     if not all(isinstance(m, Packed) and m.device.type == "cpu" and m.shape[1] % 32 == 0
-               and all(t in KERNEL_TYPES for t, _ in m.parts) for m in mats):
+               and all(t in PACKED_TYPES for t, _ in m.parts) for m in mats):
         return None
     if not all(map(_usable, vecs)):
         return None

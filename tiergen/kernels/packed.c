@@ -171,6 +171,7 @@ KERNELS(mm_q8_0, 32, 32, 34, un_q8_0)
 KERNELS(mm_q4_k, 256, 32, 144, un_q4_k)
 KERNELS(mm_q5_k, 256, 32, 176, un_q5_k)
 KERNELS(mm_q6_k, 256, 16, 210, un_q6_k)
+KERNELS(mm_mxfp4, 32, 32, 17, un_mxfp4)
 
 /* y (m rows, row stride ldy) = x (m, k) @ W(n, k)^T; W's rows are k / QK blocks each. */
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,

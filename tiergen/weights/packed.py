@@ -26,7 +26,8 @@ from tiergen.weights.quant import (GGMLType, dequantize, ggml_type_name, ggml_ty
 
 # Block types kept packed (and multiplied packed); others are dequantised at load.
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
-                          GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+                          GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+                          GGMLType.MXFP4})
 
 Parts = tuple[tuple[int, int], ...]  # (ggml type, rows) in row order
 

@@ -194,6 +194,18 @@ def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
     return _scale(blocks, 0) * q.float() + _scale(blocks, 2)
 
 
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+                             dtype=torch.float32)  # E2M1, doubled
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # the E8M0 exponent e scales the doubled values by 2^(e - 128) (a subnormal for e < 2)
+    e = blocks[:, :1].long()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(torch.int32)
+    q = _nibbles(blocks[:, 1:]).flatten(1).long()
+    return _MXFP4_VALUES.to(blocks.device)[q] * bits.view(torch.float32)
+
+
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return blocks[:, 2:].view(torch.int8).float() * _scale(blocks, 0)
 
@@ -287,6 +299,7 @@ _DEQUANT: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
         GGMLType.Q5_K: _q5_k,
         GGMLType.Q6_K: _q6_k,
         GGMLType.Q8_K: _q8_k,
+        GGMLType.MXFP4: _mxfp4,
     }.items()
 }
 FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
