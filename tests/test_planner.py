@@ -302,7 +302,8 @@ def test_moe_plans_can_put_experts_on_disk(tmp_path):
 
 PARAMETERS = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "qwen2.5-72b": 72.71e9,
               "mixtral-8x22b": 140.63e9, "deepseek-v2": 235.74e9,
-              "deepseek-v3": 671e9}  # as their model cards count (V3's: without its MTP layer)
+              "deepseek-v3": 671e9, "gpt-oss-120b": 116.83e9}  # as their model cards
+# count (V3's without its multi-token-prediction layer)
 
 
 @pytest.mark.parametrize("name", sorted(PARAMETERS))
