@@ -91,7 +91,7 @@ def test_fused_specs_describe_fuse_layer(model_dir):
 # DeepSeek's latent projections are split: converted, while the rest of their layers is read
 # in place.
 IN_PLACE = {"llama-mha", "llama-gqa-tied", "llama-mqa-headdim", "llama3-rope", "mistral",
-            "mistral-window", "qwen2", "qwen2-window", "qwen3", "gemma3-window4",
+            "mistral-window", "qwen2", "qwen2-window", "qwen2-yarn", "qwen3", "gemma3-window4",
             "gemma3-window8-linear"}
 
 

@@ -43,6 +43,11 @@ CASES: dict[str, tuple[str, dict]] = {
                                                  rope_theta=1000000.0),
                              sliding_attention=dict(rope_type="default", rope_theta=10000.0)))),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    # YaRN on a Llama-family model: its ramp of frequencies and the factor on cos and sin
+    "qwen2-yarn": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                       rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
+                                                            factor=4.0,
+                                                            original_max_position_embeddings=16))),
     # use_sliding_window: layer 0 attends to everything, layers 1 and 2 to a window of 8
     "qwen2-window": ("Qwen2Config", dict(num_hidden_layers=3, num_attention_heads=4,
                                          num_key_value_heads=2, use_sliding_window=True,
