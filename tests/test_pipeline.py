@@ -60,6 +60,48 @@ def test_two_ranks_match_one_process(case, tmp_path):
     assert all(p.poll() is not None for p in workers), "a rank outlived close()"
 
 
+def _logprobs(seqs) -> list:
+    """Each sequence's tokens, and its token and prompt log-probabilities as (token, rank)
+    pairs and the values apart."""
+    def flat(entries):
+        return [None if e is None else sorted((t, p.rank) for t, p in e.items())
+                for e in entries or ()]
+
+    def values(entries):
+        return [p.logprob for e in entries or () if e is not None for _, p in sorted(e.items())]
+    return [(s.token_ids, flat(s.logprobs), flat(s.prompt_logprobs),
+             values(s.logprobs) + values(s.prompt_logprobs)) for s in seqs]
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["offline", "server"])
+def test_log_probabilities_come_back_from_the_last_stage(server, tmp_path):
+    """The last stage samples and sees the logits; rank 0 reports the same log-probabilities
+    of sampled and prompt tokens as one process, prompts chunked, rows asking or not, and
+    through a server's step-by-step scheduler."""
+    build("llama-gqa-tied", tmp_path / "model")
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3,
+                             prompt_logprobs=2) if i % 2 else GREEDY
+              for i in range(len(PROMPTS))]
+    expected = _logprobs(LLM(tmp_path / "model", **OPTIONS).generate(PROMPTS, params))
+    assert len(expected[1][2]) == 37 and expected[0][1] == []  # a long prompt; one not asking
+    with LLM(tmp_path / "model", **OPTIONS, pipeline_parallel=2) as llm:
+        if server:
+            from tiergen.engine.scheduler import Scheduler
+
+            sched = Scheduler(llm).start()
+            try:
+                requests = [sched.submit(p, q) for p, q in zip(PROMPTS, params)]
+                for r in requests:
+                    list(r.events(timeout=60))
+                got = _logprobs([r.seq for r in requests])
+            finally:
+                sched.stop()
+        else:
+            got = _logprobs(llm.generate(PROMPTS, params))
+    for g, e in zip(got, expected, strict=True):
+        assert g[:3] == e[:3] and g[3] == pytest.approx(e[3], abs=1e-5)
+
+
 @pytest.mark.parametrize("name", ["deepseek-v2", "gemma3-window8-linear", "qwen2-window"])
 def test_three_ranks_match_one_process(name, tmp_path):
     build(name, tmp_path / "model")

@@ -371,6 +371,26 @@ class MicroBatchState:
         self._logprobs = self.sampler.logprobs(logits, tokens)
         return tokens
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether a row asked for log-probabilities of its tokens or of its prompt."""
+        return any(s.params.logprobs is not None or s.params.prompt_logprobs is not None
+                   for s in self.live)
+
+    def logprobs_message(self) -> tuple:
+        """What :meth:`sample` found besides the tokens, for a rank that did not sample (the
+        pipeline's first): the sampled tokens' log-probabilities and, when this step ends
+        the prompts, the prompts' (which the sampling rank saw go by)."""
+        prompts = None if self.decoding else [s.prompt_logprobs for s in self.live]
+        return self._logprobs, prompts
+
+    def take_logprobs(self, message: tuple) -> None:
+        """The counterpart of :meth:`logprobs_message`, before :meth:`apply`."""
+        self._logprobs, prompts = message
+        for s, entries in zip(self.live, prompts or ()):
+            if entries is not None:
+                s.prompt_logprobs = entries
+
     def advance(self, logits: torch.Tensor) -> Iterator[StepEvent]:
         """Sample this step's tokens, report them, and prepare the next step."""
         return self.apply(self.sample(logits) if self.samples else None)

@@ -264,10 +264,6 @@ class LLM:
         if outside:
             raise TiergenError(f"invalid sampling parameter: logit_bias names token id "
                                f"{outside[0]}, outside the vocabulary (0..{vocab - 1})")
-        if (params.logprobs is not None or params.prompt_logprobs is not None) and \
-                self.group is not None and self.group.sampler != 0:
-            raise TiergenError("log-probabilities are not available with pipeline_parallel > 1; "
-                               "run without it to get them")
 
     def prefill_chunk(self, tokens: int) -> int:
         """Tokens per prefill step over prompts of up to ``tokens`` tokens."""

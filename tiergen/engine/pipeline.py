@@ -23,8 +23,8 @@ import torch.distributed as dist
 from tiergen.engine.executor import Executor, MicroBatch
 from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity, prefill_chunk
 from tiergen.errors import TiergenError
-from tiergen.parallel.group import (HIDDEN, TOKENS, Group, join_torchrun, launch, run_stages,
-                                    under_torchrun)
+from tiergen.parallel.group import (HIDDEN, LOGPROBS, TOKENS, Group, join_torchrun, launch,
+                                    run_stages, under_torchrun)
 from tiergen.parallel.shard import ShardPlan
 from tiergen.parallel.stage import Stage, split_layers
 
@@ -103,6 +103,8 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
                                           group.sampler, TOKENS)
                     add_wait(start, decoding)
                     for s, tokens in zip(sampling, received):
+                        if group.rank == 0 and s.wants_logprobs:
+                            s.take_logprobs(group.recv_object(group.sampler, LOGPROBS))
                         yield from s.apply(tokens.to(s.valid.device))
                 live = [s for s in unit if not s.done]
                 if not live:
@@ -116,6 +118,7 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
                     if out is not None else [None] * len(live)
                 if out is not None:
                     group.share([t for t in sampled if t is not None])
+                    send_logprobs(group, [s for s, t in zip(live, sampled) if t is not None])
                 for s, tokens in zip(live, sampled):
                     if tokens is not None or not s.samples:
                         yield from s.apply(tokens)
@@ -140,10 +143,21 @@ def step_ranks(executor: Executor, group: Group, states: list[MicroBatchState],
     else:
         tokens = [s.sample(lg) for s, lg in zip(states, out) if s.samples]
         group.share(tokens)
+        send_logprobs(group, sampling)
     received = iter(tokens)
     for s in states:
+        if s in sampling and out is None and group.rank == 0 and s.wants_logprobs:
+            s.take_logprobs(group.recv_object(group.sampler, LOGPROBS))
         yield from s.apply(next(received).to(s.valid.device) if s in sampling else None)
     group.flush()
+
+
+def send_logprobs(group: Group, sampled: list[MicroBatchState]) -> None:
+    """The sampling rank: send rank 0 the log-probabilities its micro-batches asked for (its
+    events are the ones that count), after their tokens."""
+    for s in sampled:
+        if group.rank != 0 and s.wants_logprobs:
+            group.send_object(s.logprobs_message(), 0, LOGPROBS)
 
 
 class Replica:

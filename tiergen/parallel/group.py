@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from tiergen.errors import TiergenError
 
-HIDDEN, TOKENS = 0, 1  # message tags: hidden states stage to stage, sampled tokens to all
+# message tags: hidden states stage to stage, sampled tokens to all, log-probabilities to 0
+HIDDEN, TOKENS, LOGPROBS = 0, 1, 2
 IDLE = timedelta(days=365)  # the control group waits for the user's next command
 # A new rank's interpreter imports torch before it can check in, which on a loaded machine
 # takes longer than a short answer timeout; a rank that exits instead is reported at once.
@@ -96,6 +97,17 @@ class Group:
         for r in range(self.size) if tokens else ():
             if r != self.sampler:
                 self.send(tokens, r, TOKENS)
+
+    def send_object(self, obj: object, dst: int, tag: int) -> None:
+        """Send a picklable object: its length, then its bytes."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.send([torch.tensor([len(data)])], dst, tag)
+        self.send([data], dst, tag)
+
+    def recv_object(self, src: int, tag: int) -> object:
+        (size,) = self.recv([((1,), torch.long)], src, tag)
+        (data,) = self.recv([((int(size),), torch.uint8)], src, tag)
+        return pickle.loads(data.numpy().tobytes())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over this stage's shards (in float32, returned in x's dtype)."""
