@@ -55,6 +55,9 @@ def random_packed(ggml_type: int, rows: int, cols: int) -> Packed:
     blocks[:, at:at + 2] = scale.reshape(-1, 2)
     if ggml_type in (GGMLType.Q4_1, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K):
         blocks[:, 2:4] = scale.reshape(-1, 2)
+    if ggml_type == GGMLType.MXFP4:  # an E8M0 exponent, then nibbles: scales 2^-10 to 2^-3
+        blocks[:, 0] = rng.integers(118, 126, size=len(blocks))
+        blocks[:, 1:3] = rng.integers(0, 256, size=(len(blocks), 2))
     return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
 
 
