@@ -203,6 +203,21 @@ def test_a_rank_that_stops_answering_times_out(llama):
     assert all(p.poll() is not None for p in llm.group.workers), "the stopped rank was left"
 
 
+@pytest.mark.parametrize("sig,message", [(signal.SIGKILL, "was killed by signal 9"),
+                                         (signal.SIGSTOP, "did not answer within 3 s")])
+def test_a_rank_lost_between_runs_is_named_at_the_next(llama, sig, message):
+    """Lost while rank 0 waits for the user: the next run's command and agreement notice it
+    within the timeout, rather than wait for ever."""
+    llm = LLM(llama, dtype="float32", pipeline_parallel=2, parallel_timeout=3)
+    llm.generate(PROMPTS, GREEDY)
+    os.kill(llm.group.workers[0].pid, sig)
+    started = time.monotonic()
+    with pytest.raises(TiergenError, match=f"parallel rank 1 {message}"):
+        llm.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - started < 30
+    assert all(p.poll() is not None for p in llm.group.workers), "the lost rank was left"
+
+
 def test_the_command_line_runs_a_pipeline(capsys):
     from tiergen import cli
 

@@ -196,7 +196,7 @@ class LLM:
             self.executor = executor()
         else:
             try:
-                self.executor = self.group.agree(executor)
+                self.executor = self.group.agree(executor, patient=True)
             except BaseException:
                 self.group.close(graceful=False)
                 raise

@@ -61,7 +61,14 @@ class Group:
         self.pipeline, self.stage, self.shard = size // tensor, rank // tensor, rank % tensor
         self.sampler = (self.pipeline - 1) * tensor  # samples; its tokens go to all
         self.workers = workers or []  # the ranks this process started (rank 0, one machine)
-        self.control = dist.new_group(backend="gloo", timeout=IDLE)
+        answer = timedelta(seconds=timeout)
+        # commands: the other ranks wait for rank 0's next one as long as the user pauses,
+        # rank 0 for their taking it only as long as a rank answers
+        self.control = dist.new_group(backend="gloo", timeout=answer if rank == 0 else IDLE)
+        # agreeing during a run (every rank at work: one that does not answer has failed),
+        # and while loading (one rank can take far longer than another)
+        self.agreement = dist.new_group(backend="gloo", timeout=answer)
+        self.loading = dist.new_group(backend="gloo", timeout=IDLE)
         self.shards = None  # this stage's tensor-parallel group (every rank makes every one)
         for s in range(self.pipeline if tensor > 1 else 0):
             g = dist.new_group(list(range(s * tensor, (s + 1) * tensor)), backend="gloo",
@@ -160,25 +167,36 @@ class Group:
         return TiergenError(f"{who} {how}; rank {self.rank} stopped ({str(error).strip()[:200]})")
 
     # -- commands from rank 0 ------------------------------------------------------------
+    def _collective(self, collective: Callable, *args, group) -> None:
+        """A collective over one of the groups of every rank; a rank lost meanwhile (killed,
+        or silent past the group's timeout) is a fault, named."""
+        try:
+            collective(*args, group=group)
+        except RuntimeError as e:  # which rank failed is known only when there is one other
+            raise self.fault(1 - self.rank if self.size == 2 else None, e) from None
+
     def command(self, obj: object) -> None:
         """Rank 0: hand every other rank a command (None: shut down)."""
-        dist.broadcast_object_list([obj], src=0, group=self.control)
+        self._collective(dist.broadcast_object_list, [obj], 0, group=self.control)
 
     def next_command(self) -> object:
         """Any other rank: wait for rank 0's next command."""
         box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.control)
+        self._collective(dist.broadcast_object_list, box, 0, group=self.control)
         return box[0]
 
-    def agree(self, work: Callable[[], object]) -> object:
+    def agree(self, work: Callable[[], object], patient: bool = False) -> object:
         """Run ``work`` on every rank; if it fails on any, raise the first failure on all
-        (rank 0 says which rank), so that no rank goes on alone."""
+        (rank 0 says which rank), so that no rank goes on alone. A rank that does not
+        answer within the timeout has failed, unless ``patient`` (loading a model, which can
+        take one rank far longer than another)."""
         try:
             result, failure = work(), None
         except Exception as e:
             result, failure = None, e
         errors: list[str | None] = [None] * self.size
-        dist.all_gather_object(errors, failure and str(failure), group=self.control)
+        self._collective(dist.all_gather_object, errors, failure and str(failure),
+                         group=self.loading if patient else self.agreement)
         if failure is not None:
             raise failure
         for r, e in enumerate(errors):
