@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_scale import machine, read_bytes  # noqa: E402
 
 # DeepSeek-V3's architecture at a size this machine's disk holds: 11 MoE layers of 64
 # experts of 17.3 MB (12.2 GB of routed experts), 6 chosen of 8 groups' best 4.
@@ -74,13 +75,6 @@ def build(directory: Path) -> Path:
     return directory
 
 
-def read_bytes() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
-
-
 def child(a: argparse.Namespace) -> dict:
     import tiergen  # noqa: F401  (the CPU guard first)
     import tiergen.models.moe as moe
@@ -106,11 +100,10 @@ def child(a: argparse.Namespace) -> dict:
     # the prompt step alone, then the whole run: the decode steps are the difference
     marks = []
     for new in (1, a.gen_len):
-        routed[0], before, t = 0, read_bytes(), time.perf_counter()
+        routed[0], before = 0, read_bytes()
         llm.generate(ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-        marks.append((read_bytes() - before, routed[0], time.perf_counter() - t,
-                      llm.last_stats.decode_seconds))
-    (read1, routed1, _, _), (read, routed_all, _, decode_s) = marks
+        marks.append((read_bytes() - before, routed[0], llm.last_stats.decode_seconds))
+    (read1, routed1, _), (read, routed_all, decode_s) = marks
     steps = a.gen_len - 1
     return dict(batch=int(a.batch), read_per_step=(read - read1) / steps,
                 routed_per_step=(routed_all - routed1) / steps,
@@ -130,16 +123,13 @@ def main() -> None:
     if a.child:
         print(json.dumps(child(a)))
         return
-    sys.path.insert(0, str(HERE))
     from bench_plan import PageCacheEvictor
-    from tiergen.bench import cpu_description
 
     a.dir = str(Path(a.dir).resolve())
     directory = build(Path(a.dir) / "model")
     files = sorted(directory.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
-    cpu = cpu_description()
-    print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}), {os.cpu_count()} cores; checkpoint "
+    print(f"{machine()}; checkpoint "
           f"{size / 1e9:.1f} GB bfloat16; host budget {a.host_memory}; prompts of "
           f"{a.prompt_len} tokens, {a.gen_len} new; page cache evicted")
     print("| batch | GB read per decode step | GB of routed experts per step | ratio | "

@@ -592,7 +592,9 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
         }                                                                                     \
     }                                                                                         \
     /* nb blocks as a tile holds them (tg_tile_view) */                                       \
-    static void NAME##_view(const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16) { \
+    static void NAME##_view(const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16, \
+                            int *is_signed) {                                                 \
+        *is_signed = SIGNED && !TILE512;                                                      \
         DECODE_CHUNK(UNPACK, QK, L, BYTES, w, nb, (int8_t *)q, a16, c16, 1)                   \
         TILE_OFFSET(SIGNED, nb * QK / SB, a16, c16, 1)                                        \
         for (int64_t j = 0; j < nb * QK && TILE512 && SIGNED; j++) q[j] ^= 0x80;               \
@@ -620,8 +622,7 @@ static int tiled(int type, const uint8_t *w, int64_t n, int64_t k, const Panels 
  * a kernel. */
 int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16,
                  int *is_signed) {
-    *is_signed = (type == 8 || type == 39) && !TILE512;
-    DISPATCH(im, type, _view, (w, nb, q, a16, c16))
+    DISPATCH(im, type, _view, (w, nb, q, a16, c16, is_signed))
 }
 
 static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,

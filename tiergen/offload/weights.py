@@ -228,10 +228,10 @@ class TieredWeights:
             specs = [model.layer_specs(j) for j in range(cfg.num_layers)]
             segments = [layer_segments(lambda raw, j=j: model.fuse_layer(j, raw), specs[j])
                         for j in range(cfg.num_layers)]
-            found = {} if plan.compress else in_place_entries(source, specs, segments, dtype,
-                                                              plan.blocks)
             # routed experts are read expert by expert: always from the converted copy
-            found = {k: e for k, e in found.items() if not is_expert(k.split("/", 1)[1])}
+            found = {} if plan.compress else in_place_entries(
+                source, specs, [{n: r for n, r in layer.items() if not is_expert(n)}
+                                for layer in segments], dtype, plan.blocks)
             rest = [[n for n in plan.shapes[j] if OffloadedWeights.key(j, n) not in found]
                     for j in range(cfg.num_layers)]
             converted = None
