@@ -13,9 +13,12 @@ F32 = gguf.GGMLQuantizationType.F32
 def write_gguf(hf, arch: str, path, hf_to_gguf: dict[str, str], rope_theta: float,
                qtype: gguf.GGMLQuantizationType = F32,
                transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
-               metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
+               metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+               tensors: dict | None = None) -> None:
     """``hf_to_gguf`` maps global names and layer-relative names; ``transform(gguf_name, data)``
-    applies the converter's per-architecture changes; matrices are stored as ``qtype``."""
+    applies the converter's per-architecture changes; matrices (and stacks of them) are stored
+    as ``qtype``. ``tensors``: what to write, by Hugging Face name (default: the model's
+    state dict)."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
@@ -32,7 +35,7 @@ def write_gguf(hf, arch: str, path, hf_to_gguf: dict[str, str], rope_theta: floa
     w.add_vocab_size(c.vocab_size)
     if metadata:
         metadata(w)
-    for name, t in hf.state_dict().items():
+    for name, t in (hf.state_dict() if tensors is None else tensors).items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         key = name.removeprefix("model.")
@@ -44,7 +47,8 @@ def write_gguf(hf, arch: str, path, hf_to_gguf: dict[str, str], rope_theta: floa
         data = t.numpy().astype(np.float32)
         if transform:
             data = transform(gname, data)
-        if data.ndim == 2 and qtype != F32:
+        # as llama.cpp's converter, rows that are not whole blocks stay float
+        if data.ndim >= 2 and qtype != F32 and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, data)

@@ -115,9 +115,10 @@ def test_absorbed_equals_naive(case, tmp_path):
 
 def test_experts_run_where_cheapest():
     rates = HostRates(host_flops=1e11, host_bandwidth=5e10, link_bandwidth=2e10)
-    expert = 3 * 4096 * 14336 * 2  # a Mixtral expert in bfloat16
-    assert rates.on_host(1, expert, 4096, 2)  # decode: reading beats shipping
-    assert not rates.on_host(512, expert, 4096, 2)  # a long prompt: ship it to the GPU
+    params = 3 * 4096 * 14336  # a Mixtral expert
+    for nbytes in (params * 2, params * 9 // 16):  # bfloat16, Q4_0
+        assert rates.on_host(1, nbytes, params, 4096, 2)  # decode: reading beats shipping
+        assert not rates.on_host(512, nbytes, params, 4096, 2)  # a long prompt: ship it
 
 
 def test_bad_moe_configs_are_refused():

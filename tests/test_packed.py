@@ -10,7 +10,7 @@ import torch
 
 from tiergen import LLM, Policy, SamplingParams
 from tiergen import kernels
-from tiergen.weights.packed import PACKED_TYPES, Packed, cat_rows
+from tiergen.weights.packed import PACKED_TYPES, Packed, cat_rows, stack
 from tiergen.weights.quant import GGMLType, dequantize, ggml_type_sizes
 from test_gguf_model import GGUF_ARCH, write_model_gguf
 from test_offload import prefill_and_decode_logits
@@ -109,6 +109,26 @@ def test_embedding_rows_and_permutation():
     single = random_packed(GGMLType.Q5_0, 8, 64, 6)
     perm = torch.tensor([3, 1, 0, 2, 7, 6, 5, 4])
     assert torch.equal(single.permute_rows(perm).dequantize(), single.dequantize()[perm])
+
+
+def test_experts_stack_into_one_packed_tensor():
+    """Routed experts: E matrices of one layout stack into (E, out, in); expert e is a view
+    of its bytes, and a mix of layouts or of packed and float stacks as floats."""
+    experts = [cat_rows([random_packed(GGMLType.Q4_K, 8, 256, e), random_packed(GGMLType.Q6_K, 8, 256, 9 + e)])
+               for e in range(3)]
+    stacked = stack(experts)
+    assert stacked.shape == (3, 16, 256) and stacked.parts == experts[0].parts
+    assert stacked.nbytes == sum(m.nbytes for m in experts)
+    for e, m in enumerate(experts):
+        assert stacked[e].shape == m.shape and torch.equal(stacked[e].data, m.data)
+        assert stacked[e].data.data_ptr() == stacked.data.data_ptr() + e * m.nbytes
+    torch.testing.assert_close(stacked.dequantize(), torch.stack([m.dequantize() for m in experts]),
+                               rtol=0, atol=0)
+    mixed = stack([experts[0], random_packed(GGMLType.Q8_0, 16, 256)])
+    assert isinstance(mixed, torch.Tensor) and mixed.shape == (2, 16, 256)
+    torch.testing.assert_close(mixed[0], experts[0].dequantize(), rtol=0, atol=0)
+    with pytest.raises(Exception, match="needs"):
+        Packed(stacked.data[:-1], stacked.shape, stacked.parts)
 
 
 def test_corrupt_sizes_are_refused():

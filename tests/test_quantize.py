@@ -178,9 +178,12 @@ def test_which_tensors_are_quantised():
     for name, shape in [("model.embed_tokens.weight", (1000, 512)),
                         (layer + "input_layernorm.weight", (512,)),
                         (layer + "self_attn.q_proj.bias", (512,)),
-                        (layer + "block_sparse_moe.experts.0.w1.weight", (512, 512)),
                         (layer + "block_sparse_moe.gate.weight", (8, 512))]:
         assert kind(name, shape, "MixtralForCausalLM") is None
+    # routed experts are stacked packed
+    assert kind(layer + "block_sparse_moe.experts.0.w1.weight", (512, 512),
+                "MixtralForCausalLM") == q4_k
+    assert kind(layer + "mlp.experts.7.down_proj.weight", (512, 96), "Qwen3MoeForCausalLM") == q8_0
     # DeepSeek-V2 joins q_proj with kv_a_proj_with_mqa as plain tensors
     assert kind(layer + "self_attn.q_proj.weight", (512, 512), "DeepseekV2ForCausalLM") is None
     assert kind(layer + "self_attn.o_proj.weight", (512, 512), "DeepseekV2ForCausalLM") == q4_k
@@ -240,15 +243,35 @@ def test_q4_k_model_runs_on_q4_k_blocks(tmp_path):
     assert len(llm.generate(PROMPTS, GREEDY)[0].token_ids) == GREEDY.max_tokens
 
 
-@pytest.mark.parametrize("case", ["deepseek-v2", "qwen2-moe"])
+@pytest.mark.parametrize("case", ["deepseek-v2", "qwen2-moe", "mixtral"])
 def test_families_with_experts_take_quantised_matrices(case, tmp_path):
-    """Routed experts, routers and DeepSeek-V2's joined latent projections stay float."""
+    """Routed experts are quantised into packed stacks; routers and DeepSeek-V2's joined
+    latent projections stay float. On the float path the quantised model's logits are the
+    float model's within the weights' rounding, through every tier of the experts."""
     build(case, tmp_path / "hf")
-    llm = LLM(tmp_path / "hf", dtype="float32", device="cpu", quantize="q8_0")
-    packed = {n for n, t in llm.executor.weights.take(1).items() if isinstance(t, Packed)}
+    llm = LLM(tmp_path / "hf", dtype="float32", device="cpu", quantize="q8_0",
+              activations="float32")
+    weights = llm.executor.weights.take(1)
+    packed = {n for n, t in weights.items() if isinstance(t, Packed)}
+    experts = weights["experts"]
     llm.executor.weights.release(1)
-    assert "o" in packed and not {"router", "experts.gate_up", "experts.down"} & packed
-    assert len(llm.generate(PROMPTS, GREEDY)[0].token_ids) == GREEDY.max_tokens
+    assert "o" in packed and "router" not in packed
+    assert isinstance(experts.gate_up, Packed)
+    # down is (H, I): packed where I is whole blocks (DeepSeek-V2's tiny I is 24)
+    assert isinstance(experts.down, Packed) == (llm.executor.cfg.moe.intermediate_size % 32 == 0)
+    assert experts.gate_up.shape[0] == llm.executor.cfg.moe.num_experts
+    assert experts.gate_up.type_names == "Q8_0"
+    want = prefill_and_decode_logits(LLM(tmp_path / "hf", dtype="float32", device="cpu"))
+    got = prefill_and_decode_logits(llm)
+    for w, g in zip(want, got):
+        assert kl_divergence(w, g).mean() < 0.01  # a routing choice may flip
+    tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+    for policy in (dict(experts="disk"), dict(experts="host", weights=(0, 0))):
+        offloaded = LLM(tmp_path / "hf", dtype="float32", device="cpu", quantize="q8_0",
+                        activations="float32", policy=Policy(**policy, offload_dir=tmp_path / "off"))
+        assert [r.token_ids for r in offloaded.generate(PROMPTS, GREEDY)] == tokens
+        for a, b in zip(prefill_and_decode_logits(offloaded), got):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_the_quantised_file_is_written_once_and_reused(model, cache, monkeypatch):

@@ -20,13 +20,14 @@ import torch.nn.functional as F
 
 from tiergen.config import ModelConfig, MoEConfig
 from tiergen.models.layers import cat_rows, linear, swiglu_mlp
+from tiergen.weights.packed import stack
 
 Specs = dict[str, tuple[int, ...]]
 
 
 class Experts:
-    """Routed experts' weights as two stacked tensors, gate_up (E, 2I, H) and down (E, H, I),
-    and their biases (E, 2I) and (E, H) where the model has them, resident where compute
+    """Routed experts' weights as two stacked tensors, gate_up (E, 2I, H) and down (E, H, I)
+    (float, or :class:`~tiergen.weights.packed.Packed` stacks), and their biases (E, 2I) and (E, H) where the model has them, resident where compute
     runs. Offloaded stores (host RAM behind a GPU, disk) subclass it."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,
@@ -245,9 +246,9 @@ def fuse_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) 
                 "experts.down": r[names["down"]][n.start:n.stop].mT.contiguous(),
                 "experts.down_bias": r[names["down_bias"]][n.start:n.stop]}
     w = {"router": r[names["router"]],
-         "experts.gate_up": torch.stack([torch.cat([r[names["gate"].format(e=e)],
-                                                    r[names["up"].format(e=e)]]) for e in n]),
-         "experts.down": torch.stack([r[names["down"].format(e=e)] for e in n])}
+         "experts.gate_up": stack([cat_rows([r[names["gate"].format(e=e)],
+                                             r[names["up"].format(e=e)]]) for e in n]),
+         "experts.down": stack([r[names["down"].format(e=e)] for e in n])}
     if cfg.router_bias:
         w["router_bias"] = r[names["router_bias"]]
     if cfg.shared_intermediate_size:

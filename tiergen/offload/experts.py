@@ -9,6 +9,7 @@ expert's weights to the device or to run the expert on the CPU where they alread
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from tiergen.config import MoEConfig
 from tiergen.models.moe import Experts, expert_mlp
 from tiergen.offload.disk import OffloadedWeights
+from tiergen.weights.packed import Packed
 
 # the stacked tensors of a layer's routed experts (the biases where the model has them)
 NAMES = ("experts.gate_up", "experts.down", "experts.gate_up_bias", "experts.down_bias")
@@ -43,10 +45,11 @@ class HostRates:
         return cls(host_flops or d.host_flops, host_bandwidth or d.host_bandwidth,
                    link_bandwidth or d.link_bandwidth)
 
-    def on_host(self, tokens: int, weight_bytes: int, hidden: int, itemsize: int) -> bool:
-        """Whether running an expert on ``tokens`` tokens is cheaper on the host than moving
-        its ``weight_bytes`` of weights to the device (device compute is taken as free)."""
-        params = weight_bytes / itemsize
+    def on_host(self, tokens: int, weight_bytes: int, params: int, hidden: int,
+                itemsize: int) -> bool:
+        """Whether running an expert (``params`` weights in ``weight_bytes``) on ``tokens``
+        tokens is cheaper on the host than moving its weights to the device (device compute
+        is taken as free); ``itemsize``: of the activations."""
         host = max(weight_bytes / self.host_bandwidth, 2 * params * tokens / self.host_flops)
         host += 2 * tokens * hidden * itemsize / self.link_bandwidth  # activations there and back
         return host < weight_bytes / self.link_bandwidth
@@ -57,8 +60,8 @@ class OffloadedExperts(Experts):
     (``resident``) or on disk (read row by row into ``buffers``, host tensors of full shape
     owned by the caller and reused layer after layer)."""
 
-    def __init__(self, layer: int, resident: dict[str, torch.Tensor],
-                 disk: OffloadedWeights | None, buffers: dict[str, torch.Tensor],
+    def __init__(self, layer: int, resident: dict[str, torch.Tensor | Packed],
+                 disk: OffloadedWeights | None, buffers: dict[str, torch.Tensor | Packed],
                  device: torch.device, rates: HostRates) -> None:
         self.layer, self.disk, self.device, self.rates = layer, disk, device, rates
         self.tensors = {n: resident[n] if n in resident else buffers[n] for n in NAMES
@@ -73,7 +76,9 @@ class OffloadedExperts(Experts):
         for e in ids:
             if e not in self.loaded:
                 for name in self.on_disk:
-                    self.disk.read_row(self.layer, name, e, self.tensors[name][e])
+                    row = self.tensors[name][e]
+                    self.disk.read_row(self.layer, name, e,
+                                       row.data if isinstance(row, Packed) else row)
                 self.loaded.add(e)
 
     def mlp(self, e: int, x: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
@@ -82,7 +87,8 @@ class OffloadedExperts(Experts):
         if x.device == gate_up.device:
             return expert_mlp(cfg, x, *weights)
         nbytes = sum(t.nbytes for t in weights if t is not None)
-        if self.rates.on_host(x.shape[0], nbytes, x.shape[-1], gate_up.element_size()):
+        params = sum(math.prod(t.shape) for t in weights if t is not None)
+        if self.rates.on_host(x.shape[0], nbytes, params, x.shape[-1], x.element_size()):
             return expert_mlp(cfg, x.to(gate_up.device), *weights).to(x.device)
         return expert_mlp(cfg, x, *(None if t is None else t.to(x.device, non_blocking=True)
                                     for t in weights))

@@ -131,9 +131,12 @@ class WeightPlan:
     def stored_spec(self, j: int, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
         """Shape and dtype of a tensor as stored: itself (dtype None: the compute dtype), or,
         compressed, one flat uint8 piece (codes, scales, minima: Quantized.to_bytes), or
-        packed, its blocks as one flat uint8 piece."""
+        packed, its blocks as one flat uint8 piece (routed experts: a row per expert)."""
         if not self.compressed(j, name) and not self.packed(j, name):
             return self.shapes[j][name], None
+        if is_expert(name):  # packed experts: a row of bytes per expert, read one by one
+            experts = self.shapes[j][name][0]
+            return (experts, self.nbytes(j, name) // experts), torch.uint8
         return (self.nbytes(j, name),), torch.uint8
 
     def layer_bytes(self, j: int, tier: str, experts: bool | None = None) -> int:
@@ -200,7 +203,7 @@ class TieredWeights:
         def stored(j: int, n: str, t: torch.Tensor | Packed) -> torch.Tensor:
             """A tensor in stored form (compressed ones quantised, and packed ones their
             blocks, as flat bytes)."""
-            return (t.data if isinstance(t, Packed) else
+            return (t.data.view(plan.stored_spec(j, n)[0]) if isinstance(t, Packed) else
                     quantize(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t)
 
         def produce(j: int) -> Weights:
@@ -307,6 +310,8 @@ class TieredWeights:
             return self._views[j]
         weights = dict(stored)
         for n, shape in self.plan.shapes[j].items():
+            if is_expert(n):  # see _with_experts
+                continue
             if self.plan.packed(j, n):
                 weights[n] = Packed(stored[n], shape, self.plan.blocks[j][n])
             elif self.plan.compressed(j, n):
@@ -324,14 +329,26 @@ class TieredWeights:
         if EXPERT_NAMES[0] not in self.tiers[j]:
             return weights
         weights = {n: t for n, t in weights.items() if not is_expert(n)}
-        resident = {n: self.resident[j][n] for n in EXPERT_NAMES if n in self.resident[j]}
+        resident = {n: self._expert_view(j, n, self.resident[j][n])
+                    for n in EXPERT_NAMES if n in self.resident[j]}
         if (len(resident) == sum(n in self.tiers[j] for n in EXPERT_NAMES)
                 and all(t.device == self.device for t in resident.values())):
             weights["experts"] = Experts(*(resident.get(n) for n in EXPERT_NAMES))
         else:
-            weights["experts"] = OffloadedExperts(j, resident, self.disk, self._expert_buffers,
+            buffers = {n: self._expert_view(j, n, b) for n, b in self._expert_buffers.items()
+                       if n in self.tiers[j]}
+            weights["experts"] = OffloadedExperts(j, resident, self.disk, buffers,
                                                   self.device, self.expert_rates)
         return weights
+
+    def _expert_view(self, j: int, name: str, stored: torch.Tensor) -> torch.Tensor | Packed:
+        """Layer j's stacked expert tensor over its stored form (or over a buffer for it,
+        which may be larger: packed layers differ in bytes)."""
+        if not self.plan.packed(j, name):
+            return stored
+        shape, _ = self.plan.stored_spec(j, name)
+        data = stored.view(-1)[:torch.Size(shape).numel()]
+        return Packed(data, self.plan.shapes[j][name], self.plan.blocks[j][name])
 
     def release(self, j: int) -> None:
         if j in self._buffers:

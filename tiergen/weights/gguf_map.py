@@ -5,25 +5,28 @@ weights (Gemma) undone."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from tiergen.config import ModelConfig, RopeConfig
+from tiergen.config import ModelConfig, MoEConfig, RopeConfig
 from tiergen.errors import TiergenError
-from tiergen.weights.gguf import GGUFFile
+from tiergen.weights.gguf import GGUFFile, GGUFTensorInfo
 from tiergen.weights.packed import PACKED_TYPES, Packed, narrow, packed_like
-from tiergen.weights.quant import FLOAT_TYPES, GGMLType
+from tiergen.weights.quant import FLOAT_TYPES, GGMLType, dequantize, tensor_nbytes
 
 # general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 # llama.cpp RoPE is interleaved for these: their converter permuted q/k rows.
@@ -50,6 +53,23 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+# A MoE layer's tensors, by the key of their checkpoint name in tiergen.models.moe's
+# CHECKPOINT_NAMES; the *_exps tensors stack the routed experts (E, out, in).
+MOE_NAMES = {
+    "ffn_gate_inp": "router",
+    "ffn_gate_exps": "gate",
+    "ffn_up_exps": "up",
+    "ffn_down_exps": "down",
+    "ffn_gate_shexp": "shared_gate",
+    "ffn_up_shexp": "shared_up",
+    "ffn_down_shexp": "shared_down",
+    "ffn_gate_inp_shexp": "shared_expert_gate",
+    "exp_probs_b": "router_bias",
+}
+
+# llama.cpp always renormalises the chosen experts' weights for these (it has no key for it)
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+
 # Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP.
 GEMMA3_LAYER_NAMES = LAYER_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
@@ -68,7 +88,8 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
-    """Hugging Face name of a GGUF tensor, or None for tensors tiergen does not use."""
+    """Hugging Face name of a GGUF tensor, or None for tensors tiergen does not use (or that
+    are not one checkpoint tensor: see :func:`hf_expert_names`)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     names = GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
@@ -76,6 +97,22 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
+
+
+def hf_expert_names(gguf_name: str, architecture: str, num_experts: int
+                    ) -> dict[str, int | None]:
+    """Hugging Face names of a MoE tensor of a GGUF file: {name: expert}, one name per
+    routed expert for a stacked *_exps tensor (expert None: the whole tensor)."""
+    from tiergen.models.moe import CHECKPOINT_NAMES
+
+    m = _LAYER_RE.fullmatch(gguf_name)
+    names = CHECKPOINT_NAMES.get(architecture, {})
+    if not m or MOE_NAMES.get(m.group(2)) not in names:
+        return {}
+    template = f"model.layers.{m.group(1)}." + names[MOE_NAMES[m.group(2)]]
+    if "{e}" not in template:
+        return {template: None}
+    return {template.format(e=e): e for e in range(num_experts)}
 
 
 def unpermute_qk(w: torch.Tensor | Packed, n_heads: int) -> torch.Tensor | Packed:
@@ -117,12 +154,17 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         rope.kind, rope.factor = "linear", float(key("rope.scaling.factor"))
     layers = int(key("block_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    moe = _moe_from_gguf(meta, arch, layers, tensor_names) if meta.get(f"{arch}.expert_count") \
+        else {}
+    architecture = GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and moe:
+        architecture = "MixtralForCausalLM"
     gemma3 = (_gemma3_from_gguf(meta, arch, layers, hidden, heads, head_dim)
               if arch == "gemma3" else {})
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -140,7 +182,25 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         eos_token_ids=sorted(set(eos)),
         **gemma3,
+        **moe,
     )
+
+
+def _moe_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[str]) -> dict:
+    """The routed experts of a GGUF model; a layer without a router keeps a dense MLP."""
+    if arch not in NORM_TOPK:
+        raise TiergenError(f"GGUF architecture {arch!r} with experts is not supported")
+    experts = int(meta[f"{arch}.expert_count"])
+    top_k = int(meta.get(f"{arch}.expert_used_count", 0))
+    size = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
+    shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
+    return dict(moe=MoEConfig(
+        num_experts=experts, top_k=top_k, intermediate_size=int(size),
+        norm_topk_prob=NORM_TOPK[arch], shared_intermediate_size=shared,
+        shared_gate=any(f"blk.{j}.ffn_gate_inp_shexp.weight" in tensor_names
+                        for j in range(layers)),
+        dense_layers=[j for j in range(layers)
+                      if f"blk.{j}.ffn_gate_inp.weight" not in tensor_names]))
 
 
 def _gemma3_from_gguf(meta: dict, arch: str, layers: int, hidden: int, heads: int,
@@ -174,10 +234,17 @@ class GGUFSource:
         self.config = config_from_gguf(self.file.metadata, set(self.file.tensors))
         self.packed = packed
         self._arch = self.file.metadata["general.architecture"]
-        self._names = {hf: g for g in self.file.tensors
-                       if (hf := hf_name(g, self._arch)) is not None}
+        # Hugging Face name -> (GGUF tensor, routed expert of a stacked tensor or None)
+        self._names: dict[str, tuple[str, int | None]] = {}
+        experts = self.config.moe.num_experts if self.config.moe else 0
+        for g in self.file.tensors:
+            if (hf := hf_name(g, self._arch)) is not None:
+                self._names[hf] = (g, None)
+            elif experts:
+                self._names |= {n: (g, e) for n, e in
+                                hf_expert_names(g, self.config.architecture, experts).items()}
         unpacked = sorted({info.type_name for info in self.file.tensors.values()
-                           if packed and len(info.shape) == 2
+                           if packed and len(info.shape) >= 2
                            and info.ggml_type not in PACKED_TYPES | FLOAT_TYPES})
         if unpacked:
             logging.getLogger("tiergen").warning(
@@ -189,27 +256,42 @@ class GGUFSource:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape (torch order), by its Hugging Face name."""
-        return {name: self.file.tensors[g].shape for name, g in self._names.items()}
+        return {name: self._info(name)[1] for name in self._names}
+
+    def _info(self, name: str) -> tuple[GGUFTensorInfo, tuple[int, ...], int]:
+        """The GGUF tensor holding ``name``, ``name``'s shape, and the offset of its bytes
+        in that tensor (a routed expert's slice of a stacked tensor)."""
+        g, e = self._names[name]
+        info = self.file.tensors[g]
+        if e is None:
+            return info, self._plain_shape(name, info.shape), 0
+        return info, info.shape[1:], e * (info.nbytes // info.shape[0])
+
+    @staticmethod
+    def _plain_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """llama.cpp keeps Qwen2-MoE's shared-expert gate (1, H) as a vector."""
+        return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 \
+            else shape
 
     def quantized_types(self) -> list[str]:
         """The block types of the file's matrices that are not float (F32, F16, BF16)."""
         return sorted({info.type_name for info in self.file.tensors.values()
-                       if len(info.shape) == 2 and info.ggml_type not in FLOAT_TYPES})
+                       if len(info.shape) >= 2 and info.ggml_type not in FLOAT_TYPES})
 
     def keeps_any_packed(self) -> bool:
         return any(self._keeps_packed(name) for name in self._names)
 
     def _keeps_packed(self, name: str) -> bool:
-        info = self.file.tensors[self._names[name]]
-        return self.packed and len(info.shape) == 2 and info.ggml_type in PACKED_TYPES
+        info, shape, _ = self._info(name)
+        return self.packed and len(shape) == 2 and info.ggml_type in PACKED_TYPES
 
     def meta(self, name: str) -> Packed | None:
         """The layout :meth:`get` gives a packed tensor, without its data (None if it is
         not kept packed)."""
         if name not in self._names or not self._keeps_packed(name):
             return None
-        info = self.file.tensors[self._names[name]]
-        return packed_like(info.shape, info.ggml_type)
+        info, shape, _ = self._info(name)
+        return packed_like(shape, info.ggml_type)
 
     def _change(self, name: str) -> Callable | None:
         """How :meth:`get` changes the file's values (llama.cpp's conventions undone); None
@@ -228,21 +310,24 @@ class GGUFSource:
         None when get() changes or decodes them."""
         if name not in self._names or self._change(name) is not None:
             return None
-        info = self.file.tensors[self._names[name]]
+        info, shape, offset = self._info(name)
         stored = (info.ggml_type if self._keeps_packed(name) else
                   _PLAIN.get(info.ggml_type))
-        return None if stored is None else (self.file.path, info.offset, stored, info.shape)
+        return None if stored is None else (self.file.path, info.offset + offset, stored, shape)
 
     def get(self, name: str) -> torch.Tensor | Packed:
         if name not in self._names:
             raise TiergenError(f"the GGUF file has no tensor for {name!r}; it may be incomplete")
-        gguf_name = self._names[name]
+        info, shape, offset = self._info(name)
+        raw = self.file.packed_bytes(info.name)
+        if shape != info.shape:  # a routed expert's slice, or a vector kept as a matrix
+            raw = raw[offset:offset + tensor_nbytes(info.ggml_type, math.prod(shape))]
         if self._keeps_packed(name):
-            info = self.file.tensors[gguf_name]
-            t = Packed(self.file.packed_bytes(gguf_name), info.shape,
-                       ((info.ggml_type, info.shape[0]),))
+            t = Packed(raw, shape, ((info.ggml_type, shape[0]),))
+        elif shape == info.shape:
+            t = self.file.read(info.name)
         else:
-            t = self.file.read(gguf_name)
+            t = dequantize(raw, info.ggml_type, shape)
         change = self._change(name)
         return t if change is None else change(t)
 

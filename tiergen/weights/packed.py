@@ -10,10 +10,15 @@ Worked example: q (576, 576) in Q4_K and k, v (192, 576) in Q6_K fuse into
 ``Packed(data, (960, 576), ((Q4_K, 576), (Q6_K, 384)))``; Q4_K takes 144 bytes per 256
 values, so the first part is 576 * 576 / 256 * 144 = 186,624 bytes, the second 384 * 576 /
 256 * 210 = 181,440, and ``data`` holds 368,064 bytes.
+
+Routed experts stack E matrices of one layout into a (E, out, in) Packed: ``parts`` describes
+one expert's rows and ``data`` holds the E experts' bytes one after the other; ``packed[e]``
+is expert e's matrix, a view of them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -34,16 +39,17 @@ Parts = tuple[tuple[int, int], ...]  # (ggml type, rows) in row order
 
 @dataclass
 class Packed:
-    """A (out, in) matrix stored as GGML blocks; see the module docstring."""
+    """A (out, in) matrix, or a stack of them (E, out, in), stored as GGML blocks; see the
+    module docstring."""
 
     data: torch.Tensor  # flat uint8
-    shape: tuple[int, int]
-    parts: Parts
+    shape: tuple[int, ...]
+    parts: Parts  # of one matrix of a stack
 
     def __post_init__(self) -> None:
         self.shape = tuple(self.shape)
-        if sum(rows for _, rows in self.parts) != self.shape[0]:
-            raise TiergenError(f"packed parts {self.parts} do not add up to {self.shape[0]} rows")
+        if sum(rows for _, rows in self.parts) != self.shape[-2]:
+            raise TiergenError(f"packed parts {self.parts} do not add up to {self.shape[-2]} rows")
         if self.data.numel() != packed_nbytes(self.shape, self.parts):
             raise TiergenError(f"packed matrix {self.shape} of {self.type_names} needs "
                                f"{packed_nbytes(self.shape, self.parts)} bytes, got "
@@ -67,6 +73,12 @@ class Packed:
     def pin_memory(self) -> Packed:
         return replace(self, data=self.data.pin_memory())
 
+    def __getitem__(self, e: int) -> Packed:
+        """Matrix e of a stack (a view of its bytes)."""
+        if len(self.shape) != 3:
+            raise TypeError("only a stack of packed matrices (E, out, in) can be indexed")
+        return Packed(self.data.view(self.shape[0], -1)[e], self.shape[1:], self.parts)
+
     def with_data(self, data: torch.Tensor) -> Packed:
         """The same layout over other storage (a buffer this matrix was read into)."""
         return replace(self, data=data)
@@ -78,9 +90,13 @@ class Packed:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
-        """The matrix as ``dtype`` values (into ``out`` if given)."""
+        """The matrix (or stack) as ``dtype`` values (into ``out`` if given)."""
         if out is None:
             out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        if len(self.shape) == 3:
+            for e in range(self.shape[0]):
+                self[e].dequantize(out=out[e])
+            return out
         for ggml_type, row, rows, raw in self.segments():
             out[row:row + rows] = dequantize(raw, ggml_type, (rows, self.shape[1]), out.dtype)
         return out
@@ -148,8 +164,22 @@ def layout(shape: tuple[int, int], parts: Parts) -> tuple[tuple[int, int, int, i
 
 
 def packed_nbytes(shape: Sequence[int], parts: Parts) -> int:
-    spans = layout(tuple(shape), parts)
-    return spans[-1][4] if spans else 0
+    """Bytes of a packed matrix, or of a stack of them."""
+    spans = layout(tuple(shape[-2:]), parts)
+    return (spans[-1][4] if spans else 0) * math.prod(shape[:-2])
+
+
+def stack(matrices: Sequence[torch.Tensor | Packed]) -> torch.Tensor | Packed:
+    """Stack matrices of one shape into (E, out, in) (routed experts), packed if they all are
+    and share one layout, else as floats."""
+    if all(isinstance(m, torch.Tensor) for m in matrices):
+        return torch.stack(list(matrices))
+    if all(isinstance(m, Packed) for m in matrices) and len({m.parts for m in matrices}) == 1:
+        first = matrices[0]
+        return Packed(_cat([m.data for m in matrices]), (len(matrices), *first.shape),
+                      first.parts)
+    dtype = next((m.dtype for m in matrices if isinstance(m, torch.Tensor)), torch.float32)
+    return torch.stack([m.dequantize(dtype) if isinstance(m, Packed) else m for m in matrices])
 
 
 def cat_rows(matrices: Sequence[torch.Tensor | Packed]) -> torch.Tensor | Packed:

@@ -37,11 +37,12 @@ HEAD_TYPE = GGMLType.Q8_0
 FORMAT = 1
 _MAGIC = "tiergen-quantized"
 
-# The layer matrices the families take packed (through ``linear`` and ``cat_rows``). Routed
-# experts are stacked with torch.stack and DeepSeek-V2's q_a/kv_a/kv_b are joined or
-# reshaped as plain tensors, so those stay float, as do routers, norms, biases and embeddings.
+# The layer matrices the families take packed (through ``linear``, ``cat_rows`` and
+# ``stack``), routed experts included. DeepSeek-V2's q_a/kv_a/kv_b are joined or reshaped as
+# plain tensors, so those stay float, as do routers, norms, biases and embeddings.
 _LAYER_MATRIX = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|q_b)_proj"
-                           r"|mlp(\.shared_experts?)?\.(gate|up|down)_proj)\.weight")
+                           r"|mlp(\.shared_experts?|\.experts\.\d+)?\.(gate|up|down)_proj"
+                           r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight")
 _JOINED_AS_TENSORS = dict.fromkeys(["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"],
                                    re.compile(r".*\.self_attn\.q_proj\.weight"))
 

@@ -1,0 +1,119 @@
+"""Mixture-of-experts models written as GGUF (llama.cpp's layout: routed experts stacked in
+one tensor per projection) load to the same weights and tokens as their safetensors form,
+and their quantised experts stay packed on every tier."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from tiergen import LLM, Policy, SamplingParams
+from tiergen.models.moe import CHECKPOINT_NAMES
+from tiergen.weights.gguf_map import MOE_NAMES
+from tiergen.weights.packed import Packed
+from gguf_writer import write_gguf
+from test_gguf_model import HF_TO_GGUF, llama_cpp_permute
+from test_offload import PROMPTS, prefill_and_decode_logits
+from tiny_models import build
+
+GGUF_ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe"}
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def moe_tensors(directory, architecture: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The checkpoint's tensors with each layer's routed experts stacked (E, out, in) under a
+    name of their own, and the layer-relative names of the MoE tensors in the GGUF file."""
+    raw = safetensors.torch.load_file(directory / "model.safetensors")
+    names = CHECKPOINT_NAMES[architecture]
+    to_gguf = {}
+    for suffix, key in MOE_NAMES.items():
+        if key in names and "{e}" not in names[key]:
+            to_gguf[names[key]] = f"{suffix}.weight"
+    out, stacks = {}, {}
+    for name, t in raw.items():
+        for suffix, key in MOE_NAMES.items():
+            template = names.get(key, "")
+            if "{e}" not in template:
+                continue
+            head, tail = template.split("{e}")
+            layer, _, rest = name.removeprefix("model.layers.").partition(".")
+            if rest.startswith(head) and rest.endswith(tail):
+                e = int(rest[len(head):-len(tail)])
+                stacks.setdefault(f"model.layers.{layer}.{head}{key}", {})[e] = t
+                to_gguf[f"{head}{key}"] = f"{suffix}.weight"
+                break
+        else:
+            out[name] = t
+    for name, experts in stacks.items():
+        out[name] = torch.stack([experts[e] for e in sorted(experts)])
+    return out, to_gguf
+
+
+def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationType.F32) -> None:
+    c, arch = hf.config, GGUF_ARCH[case]
+    tensors, to_gguf = moe_tensors(directory, c.architectures[0])
+
+    def change(gname: str, data: np.ndarray) -> np.ndarray:
+        if arch == "llama" and ("attn_q." in gname or "attn_k." in gname):
+            heads = c.num_attention_heads if "attn_q." in gname else c.num_key_value_heads
+            return llama_cpp_permute(data, heads)
+        if "ffn_gate_inp_shexp" in gname:
+            return data.reshape(-1)  # llama.cpp reads it as a vector
+        return data
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+
+    write_gguf(hf, arch, path, HF_TO_GGUF | to_gguf, c.rope_parameters["rope_theta"], qtype,
+               change, metadata, tensors)
+
+
+@pytest.fixture(scope="module", params=sorted(GGUF_ARCH))
+def moe_model(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = build(request.param, directory / "hf")
+    return request.param, hf, directory
+
+
+def test_moe_gguf_loads_the_same_model(moe_model):
+    case, hf, directory = moe_model
+    path = directory / "f32.gguf"
+    write_moe_gguf(hf, directory / "hf", case, path)
+    from_dir, from_gguf = LLM(directory / "hf", dtype="float32"), LLM(path, dtype="float32")
+    a, b = from_gguf.executor.cfg, from_dir.executor.cfg
+    assert a.architecture == b.architecture and a.moe == b.moe
+    for x, y in zip(prefill_and_decode_logits(from_gguf), prefill_and_decode_logits(from_dir)):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    assert ([r.token_ids for r in from_gguf.generate(PROMPTS, GREEDY)]
+            == [r.token_ids for r in from_dir.generate(PROMPTS, GREEDY)])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantised_experts_stay_packed_on_every_tier(moe_model, qtype, tmp_path):
+    """A quantised GGUF's routed experts are multiplied packed: the same logits as the same
+    blocks decoded at load, from the device, host RAM behind it, and disk."""
+    case, hf, directory = moe_model
+    path = directory / f"{qtype}.gguf"
+    if not path.exists():
+        write_moe_gguf(hf, directory / "hf", case, path, gguf.GGMLQuantizationType[qtype])
+    packed = LLM(path, dtype="float32", activations="float32")
+    experts = packed.executor.weights.take(1)["experts"]
+    packed.executor.weights.release(1)
+    assert isinstance(experts.gate_up, Packed) and experts.gate_up.type_names == qtype
+    decoded = LLM(path, dtype="float32", packed=False)
+    want = prefill_and_decode_logits(decoded)
+    tokens = [r.token_ids for r in decoded.generate(PROMPTS, GREEDY)]
+    for policy in ({}, dict(experts="disk"), dict(experts="host", weights=(0, 0))):
+        llm = LLM(path, dtype="float32", activations="float32",
+                  policy=Policy(**policy, offload_dir=tmp_path))
+        for x, y in zip(prefill_and_decode_logits(llm), want):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
