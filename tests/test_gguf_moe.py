@@ -12,14 +12,23 @@ import torch
 
 from tiergen import LLM, Policy, SamplingParams
 from tiergen.models.moe import CHECKPOINT_NAMES
-from tiergen.weights.gguf_map import MOE_NAMES
+from tiergen.weights.gguf_map import DEEPSEEK2_LAYER_NAMES, MOE_NAMES
 from tiergen.weights.packed import Packed
 from gguf_writer import write_gguf
 from test_gguf_model import HF_TO_GGUF, llama_cpp_permute
 from test_offload import PROMPTS, prefill_and_decode_logits
 from tiny_models import build
 
-GGUF_ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe",
+             "deepseek-v2": "deepseek2", "deepseek-v2-lite": "deepseek2", "deepseek-v3": "deepseek2"}
+# What a GGUF file cannot say: llama.cpp keeps DeepSeek's mscale equal to mscale_all_dim (as
+# the released models have it) and RoPE pairs adjacent (rope_interleave).
+OVERRIDES = {"deepseek-v2": dict(rope_parameters=dict(
+                 rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                 mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1)),
+             "deepseek-v3": dict(rope_interleave=True)}
+DEEPSEEK2_TO_GGUF = {f"{v}.weight": f"{k}.weight" for k, v in DEEPSEEK2_LAYER_NAMES.items()} | {
+    "self_attn.k_b_proj.weight": "attn_k_b.weight", "self_attn.v_b_proj.weight": "attn_v_b.weight"}
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
@@ -31,7 +40,7 @@ def moe_tensors(directory, architecture: str) -> tuple[dict[str, torch.Tensor], 
     to_gguf = {}
     for suffix, key in MOE_NAMES.items():
         if key in names and "{e}" not in names[key]:
-            to_gguf[names[key]] = f"{suffix}.weight"
+            to_gguf[names[key]] = f"{suffix}.{'bias' if key == 'router_bias' else 'weight'}"
     out, stacks = {}, {}
     for name, t in raw.items():
         for suffix, key in MOE_NAMES.items():
@@ -52,9 +61,48 @@ def moe_tensors(directory, architecture: str) -> tuple[dict[str, torch.Tensor], 
     return out, to_gguf
 
 
+def split_kv_b(tensors: dict[str, torch.Tensor], c) -> None:
+    """What llama.cpp's converter does to DeepSeek's kv_b: k_b (heads, rank, nope), transposed,
+    and v_b (heads, v, rank)."""
+    for name in [n for n in tensors if n.endswith("kv_b_proj.weight")]:
+        kv_b = tensors.pop(name).view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+        k_b, v_b = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+        tensors[name.replace("kv_b", "k_b")] = k_b.transpose(1, 2).contiguous()
+        tensors[name.replace("kv_b", "v_b")] = v_b.contiguous()
+
+
+def deepseek2_metadata(w: gguf.GGUFWriter, c) -> None:
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    if c.q_lora_rank:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    v3 = c.architectures[0] == "DeepseekV3ForCausalLM"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else
+                             gguf.ExpertGatingFuncType.SOFTMAX)
+    if (c.n_group or 1) > 1 and (v3 or c.topk_method == "group_limited_greedy"):
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
 def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationType.F32) -> None:
     c, arch = hf.config, GGUF_ARCH[case]
     tensors, to_gguf = moe_tensors(directory, c.architectures[0])
+    if arch == "deepseek2":
+        split_kv_b(tensors, c)
+        to_gguf |= DEEPSEEK2_TO_GGUF
 
     def change(gname: str, data: np.ndarray) -> np.ndarray:
         if arch == "llama" and ("attn_q." in gname or "attn_k." in gname):
@@ -65,8 +113,11 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
         return data
 
     def metadata(w: gguf.GGUFWriter) -> None:
-        w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+        w.add_expert_count(getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+                           or c.n_routed_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
+        if arch == "deepseek2":
+            deepseek2_metadata(w, c)
         if arch != "llama":
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
         if getattr(c, "shared_expert_intermediate_size", None):
@@ -79,7 +130,7 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
 @pytest.fixture(scope="module", params=sorted(GGUF_ARCH))
 def moe_model(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
-    hf = build(request.param, directory / "hf")
+    hf = build(request.param, directory / "hf", **OVERRIDES.get(request.param, {}))
     return request.param, hf, directory
 
 
@@ -89,7 +140,7 @@ def test_moe_gguf_loads_the_same_model(moe_model):
     write_moe_gguf(hf, directory / "hf", case, path)
     from_dir, from_gguf = LLM(directory / "hf", dtype="float32"), LLM(path, dtype="float32")
     a, b = from_gguf.executor.cfg, from_dir.executor.cfg
-    assert a.architecture == b.architecture and a.moe == b.moe
+    assert a.architecture == b.architecture and a.moe == b.moe and a.mla == b.mla
     for x, y in zip(prefill_and_decode_logits(from_gguf), prefill_and_decode_logits(from_dir)):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     assert ([r.token_ids for r in from_gguf.generate(PROMPTS, GREEDY)]

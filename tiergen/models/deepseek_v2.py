@@ -25,8 +25,8 @@ from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
-from tiergen.models.layers import (apply_rope_interleaved, embedding, linear, rms_norm,
-                                   rope_attention_factor, rope_inv_freq, yarn_mscale)
+from tiergen.models.layers import (apply_rope_interleaved, cat_rows, embedding, linear,
+                                   rms_norm, rope_attention_factor, rope_inv_freq, yarn_mscale)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
 
 
@@ -86,7 +86,7 @@ class DeepseekV2:
         q = r[a + "q_a_proj.weight"] if m.q_lora_rank else r[a + "q_proj.weight"]
         kv_b = r[a + "kv_b_proj.weight"].view(c.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
         w = {"input_norm": r["input_layernorm.weight"],
-             "qkv_a": torch.cat([q, r[a + "kv_a_proj_with_mqa.weight"]]),
+             "qkv_a": cat_rows([q, r[a + "kv_a_proj_with_mqa.weight"]]),
              "kv_norm": r[a + "kv_a_layernorm.weight"],
              "w_uk": kv_b[:, :m.qk_nope_head_dim].contiguous(),
              "w_uv": kv_b[:, m.qk_nope_head_dim:].contiguous(),

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tiergen.config import ModelConfig, MoEConfig
 from tiergen.models.layers import cat_rows, linear, swiglu_mlp
-from tiergen.weights.packed import stack
+from tiergen.weights.packed import Packed, stack
 
 Specs = dict[str, tuple[int, ...]]
 
@@ -70,8 +70,8 @@ def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
     """Chosen experts (N, k) and their float32 mixing weights (N, k) for tokens x (N, H).
     ``bias`` (E,): added to the scores to choose experts, not to weigh them (DeepSeek-V3);
     ``logit_bias`` (E,): the router's own bias (gpt-oss)."""
-    if cfg.router_float32:
-        logits = F.linear(x.float(), gate.float())
+    if cfg.router_float32:  # (llama.cpp keeps routers float; a quantised one is decoded)
+        logits = F.linear(x.float(), gate.dequantize() if isinstance(gate, Packed) else gate.float())
     else:
         logits = linear(x, gate, logit_bias)
     if cfg.scoring == "topk_softmax":  # gpt-oss: a softmax over the chosen experts' logits

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tiergen.config import ModelConfig, MoEConfig, RopeConfig
+from tiergen.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf import GGUFFile, GGUFTensorInfo
 from tiergen.weights.packed import PACKED_TYPES, Packed, narrow, packed_like
@@ -20,6 +20,7 @@ from tiergen.weights.quant import FLOAT_TYPES, GGMLType, dequantize, tensor_nbyt
 
 # general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
+    "deepseek2": "DeepseekV2ForCausalLM",  # DeepseekV3ForCausalLM with sigmoid gating
     "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts
     "mistral": "MistralForCausalLM",
@@ -51,6 +52,17 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+
+# DeepSeek's latent attention. Newer converters split kv_b into k_b (heads, rank, nope),
+# transposed, and v_b (heads, v, rank); tiergen joins them back (GGUFSource).
+DEEPSEEK2_LAYER_NAMES = LAYER_NAMES | {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
 }
 
 # A MoE layer's tensors, by the key of their checkpoint name in tiergen.models.moe's
@@ -92,7 +104,7 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     are not one checkpoint tensor: see :func:`hf_expert_names`)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    names = GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
+    names = {"gemma3": GEMMA3_LAYER_NAMES, "deepseek2": DEEPSEEK2_LAYER_NAMES}.get(arch, LAYER_NAMES)
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
@@ -152,13 +164,29 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     rope = RopeConfig(theta=float(key("rope.freq_base", 10000.0)))
     if scaling == "linear":
         rope.kind, rope.factor = "linear", float(key("rope.scaling.factor"))
+    elif scaling == "yarn":
+        # llama.cpp keeps DeepSeek's mscale_all_dim as 0.1 x it, and mscale equal to it
+        log_mul = meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+        mscale = None if log_mul is None else float(log_mul) / 0.1
+        rope = RopeConfig(theta=rope.theta, kind="yarn", factor=float(key("rope.scaling.factor")),
+                          original_max_position=int(key("rope.scaling.original_context_length")),
+                          beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                          beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                          mscale=mscale, mscale_all_dim=mscale)
     layers = int(key("block_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    moe = _moe_from_gguf(meta, arch, layers, tensor_names) if meta.get(f"{arch}.expert_count") \
-        else {}
-    architecture = GGUF_ARCHITECTURES[arch]
-    if arch == "llama" and moe:
-        architecture = "MixtralForCausalLM"
+    architecture, moe = GGUF_ARCHITECTURES[arch], {}
+    if arch == "deepseek2":
+        moe = _deepseek2_from_gguf(meta, arch, layers)
+        mla = moe["mla"]
+        head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        kv_heads = heads  # llama.cpp writes one latent KV head
+        if moe["moe"].scoring == "sigmoid":
+            architecture = "DeepseekV3ForCausalLM"
+    elif meta.get(f"{arch}.expert_count"):
+        moe = _moe_from_gguf(meta, arch, layers, tensor_names)
+        if arch == "llama":
+            architecture = "MixtralForCausalLM"
     gemma3 = (_gemma3_from_gguf(meta, arch, layers, hidden, heads, head_dim)
               if arch == "gemma3" else {})
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -184,6 +212,33 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         **gemma3,
         **moe,
     )
+
+
+def _deepseek2_from_gguf(meta: dict, arch: str, layers: int) -> dict:
+    """DeepSeek-V2/V3's experts and latent attention (V3: sigmoid gating)."""
+    def get(name: str, default: object = None) -> object:
+        return meta.get(f"{arch}.{name}", default)
+
+    v3 = int(get("expert_gating_func", 1)) == 2
+    groups = int(get("expert_group_count", 1) or 1)
+    size = int(get("expert_feed_forward_length"))
+    rope_dim = int(get("rope.dimension_count"))
+    qk_dim = int(get("attention.key_length_mla") or get("attention.key_length"))
+    moe = MoEConfig(
+        num_experts=int(get("expert_count")), top_k=int(get("expert_used_count")),
+        intermediate_size=size, norm_topk_prob=bool(get("expert_weights_norm", False)),
+        shared_intermediate_size=size * int(get("expert_shared_count", 0)),
+        dense_layers=list(range(min(int(get("leading_dense_block_count", 0)), layers))),
+        router_float32=True, scoring="sigmoid" if v3 else "softmax", router_bias=v3,
+        topk_method="noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
+        num_groups=groups, topk_groups=int(get("expert_group_used_count", 1) or 1),
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0))
+    mla = MLAConfig(q_lora_rank=int(get("attention.q_lora_rank", 0)) or None,
+                    kv_lora_rank=int(get("attention.kv_lora_rank")),
+                    qk_nope_head_dim=qk_dim - rope_dim, qk_rope_head_dim=rope_dim,
+                    v_head_dim=int(get("attention.value_length_mla")
+                                   or get("attention.value_length")))
+    return dict(moe=moe, mla=mla)
 
 
 def _moe_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[str]) -> dict:
@@ -243,6 +298,10 @@ class GGUFSource:
             elif experts:
                 self._names |= {n: (g, e) for n, e in
                                 hf_expert_names(g, self.config.architecture, experts).items()}
+        # DeepSeek's kv_b, joined from the k_b and v_b that newer converters split it into
+        self._kv_b = {f"model.layers.{j}.self_attn.kv_b_proj.weight": j
+                      for j in range(self.config.num_layers)
+                      if f"blk.{j}.attn_k_b.weight" in self.file.tensors}
         unpacked = sorted({info.type_name for info in self.file.tensors.values()
                            if packed and len(info.shape) >= 2
                            and info.ggml_type not in PACKED_TYPES | FLOAT_TYPES})
@@ -252,11 +311,23 @@ class GGUFSource:
                 "at load (more memory)", path.name, ", ".join(unpacked))
 
     def has(self, name: str) -> bool:
-        return name in self._names
+        return name in self._names or name in self._kv_b
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape (torch order), by its Hugging Face name."""
-        return {name: self._info(name)[1] for name in self._names}
+        shapes = {name: self._info(name)[1] for name in self._names}
+        for name, j in self._kv_b.items():
+            heads, rank, nope = self.file.tensors[f"blk.{j}.attn_k_b.weight"].shape
+            v = self.file.tensors[f"blk.{j}.attn_v_b.weight"].shape[1]
+            shapes[name] = (heads * (nope + v), rank)
+        return shapes
+
+    def _joined_kv_b(self, j: int) -> torch.Tensor:
+        """kv_b (heads * (nope + v), rank) from k_b (heads, rank, nope) and v_b (heads, v,
+        rank), decoded (the absorbed attention takes them as float tensors)."""
+        k_b = self.file.read(f"blk.{j}.attn_k_b.weight")
+        v_b = self.file.read(f"blk.{j}.attn_v_b.weight")
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
     def _info(self, name: str) -> tuple[GGUFTensorInfo, tuple[int, ...], int]:
         """The GGUF tensor holding ``name``, ``name``'s shape, and the offset of its bytes
@@ -316,6 +387,8 @@ class GGUFSource:
         return None if stored is None else (self.file.path, info.offset + offset, stored, shape)
 
     def get(self, name: str) -> torch.Tensor | Packed:
+        if name in self._kv_b:
+            return self._joined_kv_b(self._kv_b[name])
         if name not in self._names:
             raise TiergenError(f"the GGUF file has no tensor for {name!r}; it may be incomplete")
         info, shape, offset = self._info(name)
