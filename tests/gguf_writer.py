@@ -47,8 +47,10 @@ def write_gguf(hf, arch: str, path, hf_to_gguf: dict[str, str], rope_theta: floa
         data = t.numpy().astype(np.float32)
         if transform:
             data = transform(gname, data)
-        # as llama.cpp, rows that are not whole blocks and routers (ffn_gate_inp) stay float
+        # as llama.cpp, rows that are not whole blocks, routers (ffn_gate_inp) and biases
+        # stay float
         if (data.ndim >= 2 and qtype != F32 and "ffn_gate_inp" not in gname
+                and gname.endswith(".weight")
                 and data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0):
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:

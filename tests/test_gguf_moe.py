@@ -4,6 +4,8 @@ and their quantised experts stay packed on every tier."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -20,44 +22,72 @@ from test_offload import PROMPTS, prefill_and_decode_logits
 from tiny_models import build
 
 GGUF_ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe",
-             "deepseek-v2": "deepseek2", "deepseek-v2-lite": "deepseek2", "deepseek-v3": "deepseek2"}
+             "deepseek-v2": "deepseek2", "deepseek-v2-lite": "deepseek2", "deepseek-v3": "deepseek2",
+             "gpt-oss": "gpt-oss", "gpt-oss-fused": "gpt-oss"}
 # What a GGUF file cannot say: llama.cpp keeps DeepSeek's mscale equal to mscale_all_dim (as
-# the released models have it) and RoPE pairs adjacent (rope_interleave).
+# the released models have it) and RoPE pairs adjacent (rope_interleave), and gpt-oss's SwiGLU
+# limit at the released 7.
 OVERRIDES = {"deepseek-v2": dict(rope_parameters=dict(
                  rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
                  mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1)),
-             "deepseek-v3": dict(rope_interleave=True)}
+             "deepseek-v3": dict(rope_interleave=True), "gpt-oss": dict(swiglu_limit=7.0)}
 DEEPSEEK2_TO_GGUF = {f"{v}.weight": f"{k}.weight" for k, v in DEEPSEEK2_LAYER_NAMES.items()} | {
     "self_attn.k_b_proj.weight": "attn_k_b.weight", "self_attn.v_b_proj.weight": "attn_v_b.weight"}
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-def moe_tensors(directory, architecture: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The checkpoint's tensors with each layer's routed experts stacked (E, out, in) under a
-    name of their own, and the layer-relative names of the MoE tensors in the GGUF file."""
+def moe_tensors(directory, names: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The checkpoint's tensors with each layer's routed experts stacked (E, ...) under a
+    name of their own, and the layer-relative names of the MoE tensors in the GGUF file
+    (``names``: the checkpoint names, tiergen.models.moe.checkpoint_names)."""
     raw = safetensors.torch.load_file(directory / "model.safetensors")
-    names = CHECKPOINT_NAMES[architecture]
-    to_gguf = {}
-    for suffix, key in MOE_NAMES.items():
-        if key in names and "{e}" not in names[key]:
-            to_gguf[names[key]] = f"{suffix}.{'bias' if key == 'router_bias' else 'weight'}"
+    templates = {names[keys[0]]: (key, gguf_name) for gguf_name, keys in MOE_NAMES.items()
+                 for key in keys if len(keys) == 1 and key in names}
+    to_gguf = {t: g for t, (_, g) in templates.items() if "{e}" not in t}
     out, stacks = {}, {}
     for name, t in raw.items():
-        for suffix, key in MOE_NAMES.items():
-            template = names.get(key, "")
-            if "{e}" not in template:
-                continue
-            head, tail = template.split("{e}")
-            layer, _, rest = name.removeprefix("model.layers.").partition(".")
-            if rest.startswith(head) and rest.endswith(tail):
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        for template, (key, gguf_name) in templates.items():
+            head, _, tail = template.partition("{e}")
+            if tail and rest.startswith(head) and rest.endswith(tail):
                 e = int(rest[len(head):-len(tail)])
                 stacks.setdefault(f"model.layers.{layer}.{head}{key}", {})[e] = t
-                to_gguf[f"{head}{key}"] = f"{suffix}.weight"
+                to_gguf[f"{head}{key}"] = gguf_name
                 break
         else:
             out[name] = t
     for name, experts in stacks.items():
         out[name] = torch.stack([experts[e] for e in sorted(experts)])
+    return out, to_gguf
+
+
+def gpt_oss_tensors(directory, fused: bool) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What llama.cpp's converter does to gpt-oss's experts (E, H, 2I), gate and up in
+    alternate columns: gate (E, I, H) and up apart, or fused as (E, 2I, H) [gate; up]."""
+    raw = safetensors.torch.load_file(directory / "model.safetensors")
+    out = {}
+    for name, t in raw.items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = t[..., ::2].mT, t[..., 1::2].mT
+            parts = {"gate_up": torch.cat([gate, up], 1)} if fused else {"gate": gate, "up": up}
+        elif name.endswith("experts.gate_up_proj_bias"):
+            gate, up = t[..., ::2], t[..., 1::2]
+            parts = ({"gate_up_bias": torch.cat([gate, up], -1)} if fused
+                     else {"gate_bias": gate, "up_bias": up})
+        elif name.endswith("experts.down_proj"):
+            parts = {"down": t.mT}
+        else:
+            out[name] = t
+            continue
+        prefix = name.rpartition("experts.")[0] + "experts."
+        out |= {prefix + k: v.contiguous() for k, v in parts.items()}
+    to_gguf = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+               "mlp.router.bias": "ffn_gate_inp.bias",
+               "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+    to_gguf |= {f"mlp.experts.{k}": f"ffn_{k.removesuffix('_bias')}_exps."
+                + ("bias" if k.endswith("bias") else "weight")
+                for k in ("gate", "up", "down", "gate_up", "gate_bias", "up_bias", "gate_up_bias")}
     return out, to_gguf
 
 
@@ -99,7 +129,10 @@ def deepseek2_metadata(w: gguf.GGUFWriter, c) -> None:
 
 def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationType.F32) -> None:
     c, arch = hf.config, GGUF_ARCH[case]
-    tensors, to_gguf = moe_tensors(directory, c.architectures[0])
+    if arch == "gpt-oss":
+        tensors, to_gguf = gpt_oss_tensors(directory, fused=case.endswith("fused"))
+    else:
+        tensors, to_gguf = moe_tensors(directory, CHECKPOINT_NAMES[c.architectures[0]])
     if arch == "deepseek2":
         split_kv_b(tensors, c)
         to_gguf |= DEEPSEEK2_TO_GGUF
@@ -118,7 +151,14 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
         w.add_expert_used_count(c.num_experts_per_tok)
         if arch == "deepseek2":
             deepseek2_metadata(w, c)
-        if arch != "llama":
+        if arch == "gpt-oss":
+            rope = c.rope_parameters
+            w.add_sliding_window(c.sliding_window)
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_expert_feed_forward_length(c.intermediate_size)
+        elif arch != "llama":
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
         if getattr(c, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
@@ -130,7 +170,8 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
 @pytest.fixture(scope="module", params=sorted(GGUF_ARCH))
 def moe_model(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
-    hf = build(request.param, directory / "hf", **OVERRIDES.get(request.param, {}))
+    base = request.param.removesuffix("-fused")
+    hf = build(base, directory / "hf", **OVERRIDES.get(base, {}))
     return request.param, hf, directory
 
 
@@ -140,7 +181,10 @@ def test_moe_gguf_loads_the_same_model(moe_model):
     write_moe_gguf(hf, directory / "hf", case, path)
     from_dir, from_gguf = LLM(directory / "hf", dtype="float32"), LLM(path, dtype="float32")
     a, b = from_gguf.executor.cfg, from_dir.executor.cfg
-    assert a.architecture == b.architecture and a.moe == b.moe and a.mla == b.mla
+    # (the GGUF keeps gpt-oss's gate and up rows apart, its checkpoint interleaves them)
+    assert replace(a.moe, gate_up_interleaved=b.moe.gate_up_interleaved) == b.moe
+    for field in ("architecture", "mla", "layer_types", "sliding_window", "attention_sinks"):
+        assert getattr(a, field) == getattr(b, field)
     for x, y in zip(prefill_and_decode_logits(from_gguf), prefill_and_decode_logits(from_dir)):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     assert ([r.token_ids for r in from_gguf.generate(PROMPTS, GREEDY)]
@@ -168,3 +212,22 @@ def test_quantised_experts_stay_packed_on_every_tier(moe_model, qtype, tmp_path)
         for x, y in zip(prefill_and_decode_logits(llm), want):
             torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
         assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+
+
+def test_experts_on_disk_are_read_from_the_gguf(moe_model, tmp_path):
+    """A quantised GGUF's routed experts on disk are read expert by expert from the file
+    itself: nothing of them is converted into the offload directory."""
+    case, hf, directory = moe_model
+    path = directory / "Q8_0.gguf"
+    if not path.exists():
+        write_moe_gguf(hf, directory / "hf", case, path, gguf.GGMLQuantizationType.Q8_0)
+    llm = LLM(path, dtype="float32", policy=Policy(experts="disk", offload_dir=tmp_path))
+    disk, cfg = llm.executor.weights.disk, llm.executor.cfg
+    moe_layers = [j for j in range(cfg.num_layers) if cfg.is_moe_layer(j)]
+    expected = {f"{j}/experts.{n}" for j in moe_layers for n in ("gate_up", "down")}
+    if cfg.moe.expert_bias:
+        expected |= {f"{j}/experts.{n}" for j in moe_layers for n in ("gate_up_bias", "down_bias")}
+    assert set(disk.rows) == expected
+    assert disk.converted is None or not expected & set(disk.converted.entries)
+    llm.generate(PROMPTS, GREEDY)
+    assert 0 < disk.rows_read

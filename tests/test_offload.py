@@ -87,12 +87,13 @@ def test_fused_specs_describe_fuse_layer(model_dir):
 
 
 # Dense layers of the Llama and Gemma 3 families are row ranges of checkpoint tensors (fused
-# q/k/v and gate/up are rows one after the other): read in place. Experts are stacked, and
-# DeepSeek's latent projections are split: converted, while the rest of their layers is read
-# in place.
+# q/k/v and gate/up are rows one after the other): read in place. So are stacked routed
+# experts and DeepSeek's per-head latent projections, a stack of row ranges each. gpt-oss's
+# experts are transposed: converted, while the rest of its layers is read in place.
 IN_PLACE = {"llama-mha", "llama-gqa-tied", "llama-mqa-headdim", "llama3-rope", "mistral",
             "mistral-window", "qwen2", "qwen2-window", "qwen2-yarn", "qwen3", "gemma3-window4",
-            "gemma3-window8-linear"}
+            "gemma3-window8-linear", "mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2",
+            "deepseek-v2-lite", "deepseek-v3"}
 
 
 def test_weights_on_disk_are_read_in_place_where_they_lie(model_dir, tmp_path, request):
@@ -111,7 +112,7 @@ def test_weights_on_disk_are_read_in_place_where_they_lie(model_dir, tmp_path, r
         assert not list(tmp_path.iterdir()), "nothing is written to the offload directory"
     else:
         converted = {k.split("/")[1] for k in disk.converted.entries}
-        assert converted and not converted & {k.split("/")[1] for k in disk.entries}
+        assert converted and not converted & {k.split("/")[1] for k in disk.entries | disk.rows}
     for j, layer in enumerate(resident):
         for name, want in layer.items():
             shape, dtype = disk.shape(j, name)

@@ -62,7 +62,8 @@ class MoEConfig:
     gpt-oss's router has a bias in its logits, mixes by a softmax over the chosen experts'
     logits ("topk_softmax"), and its experts have biases and a clamped SwiGLU
     (``expert_act`` "clamped_swiglu": (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate
-    clamped from above at ``swiglu_limit``; gate and up rows alternate, as gpt-oss stores them).
+    clamped from above at ``swiglu_limit``; gate and up rows alternate as gpt-oss stores them,
+    or follow each other as llama.cpp's GGUF files store them).
     """
 
     num_experts: int
@@ -78,6 +79,7 @@ class MoEConfig:
     router_logit_bias: bool = False  # the router's linear layer has a bias (gpt-oss)
     expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
     expert_act: str = "silu"  # or "clamped_swiglu" (gpt-oss)
+    gate_up_interleaved: bool = False  # gate and up rows alternate (gpt-oss's own checkpoints)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     topk_method: str = "greedy"  # or "group_limited_greedy" (DeepSeek-V2), "noaux_tc" (V3)
@@ -332,7 +334,7 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         moe = MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                         intermediate_size=cfg["intermediate_size"], norm_topk_prob=False,
                         scoring="topk_softmax", router_logit_bias=True, expert_bias=True,
-                        expert_act="clamped_swiglu",
+                        expert_act="clamped_swiglu", gate_up_interleaved=True,
                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
         return dict(moe=moe)

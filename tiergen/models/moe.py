@@ -53,12 +53,14 @@ class Experts:
 def expert_mlp(cfg: MoEConfig, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                gate_up_bias: torch.Tensor | None = None,
                down_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One expert's MLP: SwiGLU, or gpt-oss's clamped form (see MoEConfig), whose gate and
-    up rows alternate."""
+    """One expert's MLP: SwiGLU, or gpt-oss's clamped form (see MoEConfig)."""
     if cfg.expert_act == "silu":
         return swiglu_mlp(x, gate_up, down, gate_up_bias, down_bias)
     gate_up = linear(x, gate_up, gate_up_bias)
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    if cfg.gate_up_interleaved:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=cfg.swiglu_limit)
     up = up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
     return linear((up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha)), down, down_bias)
@@ -166,6 +168,18 @@ CHECKPOINT_NAMES["GptOssForCausalLM"] = {
     "stacked": "", "router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias",
     "gate_up": "mlp.experts.gate_up_proj", "gate_up_bias": "mlp.experts.gate_up_proj_bias",
     "down": "mlp.experts.down_proj", "down_bias": "mlp.experts.down_proj_bias"}
+# ... and GGUF files expert by expert, gate and up apart (MoEConfig.gate_up_interleaved off)
+SPLIT_GPT_OSS_NAMES = _QWEN | {
+    "router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias",
+    "gate_bias": "mlp.experts.{e}.gate_proj.bias", "up_bias": "mlp.experts.{e}.up_proj.bias",
+    "down_bias": "mlp.experts.{e}.down_proj.bias"}
+
+
+def checkpoint_names(cfg: ModelConfig) -> dict[str, str]:
+    """The checkpoint names of a MoE layer's tensors (see :func:`fuse_moe`)."""
+    if cfg.architecture == "GptOssForCausalLM" and not cfg.moe.gate_up_interleaved:
+        return SPLIT_GPT_OSS_NAMES
+    return CHECKPOINT_NAMES[cfg.architecture]
 
 
 # -- the feed-forward part of a layer: a dense SwiGLU MLP, or a MoE one ---------------------
@@ -174,7 +188,7 @@ def ffn_checkpoint_specs(cfg: ModelConfig, layer: int) -> Specs:
     """Checkpoint names (layer prefix removed) and shapes of a layer's feed-forward part."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     if cfg.is_moe_layer(layer):
-        return checkpoint_moe_specs(cfg.moe, h, CHECKPOINT_NAMES[cfg.architecture])
+        return checkpoint_moe_specs(cfg.moe, h, checkpoint_names(cfg))
     specs = {"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
              "mlp.down_proj.weight": (h, i)}
     if cfg.mlp_bias:
@@ -196,7 +210,7 @@ def ffn_fused_specs(cfg: ModelConfig, layer: int) -> Specs:
 def fuse_ffn(cfg: ModelConfig, layer: int, r: dict[str, torch.Tensor]) -> dict:
     """A layer's feed-forward tensors (checkpoint names, layer prefix removed), fused."""
     if cfg.is_moe_layer(layer):
-        return fuse_moe(cfg.moe, r, CHECKPOINT_NAMES[cfg.architecture])
+        return fuse_moe(cfg.moe, r, checkpoint_names(cfg))
     w = {"gate_up": cat_rows([r["mlp.gate_proj.weight"], r["mlp.up_proj.weight"]]),
          "down": r["mlp.down_proj.weight"]}
     if cfg.mlp_bias:
@@ -251,6 +265,13 @@ def fuse_moe(cfg: MoEConfig, r: dict[str, torch.Tensor], names: dict[str, str]) 
          "experts.down": stack([r[names["down"].format(e=e)] for e in n])}
     if cfg.router_bias:
         w["router_bias"] = r[names["router_bias"]]
+    if cfg.router_logit_bias:
+        w["router_logit_bias"] = r[names["router_logit_bias"]]
+    if cfg.expert_bias:
+        w["experts.gate_up_bias"] = torch.stack([torch.cat([r[names["gate_bias"].format(e=e)],
+                                                            r[names["up_bias"].format(e=e)]])
+                                                 for e in n])
+        w["experts.down_bias"] = torch.stack([r[names["down_bias"].format(e=e)] for e in n])
     if cfg.shared_intermediate_size:
         w["shared_gate_up"] = cat_rows([r[names["shared_gate"]], r[names["shared_up"]]])
         w["shared_down"] = r[names["shared_down"]]
@@ -270,9 +291,14 @@ def checkpoint_moe_specs(cfg: MoEConfig, hidden: int, names: dict[str, str]
     specs = {names["router"]: (cfg.num_experts, hidden)}
     if cfg.router_bias:
         specs[names["router_bias"]] = (cfg.num_experts,)
+    if cfg.router_logit_bias:
+        specs[names["router_logit_bias"]] = (cfg.num_experts,)
     for e in cfg.local_experts:
         specs |= {names["gate"].format(e=e): (i, hidden), names["up"].format(e=e): (i, hidden),
                   names["down"].format(e=e): (hidden, i)}
+        if cfg.expert_bias:
+            specs |= {names["gate_bias"].format(e=e): (i,), names["up_bias"].format(e=e): (i,),
+                      names["down_bias"].format(e=e): (hidden,)}
     if cfg.shared_intermediate_size:
         s = cfg.shared_intermediate_size
         specs |= {names["shared_gate"]: (s, hidden), names["shared_up"]: (s, hidden),

@@ -208,24 +208,51 @@ def layer_segments(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
 
     Found by fusing probe tensors of one column whose rows hold codes naming (tensor, row):
     exact in float64, and spaced so that any arithmetic on them shows."""
-    names = list(specs)
+    fused = _fused_probe(fuse, specs)
+    out = {}
+    for name, t in fused.items():
+        if not _is_probe(t) or t.dim() > 2 or (t.dim() == 2 and t.shape[1] != 1):
+            continue
+        runs = _runs(t, list(specs), specs)
+        if runs is not None:
+            out[name] = runs
+    return out
+
+
+def stacked_segments(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
+                     specs: Mapping[str, tuple[int, ...]]) -> dict[str, list[Segments]]:
+    """As :func:`layer_segments`, for the stacked tensors ``fuse`` makes (E, rows, ...):
+    the runs of each of their E matrices (routed experts), or vectors (their biases), where
+    every one is found."""
+    fused = _fused_probe(fuse, specs)
+    out = {}
+    for name, t in fused.items():
+        # a stack of matrices probes as (E, rows, 1), of vectors as (E, rows)
+        if not _is_probe(t) or not ((t.dim() == 3 and t.shape[2] == 1)
+                                    or (t.dim() == 2 and t.shape[1] != 1)):
+            continue
+        runs = [_runs(m, list(specs), specs) for m in t]
+        if runs and all(r is not None for r in runs):
+            out[name] = runs
+    return out
+
+
+def _fused_probe(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
+                 specs: Mapping[str, tuple[int, ...]]) -> Mapping[str, object]:
+    """``fuse`` applied to probe tensors of one column whose rows hold codes naming (tensor,
+    row): exact in float64, and spaced so that any arithmetic on them shows."""
     probe = {}
     for i, (name, shape) in enumerate(specs.items()):
         rows = torch.arange(shape[0], dtype=torch.float64) * _ROW + i * _CODE + _MARK
         probe[name] = rows.reshape(-1, *[1] * (len(shape) - 1))
     try:
-        fused = fuse(probe)
+        return fuse(probe)
     except Exception:  # a family whose fusing needs real shapes: convert instead
         return {}
-    out = {}
-    for name, t in fused.items():
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float64 or t.dim() > 2 or (
-                t.dim() == 2 and t.shape[1] != 1):
-            continue
-        runs = _runs(t, names, specs)
-        if runs is not None:
-            out[name] = runs
-    return out
+
+
+def _is_probe(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.float64
 
 
 def _runs(t: torch.Tensor, names: list[str], specs: Mapping[str, tuple[int, ...]]
@@ -269,6 +296,21 @@ def in_place_entries(source: WeightSource, layer_specs: list[dict[str, tuple[int
     return entries
 
 
+def in_place_rows(source: WeightSource, layer_specs: list[dict[str, tuple[int, ...]]],
+                  segments: list[dict[str, list[Segments]]], dtype: torch.dtype,
+                  blocks: list[dict[str, tuple[tuple[int, int], ...]]]) -> dict[str, list[Entry]]:
+    """As :func:`in_place_entries`, for stacked tensors (``segments``: each layer's, from
+    :func:`stacked_segments`): an entry per matrix of the stack (a routed expert, read one at
+    a time), where every one lies in the checkpoint as it is used."""
+    out: dict[str, list[Entry]] = {}
+    for j, (specs, layer) in enumerate(zip(layer_specs, segments)):
+        for name, per_row in layer.items():
+            entries = [_entry(source, specs, runs, dtype, blocks[j].get(name)) for runs in per_row]
+            if all(e is not None for e in entries):
+                out[OffloadedWeights.key(j, name)] = entries
+    return out
+
+
 def _entry(source: WeightSource, specs: dict[str, tuple[int, ...]], runs: Segments, dtype: torch.dtype,
            parts_wanted: tuple[tuple[int, int], ...] | None) -> Entry | None:
     ranges, rows, width, parts = [], 0, None, []
@@ -305,13 +347,18 @@ class CheckpointWeights:
     module docstring): the same reads as ``OffloadedWeights`` without a converted copy.
     Tensors that are not in the checkpoint as they are used come from ``converted``."""
 
-    def __init__(self, entries: dict[str, Entry], converted: OffloadedWeights | None = None
-                 ) -> None:
+    def __init__(self, entries: dict[str, Entry], converted: OffloadedWeights | None = None,
+                 rows: dict[str, list[Entry]] | None = None) -> None:
         self.entries = entries  # key -> (shape, dtype, [(file, offset, bytes)])
+        self.rows = rows or {}  # key of a stacked tensor -> an entry per row
         self.converted = converted
+        self.rows_read = 0
         self._fds: dict[Path, int] = {}
+        # routed experts are read without read-ahead: the next bytes are another expert,
+        # rarely the next one wanted (a descriptor of their own: the advice is per descriptor)
+        self._row_fds: dict[Path, int] = {}
         ends: dict[Path, int] = {}
-        for _, _, parts in entries.values():
+        for _, _, parts in [*entries.values(), *(e for es in self.rows.values() for e in es)]:
             for path, offset, nbytes in parts:
                 ends[path] = max(ends.get(path, 0), offset + nbytes)
         for path, end in ends.items():
@@ -323,6 +370,9 @@ class CheckpointWeights:
 
     def shape(self, layer: int, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         key = OffloadedWeights.key(layer, name)
+        if key in self.rows:
+            shape, dtype, _ = self.rows[key][0]
+            return (len(self.rows[key]), *shape), dtype
         if key not in self.entries:
             return self.converted.shape(layer, name)
         shape, dtype, _ = self.entries[key]
@@ -330,24 +380,41 @@ class CheckpointWeights:
 
     def read_into(self, layer: int, name: str, out: torch.Tensor) -> torch.Tensor:
         key = OffloadedWeights.key(layer, name)
+        if key in self.rows:
+            for row in range(len(self.rows[key])):
+                self._read(self._fds, self.rows[key][row], out[row], key)
+            return out
         if key not in self.entries:
             return self.converted.read_into(layer, name, out)
-        _, _, parts = self.entries[key]
-        buf, pos = _as_bytes(out), 0
-        for path, offset, nbytes in parts:
-            read_exact(self._fds[path], buf[pos:pos + nbytes], offset, f"checkpoint file {path}")
-            pos += nbytes
-        if pos != len(buf):
-            raise ValueError(f"buffer of {len(buf)} bytes for {layer}/{name} of {pos}")
-        return out
+        return self._read(self._fds, self.entries[key], out, key)
 
     def read_row(self, layer: int, name: str, row: int, out: torch.Tensor) -> torch.Tensor:
-        return self.converted.read_row(layer, name, row, out)  # stacked: always converted
+        key = OffloadedWeights.key(layer, name)
+        if key not in self.rows:
+            return self.converted.read_row(layer, name, row, out)
+        for path, _, _ in self.rows[key][row][2]:
+            if path not in self._row_fds:
+                self._row_fds[path] = os.open(path, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(self._row_fds[path], 0, 0, os.POSIX_FADV_RANDOM)
+        self.rows_read += 1
+        return self._read(self._row_fds, self.rows[key][row], out, key)
+
+    @staticmethod
+    def _read(fds: dict[Path, int], entry: Entry, out: torch.Tensor, key: str) -> torch.Tensor:
+        buf, pos = _as_bytes(out), 0
+        for path, offset, nbytes in entry[2]:
+            read_exact(fds[path], buf[pos:pos + nbytes], offset, f"checkpoint file {path}")
+            pos += nbytes
+        if pos != len(buf):
+            raise ValueError(f"buffer of {len(buf)} bytes for {key} of {pos}")
+        return out
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for fd in [*self._fds.values(), *self._row_fds.values()]:
             os.close(fd)
         self._fds.clear()
+        self._row_fds.clear()
 
     def __del__(self) -> None:
         self.close()

@@ -16,7 +16,8 @@ from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
 from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
 from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights,
-                                  Segments, in_place_entries, layer_segments)
+                                  Segments, in_place_entries, in_place_rows, layer_segments,
+                                  stacked_segments)
 from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
 from tiergen.offload.policy import Policy, tier_at
 from tiergen.weights import WeightSource
@@ -229,22 +230,27 @@ class TieredWeights:
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
                                  .encode()).hexdigest()[:16]
             specs = [model.layer_specs(j) for j in range(cfg.num_layers)]
-            segments = [layer_segments(lambda raw, j=j: model.fuse_layer(j, raw), specs[j])
-                        for j in range(cfg.num_layers)]
-            # routed experts are read expert by expert: always from the converted copy
+            fuse = [lambda raw, j=j: model.fuse_layer(j, raw) for j in range(cfg.num_layers)]
+            segments = [layer_segments(fuse[j], specs[j]) for j in range(cfg.num_layers)]
             found = {} if plan.compress else in_place_entries(
                 source, specs, [{n: r for n, r in layer.items() if not is_expert(n)}
                                 for layer in segments], dtype, plan.blocks)
-            rest = [[n for n in plan.shapes[j] if OffloadedWeights.key(j, n) not in found]
+            # routed experts, read expert by expert where each lies in the checkpoint as used
+            rows = {}
+            if not plan.compress and any(is_expert(n) for layer in plan.shapes for n in layer):
+                rows = in_place_rows(source, specs, [stacked_segments(fuse[j], specs[j])
+                                                     for j in range(cfg.num_layers)],
+                                     dtype, plan.blocks)
+            rest = [[n for n in plan.shapes[j] if OffloadedWeights.key(j, n) not in found | rows]
                     for j in range(cfg.num_layers)]
             converted = None
             if any(rest):  # what the checkpoint does not hold as it is used is converted
-                if found:
+                if found or rows:
                     key += "-" + hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
                 converted = OffloadedWeights.open_or_convert(
                     root, key, cfg.num_layers,
                     lambda j: produce_some(j, rest[j], segments[j]))
-            self.disk = CheckpointWeights(found, converted) if found else converted
+            self.disk = CheckpointWeights(found, converted, rows) if found or rows else converted
         pin = policy.pin_memory and device.type == "cuda"
         self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
         for j, tiers in enumerate(self.tiers):

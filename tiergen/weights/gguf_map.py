@@ -22,6 +22,7 @@ from tiergen.weights.quant import FLOAT_TYPES, GGMLType, dequantize, tensor_nbyt
 GGUF_ARCHITECTURES = {
     "deepseek2": "DeepseekV2ForCausalLM",  # DeepseekV3ForCausalLM with sigmoid gating
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -65,22 +66,33 @@ DEEPSEEK2_LAYER_NAMES = LAYER_NAMES | {
     "attn_kv_b": "self_attn.kv_b_proj",
 }
 
-# A MoE layer's tensors, by the key of their checkpoint name in tiergen.models.moe's
-# CHECKPOINT_NAMES; the *_exps tensors stack the routed experts (E, out, in).
+# A MoE layer's tensors (GGUF name less "blk.N."), by the keys of their checkpoint names in
+# tiergen.models.moe (checkpoint_names); *_exps tensors stack the routed experts (E, out, in).
+# Newer converters may fuse gate and up into one (E, 2I, H): two keys, its halves.
 MOE_NAMES = {
-    "ffn_gate_inp": "router",
-    "ffn_gate_exps": "gate",
-    "ffn_up_exps": "up",
-    "ffn_down_exps": "down",
-    "ffn_gate_shexp": "shared_gate",
-    "ffn_up_shexp": "shared_up",
-    "ffn_down_shexp": "shared_down",
-    "ffn_gate_inp_shexp": "shared_expert_gate",
-    "exp_probs_b": "router_bias",
+    "ffn_gate_inp.weight": ("router",),
+    "ffn_gate_inp.bias": ("router_logit_bias",),
+    "exp_probs_b.bias": ("router_bias",),
+    "ffn_gate_exps.weight": ("gate",),
+    "ffn_up_exps.weight": ("up",),
+    "ffn_down_exps.weight": ("down",),
+    "ffn_gate_up_exps.weight": ("gate", "up"),
+    "ffn_gate_exps.bias": ("gate_bias",),
+    "ffn_up_exps.bias": ("up_bias",),
+    "ffn_down_exps.bias": ("down_bias",),
+    "ffn_gate_up_exps.bias": ("gate_bias", "up_bias"),
+    "ffn_gate_shexp.weight": ("shared_gate",),
+    "ffn_up_shexp.weight": ("shared_up",),
+    "ffn_down_shexp.weight": ("shared_down",),
+    "ffn_gate_inp_shexp.weight": ("shared_expert_gate",),
 }
 
 # llama.cpp always renormalises the chosen experts' weights for these (it has no key for it)
-NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": False}
+
+# gpt-oss: the norm before the MLP, and the attention sinks (a vector named without .weight)
+GPT_OSS_LAYER_NAMES = LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm"}
+UNSUFFIXED = {"attn_sinks": "self_attn.sinks"}
 
 # Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP.
 GEMMA3_LAYER_NAMES = LAYER_NAMES | {
@@ -104,27 +116,35 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     are not one checkpoint tensor: see :func:`hf_expert_names`)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    names = {"gemma3": GEMMA3_LAYER_NAMES, "deepseek2": DEEPSEEK2_LAYER_NAMES}.get(arch, LAYER_NAMES)
+    names = {"gemma3": GEMMA3_LAYER_NAMES, "deepseek2": DEEPSEEK2_LAYER_NAMES,
+             "gpt-oss": GPT_OSS_LAYER_NAMES}.get(arch, LAYER_NAMES)
     m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in UNSUFFIXED:
+        return f"model.layers.{m.group(1)}.{UNSUFFIXED[m.group(2)]}"
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
-def hf_expert_names(gguf_name: str, architecture: str, num_experts: int
-                    ) -> dict[str, int | None]:
-    """Hugging Face names of a MoE tensor of a GGUF file: {name: expert}, one name per
-    routed expert for a stacked *_exps tensor (expert None: the whole tensor)."""
-    from tiergen.models.moe import CHECKPOINT_NAMES
-
+def hf_expert_names(gguf_name: str, names: dict[str, str], num_experts: int
+                    ) -> dict[str, tuple[int | None, int | None]]:
+    """Hugging Face names (``names``: tiergen.models.moe.checkpoint_names) of a MoE tensor of
+    a GGUF file: {name: (expert, half)}, one name per routed expert for a stacked *_exps
+    tensor (expert None: the whole tensor), and per half of a fused gate and up (half None:
+    not fused)."""
     m = _LAYER_RE.fullmatch(gguf_name)
-    names = CHECKPOINT_NAMES.get(architecture, {})
-    if not m or MOE_NAMES.get(m.group(2)) not in names:
-        return {}
-    template = f"model.layers.{m.group(1)}." + names[MOE_NAMES[m.group(2)]]
-    if "{e}" not in template:
-        return {template: None}
-    return {template.format(e=e): e for e in range(num_experts)}
+    keys = MOE_NAMES.get(f"{m.group(2)}.{m.group(3)}", ()) if m else ()
+    out: dict[str, tuple[int | None, int | None]] = {}
+    for half, key in enumerate(keys):
+        if key not in names:
+            return {}
+        template = f"model.layers.{m.group(1)}." + names[key]
+        part = half if len(keys) == 2 else None
+        if "{e}" not in template:
+            out[template] = (None, part)
+        else:
+            out |= {template.format(e=e): (e, part) for e in range(num_experts)}
+    return out
 
 
 def unpermute_qk(w: torch.Tensor | Packed, n_heads: int) -> torch.Tensor | Packed:
@@ -175,18 +195,23 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
                           mscale=mscale, mscale_all_dim=mscale)
     layers = int(key("block_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    architecture, moe = GGUF_ARCHITECTURES[arch], {}
+    architecture, extra = GGUF_ARCHITECTURES[arch], {}  # MoE, MLA, gpt-oss fields
     if arch == "deepseek2":
-        moe = _deepseek2_from_gguf(meta, arch, layers)
-        mla = moe["mla"]
+        extra = _deepseek2_from_gguf(meta, arch, layers)
+        mla = extra["mla"]
         head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         kv_heads = heads  # llama.cpp writes one latent KV head
-        if moe["moe"].scoring == "sigmoid":
+        if extra["moe"].scoring == "sigmoid":
             architecture = "DeepseekV3ForCausalLM"
     elif meta.get(f"{arch}.expert_count"):
-        moe = _moe_from_gguf(meta, arch, layers, tensor_names)
+        extra = _moe_from_gguf(meta, arch, layers, tensor_names)
         if arch == "llama":
             architecture = "MixtralForCausalLM"
+    if arch == "gpt-oss":
+        # sliding and full layers alternate, the first sliding; its YaRN does not truncate
+        extra |= dict(attention_sinks=True, layer_types=[
+            "full_attention" if j % 2 else "sliding_attention" for j in range(layers)])
+        rope.truncate = False
     gemma3 = (_gemma3_from_gguf(meta, arch, layers, hidden, heads, head_dim)
               if arch == "gemma3" else {})
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -210,7 +235,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         eos_token_ids=sorted(set(eos)),
         **gemma3,
-        **moe,
+        **extra,
     )
 
 
@@ -249,6 +274,11 @@ def _moe_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[str]) -
     top_k = int(meta.get(f"{arch}.expert_used_count", 0))
     size = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
     shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
+    if arch == "gpt-oss":  # llama.cpp's swiglu_oai has gpt-oss's alpha and limit built in
+        return dict(moe=MoEConfig(
+            num_experts=experts, top_k=top_k, intermediate_size=int(size), norm_topk_prob=False,
+            scoring="topk_softmax", router_logit_bias=True, expert_bias=True,
+            expert_act="clamped_swiglu"))
     return dict(moe=MoEConfig(
         num_experts=experts, top_k=top_k, intermediate_size=int(size),
         norm_topk_prob=NORM_TOPK[arch], shared_intermediate_size=shared,
@@ -289,15 +319,19 @@ class GGUFSource:
         self.config = config_from_gguf(self.file.metadata, set(self.file.tensors))
         self.packed = packed
         self._arch = self.file.metadata["general.architecture"]
-        # Hugging Face name -> (GGUF tensor, routed expert of a stacked tensor or None)
-        self._names: dict[str, tuple[str, int | None]] = {}
-        experts = self.config.moe.num_experts if self.config.moe else 0
+        # Hugging Face name -> (GGUF tensor, routed expert of a stacked tensor, half of a
+        # fused gate and up); None: all of it
+        self._names: dict[str, tuple[str, int | None, int | None]] = {}
+        if self.config.moe:
+            from tiergen.models.moe import checkpoint_names
+
+            moe_names = checkpoint_names(self.config)
         for g in self.file.tensors:
             if (hf := hf_name(g, self._arch)) is not None:
-                self._names[hf] = (g, None)
-            elif experts:
-                self._names |= {n: (g, e) for n, e in
-                                hf_expert_names(g, self.config.architecture, experts).items()}
+                self._names[hf] = (g, None, None)
+            elif self.config.moe:
+                self._names |= {n: (g, *where) for n, where in hf_expert_names(
+                    g, moe_names, self.config.moe.num_experts).items()}
         # DeepSeek's kv_b, joined from the k_b and v_b that newer converters split it into
         self._kv_b = {f"model.layers.{j}.self_attn.kv_b_proj.weight": j
                       for j in range(self.config.num_layers)
@@ -332,11 +366,15 @@ class GGUFSource:
     def _info(self, name: str) -> tuple[GGUFTensorInfo, tuple[int, ...], int]:
         """The GGUF tensor holding ``name``, ``name``'s shape, and the offset of its bytes
         in that tensor (a routed expert's slice of a stacked tensor)."""
-        g, e = self._names[name]
+        g, e, half = self._names[name]
         info = self.file.tensors[g]
-        if e is None:
-            return info, self._plain_shape(name, info.shape), 0
-        return info, info.shape[1:], e * (info.nbytes // info.shape[0])
+        shape, offset = info.shape, 0
+        if e is not None:
+            shape, offset = shape[1:], e * (info.nbytes // info.shape[0])
+        if half is not None:  # rows are whole blocks: a half is half the bytes
+            offset += half * tensor_nbytes(info.ggml_type, math.prod(shape)) // 2
+            shape = (shape[0] // 2, *shape[1:])
+        return info, self._plain_shape(name, shape), offset
 
     @staticmethod
     def _plain_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,0 +1,294 @@
+"""tiergen against llama.cpp on a DeepSeek-V3-shaped Q4_0 GGUF whose routed experts (over
+10 GB) do not fit the host budget: each engine runs in a memory cgroup of --host-memory (page
+cache included), with the file's pages evicted every 0.2 s as ``bench_scale.py`` does.
+
+tiergen keeps attention, shared experts and the dense layer resident and reads the routed
+experts from disk only when routed (``Policy(experts="disk")``, packed Q4_0); llama.cpp maps
+the file (``use_mmap``), with its default repacking of Q4_0 weights into anonymous memory
+and without it (``--no-repack``). Reported: decode tokens/s of one prompt, bytes read per decode step,
+and for tiergen the bytes of the experts its tokens routed to. The file (random weights, a
+placeholder vocabulary, llama.cpp's deepseek2 layout) is built once in --dir.
+
+    python benchmarks/bench_moe_gguf.py [--dir /var/tmp/tiergen-v3-gguf] [--host-memory 4G]
+        [--prompt-len 16] [--gen-len 16]
+        [--llamacpp-python .peers/llamacpp-venv/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_scale import prompts, read_bytes, rss_peak  # noqa: E402
+
+# DeepSeek-V3's architecture at this machine's size: 11 MoE layers of 192 experts of 4.9 MB
+# (Q4_0), 6 chosen of 8 groups' best 4, two shared experts, one dense layer first.
+H, LAYERS, VOCAB, HEADS = 2048, 12, 32000, 16
+DENSE, EXPERT, EXPERTS, USED, SHARED = 5632, 1408, 192, 6, 2
+Q_RANK, KV_RANK, NOPE, ROPE, V = 768, 512, 128, 64, 128
+
+
+def tensors() -> list[tuple[str, tuple[int, ...], bool]]:
+    """(GGUF name, torch shape, quantised) in file order."""
+    out = [("token_embd.weight", (VOCAB, H), True)]
+    for j in range(LAYERS):
+        b = f"blk.{j}."
+        out += [(b + "attn_norm.weight", (H,), False), (b + "attn_q_a.weight", (Q_RANK, H), True),
+                (b + "attn_q_a_norm.weight", (Q_RANK,), False),
+                (b + "attn_q_b.weight", (HEADS * (NOPE + ROPE), Q_RANK), True),
+                (b + "attn_kv_a_mqa.weight", (KV_RANK + ROPE, H), True),
+                (b + "attn_kv_a_norm.weight", (KV_RANK,), False),
+                (b + "attn_k_b.weight", (HEADS, KV_RANK, NOPE), False),
+                (b + "attn_v_b.weight", (HEADS, V, KV_RANK), False),
+                (b + "attn_output.weight", (H, HEADS * V), True), (b + "ffn_norm.weight", (H,), False)]
+        if j == 0:
+            out += [(b + "ffn_gate.weight", (DENSE, H), True), (b + "ffn_up.weight", (DENSE, H), True),
+                    (b + "ffn_down.weight", (H, DENSE), True)]
+            continue
+        s = SHARED * EXPERT
+        out += [(b + "ffn_gate_inp.weight", (EXPERTS, H), False),
+                (b + "exp_probs_b.bias", (EXPERTS,), False),
+                (b + "ffn_gate_exps.weight", (EXPERTS, EXPERT, H), True),
+                (b + "ffn_up_exps.weight", (EXPERTS, EXPERT, H), True),
+                (b + "ffn_down_exps.weight", (EXPERTS, H, EXPERT), True),
+                (b + "ffn_gate_shexp.weight", (s, H), True), (b + "ffn_up_shexp.weight", (s, H), True),
+                (b + "ffn_down_shexp.weight", (H, s), True)]
+    return out + [("output_norm.weight", (H,), False), ("output.weight", (VOCAB, H), True)]
+
+
+def random_q4_0(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_0 blocks (as bytes) whose values have a std of about 1/sqrt(row length)."""
+    blocks = int(np.prod(shape)) // 32
+    out = np.empty((blocks, 18), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 1.5, blocks) / (4.6 * shape[-1] ** 0.5)).astype(np.float16)
+    out[:, :2] = scale.view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = np.frombuffer(rng.bytes(blocks * 16), dtype=np.uint8).reshape(-1, 16)
+    return out.reshape(*shape[:-1], shape[-1] // 32 * 18)
+
+
+def build(path: Path) -> Path:
+    """Write the GGUF once (under a temporary name, renamed when complete)."""
+    if path.exists():
+        return path
+    import gguf
+    from tqdm import tqdm
+
+    from scale_model import _write_vocab
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    w = gguf.GGUFWriter(str(tmp), "deepseek2")
+    w.add_context_length(4096)
+    w.add_embedding_length(H)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(DENSE)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(1)  # as llama.cpp's converter: MLA as one latent KV head
+    w.add_key_length(KV_RANK + ROPE)
+    w.add_value_length(KV_RANK)
+    w.add_key_length_mla(NOPE + ROPE)
+    w.add_value_length_mla(V)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(ROPE)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(VOCAB)
+    w.add_q_lora_rank(Q_RANK)
+    w.add_kv_lora_rank(KV_RANK)
+    w.add_leading_dense_block_count(1)
+    w.add_expert_feed_forward_length(EXPERT)
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(USED)
+    w.add_expert_shared_count(SHARED)
+    w.add_expert_weights_scale(2.5)
+    w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(8)
+    w.add_expert_group_used_count(4)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    _write_vocab(w, VOCAB)
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    for name, shape, quantised in tensors():
+        if quantised:
+            nbytes = gguf.quant_shape_to_byte_shape(shape, q4_0)
+            w.add_tensor_info(name, nbytes, np.uint8, int(np.prod(nbytes)), raw_dtype=q4_0)
+        else:
+            w.add_tensor_info(name, shape, np.float32, 4 * int(np.prod(shape)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for name, shape, quantised in tqdm(tensors(), desc="writing the GGUF", unit="tensor"):
+        if quantised:
+            data = random_q4_0(shape, rng)
+        elif name.endswith("norm.weight"):
+            data = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            data = (rng.standard_normal(shape) * shape[-1] ** -0.5).astype(np.float32)
+        w.write_tensor_data(data)
+    w.close()
+    os.rename(tmp, path)
+    return path
+
+
+def expert_nbytes() -> int:
+    return 3 * EXPERT * H // 32 * 18
+
+
+def child_tiergen(a: argparse.Namespace) -> dict:
+    import tiergen  # noqa: F401  (the CPU guard first)
+    import tiergen.models.moe as moe
+    from tiergen import LLM, Policy, SamplingParams
+
+    t = time.perf_counter()
+    llm = LLM(a.gguf, policy=Policy(experts="disk", offload_dir=str(Path(a.dir) / "offload")),
+              host_memory=a.host_memory)
+    load = time.perf_counter() - t
+    routed, route = [0], moe.route
+
+    def counting(cfg_, x, gate, *biases):
+        ids, weights = route(cfg_, x, gate, *biases)
+        routed[0] += len(set(ids.flatten().tolist())) * expert_nbytes()
+        return ids, weights
+
+    moe.route = counting
+    ids = prompts(1, a.prompt_len, VOCAB)
+    marks = []
+    for new in (1, a.gen_len):  # the prompt step alone, then the whole run
+        routed[0], before = 0, read_bytes()
+        out = llm.generate(ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+        marks.append((read_bytes() - before, routed[0], llm.last_stats.decode_seconds))
+    (read1, routed1, _), (read, routed_all, decode_s) = marks
+    steps = a.gen_len - 1
+    return dict(load_s=load, step_s=decode_s / steps, read_per_step=(read - read1) / steps,
+                routed_per_step=(routed_all - routed1) / steps, rss=rss_peak(),
+                tokens=out[0].token_ids)
+
+
+def child_llamacpp(a: argparse.Namespace) -> dict:
+    import llama_cpp
+
+    if a.child == "llamacpp-no-repack":  # llama.cpp's --no-repack: weights stay in the map
+        defaults = llama_cpp.llama_model_default_params
+
+        def no_repack():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_model_default_params = no_repack
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=a.gguf, n_ctx=a.prompt_len + a.gen_len + 8,
+                          n_threads=os.cpu_count(), n_batch=512, use_mmap=True, verbose=False,
+                          logits_all=True)  # (without it, 0.3.36 leaves scores at zero)
+    load = time.perf_counter() - t
+    llm.eval(prompts(1, a.prompt_len, VOCAB)[0])
+    tokens = [int(llm.scores[llm.n_tokens - 1].argmax())]
+    before, t = read_bytes(), time.perf_counter()
+    for _ in range(a.gen_len - 1):
+        llm.eval([tokens[-1]])
+        tokens.append(int(llm.scores[llm.n_tokens - 1].argmax()))
+    steps = a.gen_len - 1
+    return dict(load_s=load, step_s=(time.perf_counter() - t) / steps,
+                read_per_step=(read_bytes() - before) / steps, rss=rss_peak(), tokens=tokens)
+
+
+def in_cgroup(limit: str) -> str | None:
+    """A memory cgroup (v1 or v2) limited to ``limit`` for the children, or None where this
+    machine gives none."""
+    for root, name in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+                       ("/sys/fs/cgroup", "memory.max")):
+        group = Path(root) / "tiergen-bench"
+        try:
+            group.mkdir(exist_ok=True)
+            (group / name).write_text(str(parse_bytes(limit)))
+            return str(group)
+        except OSError:
+            continue
+    return None
+
+
+def parse_bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+def run(a: argparse.Namespace, engine: str, group: str | None) -> dict:
+    from bench_plan import PageCacheEvictor
+
+    python = a.llamacpp_python if engine.startswith("llamacpp") else sys.executable
+    cmd = [python, str(HERE / "bench_moe_gguf.py"), "--child", engine, "--dir", a.dir,
+           "--host-memory", a.host_memory, "--prompt-len", str(a.prompt_len),
+           "--gen-len", str(a.gen_len)]
+
+    def enter_group() -> None:
+        if group:
+            Path(group, "cgroup.procs").write_text(str(os.getpid()))
+
+    with PageCacheEvictor(Path(a.dir), period=0.2):
+        done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=enter_group,
+                              env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
+    if done.returncode:
+        tail = done.stderr.strip().splitlines()
+        return {"error": tail[-1] if tail else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", default="/var/tmp/tiergen-v3-gguf")
+    p.add_argument("--host-memory", default="4G")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--gen-len", type=int, default=16)
+    p.add_argument("--llamacpp-python", default=".peers/llamacpp-venv/bin/python")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.dir = str(Path(a.dir).resolve())
+    a.gguf = str(Path(a.dir) / "model.gguf")
+    if a.child:
+        fn = child_llamacpp if a.child.startswith("llamacpp") else child_tiergen
+        print(json.dumps(fn(a)))
+        return
+    from bench_scale import machine
+
+    build(Path(a.gguf))
+    group = in_cgroup(a.host_memory)
+    experts = (LAYERS - 1) * EXPERTS * expert_nbytes()
+    print(f"{machine()}; {Path(a.gguf).stat().st_size / 1e9:.1f} GB Q4_0 GGUF, "
+          f"{experts / 1e9:.1f} GB of routed experts; host budget {a.host_memory} "
+          f"({'memory cgroup' if group else 'no cgroup: page cache evicted only'}); one prompt "
+          f"of {a.prompt_len} tokens, {a.gen_len} new; page cache evicted every 0.2 s")
+    # tiergen's first load converts the experts into its offload directory: not timed
+    first = run(a, "tiergen", group)
+    print(f"tiergen first load (offload directory written): {first.get('load_s', 0):.0f} s"
+          if "error" not in first else f"tiergen failed: {first['error']}")
+    # llama.cpp by default copies Q4_0 weights into its repacked CPU layout (anonymous memory,
+    # so the whole model must fit the budget); --no-repack multiplies them in the map
+    results = {e: run(a, e, group) for e in ("tiergen", "llamacpp", "llamacpp-no-repack")}
+    print("| engine | decode tok/s | s per step | GB read per step | GB routed per step | "
+          "peak RSS GB |")
+    print("|---|---|---|---|---|---|")
+    for engine, r in results.items():
+        if "error" in r:
+            print(f"| {engine} | failed: {r['error']} | | | | |")
+            continue
+        routed = f"{r['routed_per_step'] / 1e9:.3f}" if "routed_per_step" in r else "-"
+        print(f"| {engine} | {1 / r['step_s']:.2f} | {r['step_s']:.2f} | "
+              f"{r['read_per_step'] / 1e9:.3f} | {routed} | {r['rss'] / 1e9:.2f} |")
+    for peer in ("llamacpp", "llamacpp-no-repack"):
+        if "error" not in results["tiergen"] and "error" not in results[peer]:
+            print(f"tiergen / {peer} decode: "
+                  f"{results[peer]['step_s'] / results['tiergen']['step_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
