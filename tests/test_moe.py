@@ -172,3 +172,42 @@ def test_deepseek_v3_skips_its_multi_token_prediction_layer(tmp_path):
     save_file(tensors | extra, shard, metadata={"format": "pt"})
     assert [r.token_ids for r in LLM(tmp_path, dtype="float32").generate(PROMPTS, GREEDY)] \
         == expected
+
+
+def test_expert_cache_keeps_experts_read_from_disk(tmp_path):
+    """Experts read from disk stay in a host cache for reuse: the same tokens and logits as
+    without it, and a repeated run reads nothing when every expert fits; a small cache holds
+    no more than its bytes (the layer in use aside) and still gives the same tokens."""
+    build("qwen3-moe", tmp_path / "hf")
+    plain = LLM(tmp_path / "hf", dtype="float32",
+                policy=Policy(experts="disk", expert_cache=0, offload_dir=tmp_path / "a"))
+    tokens = [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+    logits = prefill_and_decode_logits(plain)
+    llm = LLM(tmp_path / "hf", dtype="float32",
+              policy=Policy(experts="disk", expert_cache="1G", offload_dir=tmp_path / "b"))
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+    for ours, ref in zip(prefill_and_decode_logits(llm), logits):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    disk, cache = llm.executor.weights.disk, llm.executor.weights.expert_cache
+    assert cache.hits > 0 and cache.used > 0
+    before = disk.rows_read
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+    assert disk.rows_read == before  # every expert came from the cache
+    expert = cache.used // len(cache.entries)
+    small = LLM(tmp_path / "hf", dtype="float32",
+                policy=Policy(experts="disk", expert_cache=3 * expert, offload_dir=tmp_path / "c"))
+    assert [r.token_ids for r in small.generate(PROMPTS, GREEDY)] == tokens
+    assert small.executor.weights.expert_cache.used <= 3 * expert
+
+
+def test_expert_cache_defaults_to_half_the_host_budget_left(tmp_path):
+    build("mixtral", tmp_path / "hf")
+    free = LLM(tmp_path / "hf", dtype="float32", policy=Policy(experts="disk", offload_dir=tmp_path))
+    assert free.executor.weight_plan.expert_cache == 0  # no budget: no cache
+    needs = free.executor.weight_plan.needs()
+    budget = needs["host"] + needs["device"] + 64 * 2**20
+    llm = LLM(tmp_path / "hf", dtype="float32", host_memory=budget,
+              policy=Policy(experts="disk", offload_dir=tmp_path))
+    assert llm.executor.weight_plan.expert_cache == 32 * 2**20
+    with pytest.raises(TiergenError, match="memory size"):
+        Policy(experts="disk", expert_cache="lots")

@@ -86,6 +86,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="put the routed experts of mixture-of-experts models on this tier (off "
                         "the device they run where they are when few tokens chose them; from "
                         "disk only the chosen experts are read)")
+    o.add_argument("--expert-cache", default=None, metavar="SIZE",
+                   help="host RAM that keeps routed experts read from disk for reuse, e.g. 2G "
+                        "(default: half of what --host-memory leaves after the weights)")
     o.add_argument("--compress-weights", action="store_true",
                    help="store layer weight matrices quantised (see --compress-bits)")
     o.add_argument("--compress-cache", action="store_true",
@@ -162,6 +165,7 @@ def _policy(args: argparse.Namespace):
     options = dict(gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches,
                    pin_memory=not args.no_pin_memory, cpu_attention=args.cpu_attention,
                    offload_dir=args.offload_dir, experts=args.experts,
+                   expert_cache=args.expert_cache,
                    compress_weights=args.compress_weights, compress_cache=args.compress_cache,
                    compress_bits=args.compress_bits,
                    compress_group_size=args.compress_group_size, attn_sparsity=args.attn_sparsity)

@@ -141,6 +141,7 @@ class Executor:
         self.policy = policy or Policy()
         self.budgets = budgets or Budgets()
         self.weight_plan = WeightPlan.make(model, dtype, self.policy, device, source)
+        self.weight_plan.size_expert_cache(self.policy, self.budgets.host)
         self.budgets.check(self.weight_plan.needs(), "the model's weights under this policy", {
             "device": "put a smaller share of weights on the device (--percent) or raise "
                       "--device-memory",

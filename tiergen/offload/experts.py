@@ -10,6 +10,7 @@ expert's weights to the device or to run the expert on the CPU where they alread
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,43 @@ class HostRates:
         return host < weight_bytes / self.link_bandwidth
 
 
+class ExpertCache:
+    """Routed experts read from disk, kept in host RAM for reuse: up to ``capacity`` bytes,
+    the least recently used out first. A token's experts recur from step to step (and a
+    prompt's tokens share many), so a step often needs no read at all for most of them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+        self.entries: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
+        rows = self.entries.get((layer, expert))
+        if rows is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end((layer, expert))
+        self.hits += 1
+        return rows
+
+    def room(self, layer: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Empty tensors shaped as ``like`` to read an expert of ``layer`` into, making room
+        by dropping the least recently used experts of other layers (the layer in use keeps
+        its own); None where the capacity does not allow it."""
+        nbytes = sum(t.nbytes for t in like.values())
+        for key in [k for k in self.entries if k[0] != layer]:
+            if self.used + nbytes <= self.capacity:
+                break
+            self.used -= sum(t.nbytes for t in self.entries.pop(key).values())
+        if self.used + nbytes > self.capacity:
+            return None
+        return {n: torch.empty_like(t) for n, t in like.items()}
+
+    def put(self, layer: int, expert: int, rows: dict[str, torch.Tensor]) -> None:
+        self.entries[(layer, expert)] = rows
+        self.used += sum(t.nbytes for t in rows.values())
+
+
 class OffloadedExperts(Experts):
     """One layer's routed experts, each of the stacked tensors either in host RAM
     (``resident``) or on disk (read row by row into ``buffers``, host tensors of full shape
@@ -62,24 +100,38 @@ class OffloadedExperts(Experts):
 
     def __init__(self, layer: int, resident: dict[str, torch.Tensor | Packed],
                  disk: OffloadedWeights | None, buffers: dict[str, torch.Tensor | Packed],
-                 device: torch.device, rates: HostRates) -> None:
+                 device: torch.device, rates: HostRates, cache: ExpertCache | None = None
+                 ) -> None:
         self.layer, self.disk, self.device, self.rates = layer, disk, device, rates
+        self.cache = cache or ExpertCache(0)
         self.tensors = {n: resident[n] if n in resident else buffers[n] for n in NAMES
                         if n in resident or n in buffers}
         self.on_disk = [n for n in self.tensors if n not in resident]
-        self.loaded: set[int] = set()  # experts of this layer now in the buffers
+        self.rows: dict[int, dict[str, torch.Tensor]] = {}  # this layer's experts read, by id
         super().__init__(*(self.tensors.get(n) for n in NAMES))
 
     def fetch(self, ids: list[int]) -> None:
-        """Read the chosen experts not yet read for this layer (micro-batches of a block
-        share the reads)."""
+        """Read the chosen experts not yet at hand for this layer (micro-batches of a block
+        share the reads): from the cache, else from disk (into the cache where it has room,
+        else into the buffers)."""
         for e in ids:
-            if e not in self.loaded:
+            if e in self.rows or not self.on_disk:
+                continue
+            rows = self.cache.get(self.layer, e)
+            if rows is None:
+                buffers = {n: _raw(self.tensors[n][e]) for n in self.on_disk}
+                room = self.cache.room(self.layer, buffers)
+                rows = buffers if room is None else room
                 for name in self.on_disk:
-                    row = self.tensors[name][e]
-                    self.disk.read_row(self.layer, name, e,
-                                       row.data if isinstance(row, Packed) else row)
-                self.loaded.add(e)
+                    self.disk.read_row(self.layer, name, e, rows[name])
+                if room is not None:
+                    self.cache.put(self.layer, e, rows)
+            self.rows[e] = rows
+
+    def weights(self, e: int) -> tuple[torch.Tensor | Packed | None, ...]:
+        rows = self.rows.get(e, {})
+        return tuple(None if t is None else _view(self.tensors[n], rows[n]) if n in rows else t
+                     for n, t in zip(NAMES, super().weights(e)))
 
     def mlp(self, e: int, x: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
         weights = self.weights(e)
@@ -92,3 +144,13 @@ class OffloadedExperts(Experts):
             return expert_mlp(cfg, x.to(gate_up.device), *weights).to(x.device)
         return expert_mlp(cfg, x, *(None if t is None else t.to(x.device, non_blocking=True)
                                     for t in weights))
+
+
+def _raw(row: torch.Tensor | Packed) -> torch.Tensor:
+    """The stored form of one expert's tensor (a packed one's bytes)."""
+    return row.data if isinstance(row, Packed) else row
+
+
+def _view(stack: torch.Tensor | Packed, row: torch.Tensor) -> torch.Tensor | Packed:
+    """One expert's tensor of ``stack`` over ``row``, its stored form read elsewhere."""
+    return Packed(row, stack.shape[1:], stack.parts) if isinstance(stack, Packed) else row

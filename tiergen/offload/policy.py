@@ -41,7 +41,10 @@ class Policy:
     ``experts`` puts the routed experts of mixture-of-experts layers on one tier ("device",
     "host" or "disk") whatever the weight percentages say; the other weights follow
     ``weights``. Experts off the device run where they are when few tokens chose them (see
-    :mod:`tiergen.offload.experts`); from disk only the chosen experts are read.
+    :mod:`tiergen.offload.experts`); from disk only the chosen experts are read, and
+    ``expert_cache`` bytes of host RAM ("2G") keep those read for reuse, least recently used
+    out first (None: half of what the host budget leaves after the weights; no cache without
+    a budget).
 
     ``compress_weights`` / ``compress_cache`` store layer weight matrices / the KV cache
     quantised group-wise (``compress_bits`` 4 or 8, groups of ``compress_group_size``) on
@@ -64,6 +67,7 @@ class Policy:
     cpu_attention: bool = False
     offload_dir: str | Path | None = None
     experts: str | None = None
+    expert_cache: int | str | None = None
     compress_weights: bool = False
     compress_cache: bool = False
     compress_bits: int = 4
@@ -84,6 +88,8 @@ class Policy:
         if self.experts is not None and self.experts not in TIERS:
             raise TiergenError(f"policy: experts must be one of {', '.join(TIERS)} (or None to "
                                f"follow the weight percentages), got {self.experts!r}")
+        if self.expert_cache is not None:
+            self.expert_cache = parse_size(self.expert_cache)
         if self.compress_bits not in (4, 8):
             raise TiergenError(f"policy: compress_bits must be 4 or 8, got {self.compress_bits!r}")
         if (not isinstance(self.compress_group_size, int) or self.compress_group_size < 2

@@ -18,7 +18,8 @@ from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_
 from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights,
                                   Segments, in_place_entries, in_place_rows, layer_segments,
                                   stacked_segments)
-from tiergen.offload.experts import NAMES as EXPERT_NAMES, HostRates, OffloadedExperts, is_expert
+from tiergen.offload.experts import (NAMES as EXPERT_NAMES, ExpertCache, HostRates,
+                                     OffloadedExperts, is_expert)
 from tiergen.offload.policy import Policy, tier_at
 from tiergen.weights import WeightSource
 from tiergen.weights.packed import Packed, Parts, cat_rows, packed_nbytes
@@ -83,6 +84,7 @@ class WeightPlan:
     device_type: str
     compress: tuple[int, int] | None = None  # (bits, group size) of compressed matrices
     blocks: list[dict[str, Parts]] = field(default_factory=list)  # matrices kept in GGML blocks
+    expert_cache: int = 0  # host bytes keeping routed experts read from disk (ExpertCache)
 
     @classmethod
     def make(cls, model: ModelFamily, dtype: torch.dtype, policy: Policy,
@@ -159,6 +161,18 @@ class WeightPlan:
                         out[n] = spec
         return out
 
+    def size_expert_cache(self, policy: Policy, host_budget: int | None) -> None:
+        """Set :attr:`expert_cache` for routed experts on disk: the policy's bytes, else half
+        of what ``host_budget`` leaves after the weights (none without a budget)."""
+        if not any(t == "disk" and is_expert(n) for layer in self.tiers for n, t in layer.items()):
+            return
+        if policy.expert_cache is not None:
+            self.expert_cache = policy.expert_cache
+        elif host_budget is not None:
+            needs = self.needs()
+            used = needs["host"] + (needs["device"] if self.device_type == "cpu" else 0)
+            self.expert_cache = max(0, (host_budget - used) // 2)
+
     def needs(self) -> dict[str, int]:
         """Bytes per tier: placed weights plus the buffers that stream the rest."""
         layers = range(len(self.shapes))
@@ -176,7 +190,7 @@ class WeightPlan:
             (self.dense_bytes(j, n) for j in layers for n in self.blocks[j]), default=0)
         # two buffer sets stream disk layers; one set holds a layer's experts read from disk
         host = total["host"] + 2 * size(self.buffer_shapes("disk", False)) \
-            + size(self.buffer_shapes("disk", True))
+            + size(self.buffer_shapes("disk", True)) + self.expert_cache
         if self.device_type == "cuda":  # the layer in use and the one arriving
             device += 2 * max((self.layer_bytes(j, "host", False) + self.layer_bytes(j, "disk", False)
                                for j in layers), default=0)
@@ -279,6 +293,7 @@ class TieredWeights:
         self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are dequantised
         self._views: dict[int, Weights] = {}  # layers read where they live, as handed out
         self.expert_rates = expert_rates or HostRates()
+        self.expert_cache = ExpertCache(plan.expert_cache)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Slots per layer: filled by prefetch and emptied by take (pending), by the load and
@@ -344,7 +359,8 @@ class TieredWeights:
             buffers = {n: self._expert_view(j, n, b) for n, b in self._expert_buffers.items()
                        if n in self.tiers[j]}
             weights["experts"] = OffloadedExperts(j, resident, self.disk, buffers,
-                                                  self.device, self.expert_rates)
+                                                  self.device, self.expert_rates,
+                                                  self.expert_cache)
         return weights
 
     def _expert_view(self, j: int, name: str, stored: torch.Tensor) -> torch.Tensor | Packed:
