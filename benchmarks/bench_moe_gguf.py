@@ -162,18 +162,24 @@ def child_tiergen(a: argparse.Namespace) -> dict:
         return ids, weights
 
     moe.route = counting
-    ids = prompts(1, a.prompt_len, VOCAB)
-    marks = []
-    for new in (1, a.gen_len):  # the prompt step alone, then the whole run
-        routed[0], before = 0, read_bytes()
-        out = llm.generate(ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-        marks.append((read_bytes() - before, routed[0], llm.last_stats.decode_seconds))
-    (read1, routed1, _), (read, routed_all, decode_s) = marks
+    # bytes read and routed from the first decode step on (the prompt's step is the first
+    # call of forward_block)
+    marks, forward = [], llm.executor.forward_block
+
+    def marking(*args, **kwargs):
+        marks.append((read_bytes(), routed[0]))
+        return forward(*args, **kwargs)
+
+    llm.executor.forward_block = marking
+    out = llm.generate(prompts(1, a.prompt_len, VOCAB),
+                       SamplingParams(max_tokens=a.gen_len, temperature=0, ignore_eos=True))
     steps = a.gen_len - 1
+    read = (read_bytes() - marks[1][0]) / steps
+    routed_per_step = (routed[0] - marks[1][1]) / steps
+    step_s = llm.last_stats.decode_seconds / steps
     cache = llm.executor.weights.expert_cache
-    return dict(load_s=load, step_s=decode_s / steps, read_per_step=(read - read1) / steps,
-                routed_per_step=(routed_all - routed1) / steps, rss=rss_peak(),
-                tokens=out[0].token_ids, cache_gb=cache.capacity / 1e9,
+    return dict(load_s=load, step_s=step_s, read_per_step=read, routed_per_step=routed_per_step,
+                rss=rss_peak(), tokens=out[0].token_ids, cache_gb=cache.capacity / 1e9,
                 hit_rate=cache.hits / max(cache.hits + cache.misses, 1))
 
 
@@ -289,7 +295,7 @@ def main() -> None:
             print(f"| {engine} | failed: {r['error']} | | | | | |")
             continue
         routed = f"{r['routed_per_step'] / 1e9:.3f}" if "routed_per_step" in r else "-"
-        cache = (f"{r['cache_gb']:.2f} GB, {100 * r['hit_rate']:.0f} % hits"
+        cache = (f"{r['cache_gb']:.2f} GB, {100 * r['hit_rate']:.0f} % hits in the run"
                  if "cache_gb" in r else "-")
         print(f"| {engine} | {1 / r['step_s']:.2f} | {r['step_s']:.2f} | "
               f"{r['read_per_step'] / 1e9:.3f} | {routed} | {cache} | {r['rss'] / 1e9:.2f} |")

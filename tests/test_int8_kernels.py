@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiergen import kernels
-from tiergen.weights.packed import PACKED_TYPES
+from tiergen.weights.packed import INTEGER_TYPES
 from tiergen.weights.quant import GGMLType, dequantize, ggml_type_sizes
 from test_packed import random_packed
 
@@ -130,7 +130,7 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e
         assert ((got - want).abs().max() / want.abs().max()).item() < tol
 
 
-@pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
+@pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
 # rows: the row-by-row kernel (1-4), the 8-row tiles over 4 activation rows at a time with a
 # remainder or not, and prefill-sized products
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33, 100])
@@ -201,7 +201,7 @@ def isa_library(request, tmp_path_factory):
     return lib
 
 
-@pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
+@pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_every_instruction_set_build_does_the_same_arithmetic(isa_library, ggml_type, rows,
                                                               monkeypatch):

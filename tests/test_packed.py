@@ -31,6 +31,11 @@ def random_packed(ggml_type: int, rows: int, cols: int, seed: int = 0) -> Packed
         blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
     if ggml_type == GGMLType.MXFP4:  # its E8M0 exponent: scales 2^-10 to 2^-3
         blocks[:, 0] = rng.integers(118, 126, size=len(blocks))
+    if ggml_type == GGMLType.FP8:  # a float32 scale, then e4m3 values of every code but NaN
+        scale = rng.uniform(1e-4, 1e-3, size=len(blocks)).astype(np.float32)
+        blocks[:, :4] = scale.view(np.uint8).reshape(-1, 4)
+        values = blocks[:, 4:]
+        values[(values & 0x7F) == 0x7F] = 0x42
     return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
 
 
@@ -47,7 +52,7 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e
 
 def test_every_required_type_is_packed():
     names = {GGMLType(t).name for t in PACKED_TYPES}
-    assert names == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"}
+    assert names == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "FP8"}
 
 
 @pytest.fixture(params=["native", "torch"])

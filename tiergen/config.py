@@ -410,11 +410,15 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         raise TiergenError(f"unsupported architecture {arch!r}; tiergen supports "
                            + ", ".join(SUPPORTED_ARCHITECTURES))
     quant = cfg.get("quantization_config")
-    if quant:  # read as plain tensors, its weights would give wrong results silently
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+    if quant and method != "fp8":  # read as plain tensors, its weights would be wrong silently
         raise TiergenError(f"config.json: checkpoints quantised with {method!r} are not "
-                           "supported; load an unquantised checkpoint (tiergen quantises it "
-                           "with --quantize) or a GGUF file")
+                           "supported (FP8 block-quantised ones are); load an unquantised "
+                           "checkpoint (tiergen quantises it with --quantize) or a GGUF file")
+    if quant:
+        from tiergen.weights.fp8 import fp8_block_rows
+
+        fp8_block_rows(quant)  # refused here if its format is not one tiergen reads
     try:
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]

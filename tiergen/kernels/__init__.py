@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tiergen.weights.packed import Packed, layout
+from tiergen.weights.packed import INTEGER_TYPES, Packed, layout
 from tiergen.weights.quant import ggml_type_sizes
 
 log = logging.getLogger("tiergen")
@@ -276,7 +276,8 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
     with integer activations set (:func:`set_activations`), the integer kernels' product."""
     rows = x.shape[:-1].numel()
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
-    if fmt is not None and x.device.type == "cpu" and w.shape[1] % 32 == 0 and library():
+    if (fmt is not None and x.device.type == "cpu" and w.shape[1] % 32 == 0 and library()
+            and all(t in INTEGER_TYPES for t, _ in w.parts)):
         return integer_linear(x, w, bias, *fmt)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:

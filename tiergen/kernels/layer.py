@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tiergen import kernels
-from tiergen.weights.packed import PACKED_TYPES, Packed
+from tiergen.weights.packed import INTEGER_TYPES, Packed
 
 NORMS = ("attn_norm", "q_norm", "k_norm", "attn_out_norm", "ffn_norm", "ffn_out_norm")
 BIASES = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")
@@ -67,7 +67,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     if entry is not None:
         return entry[0]
     if not all(isinstance(m, Packed) and m.device.type == "cpu" and m.shape[1] % 32 == 0
-               and all(t in PACKED_TYPES for t, _ in m.parts) for m in mats):
+               and all(t in INTEGER_TYPES for t, _ in m.parts) for m in mats):
         return None
     if not all(map(_usable, vecs)):
         return None

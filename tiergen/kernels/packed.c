@@ -100,6 +100,9 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
         }
 }
 
+/* NAME_row (ROWS <= FEW activation rows against one weight row of nb blocks) and NAME_decode
+ * (one block's QK values as floats) for a type whose blocks UNPACK decodes to small
+ * integers; PRODUCTS then builds the rest on them. */
 #define KERNELS(NAME, QK, L, BYTES, UNPACK)                                                   \
     static inline __attribute__((always_inline)) void                                      \
     NAME##_row(const int ROWS, const uint8_t *wr, int64_t nb, const float *x, int64_t k,      \
@@ -115,6 +118,17 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
         for (int i = 0; i < ROWS; i++)                                                        \
             y[i * ldy] = hsum(acc[i][0] + acc[i][1] + acc[i][2] + acc[i][3]);                 \
     }                                                                                         \
+    static inline __attribute__((always_inline)) void NAME##_decode(const uint8_t *w,         \
+                                                                    float *out) {             \
+        int8_t q[QK] __attribute__((aligned(32)));                                            \
+        float a[QK / L], c[QK / L];                                                           \
+        UNPACK(w, q, a, c);                                                                   \
+        widen_block(QK, L, q, a, c, out);                                                     \
+    }                                                                                         \
+    PRODUCTS(NAME, QK, BYTES)
+
+/* NAME_few, NAME_tiled and NAME_dequant from NAME_row and NAME_decode. */
+#define PRODUCTS(NAME, QK, BYTES)                                                             \
     static void NAME##_few(const uint8_t *w, int64_t n, int64_t k, const float *x,            \
                            int64_t m, float *y, int64_t ldy) {                                \
         const int64_t nb = k / QK;                                                            \
@@ -132,16 +146,13 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r0 = 0; r0 < n; r0 += NR) {                                              \
             float wf[NR][KC] __attribute__((aligned(64)));                                    \
-            int8_t q[QK] __attribute__((aligned(32)));                                        \
-            float a[QK / L], c[QK / L];                                                       \
             const int ncols = n - r0 < NR ? (int)(n - r0) : NR;                               \
             for (int64_t k0 = 0; k0 < k; k0 += KC) {                                          \
                 const int64_t len = k - k0 < KC ? k - k0 : KC;                                \
                 for (int col = 0; col < ncols; col++)                                         \
-                    for (int64_t b = 0; b < len / QK; b++) {                                  \
-                        UNPACK(w + ((r0 + col) * nb + k0 / QK + b) * BYTES, q, a, c);         \
-                        widen_block(QK, L, q, a, c, wf[col] + b * QK);                        \
-                    }                                                                         \
+                    for (int64_t b = 0; b < len / QK; b++)                                    \
+                        NAME##_decode(w + ((r0 + col) * nb + k0 / QK + b) * BYTES,            \
+                                      wf[col] + b * QK);                                      \
                 const float *w1 = ncols > 1 ? wf[1] : wf[0];                                  \
                 int64_t i = 0;                                                                \
                 for (; i + MR <= m; i += MR)                                                  \
@@ -155,12 +166,7 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
     }                                                                                         \
     static void NAME##_dequant(const uint8_t *w, int64_t nblocks, float *out) {               \
         _Pragma("omp parallel for schedule(static)")                                          \
-        for (int64_t b = 0; b < nblocks; b++) {                                               \
-            int8_t q[QK] __attribute__((aligned(32)));                                        \
-            float a[QK / L], c[QK / L];                                                       \
-            UNPACK(w + b * BYTES, q, a, c);                                                   \
-            widen_block(QK, L, q, a, c, out + b * QK);                                        \
-        }                                                                                     \
+        for (int64_t b = 0; b < nblocks; b++) NAME##_decode(w + b * BYTES, out + b * QK);     \
     }
 
 KERNELS(mm_q4_0, 32, 32, 18, un_q4_0)
@@ -173,15 +179,83 @@ KERNELS(mm_q5_k, 256, 32, 176, un_q5_k)
 KERNELS(mm_q6_k, 256, 16, 210, un_q6_k)
 KERNELS(mm_mxfp4, 32, 32, 17, un_mxfp4)
 
+/* ---- FP8 (DeepSeek-V3's and Kimi K2's checkpoints): tiergen's own block of 128 e4m3 values
+ * after a float32 scale (the checkpoint's block scale, repeated on each row of its block).
+ * e4m3 values are no small integers times a shared scale, so they are decoded straight to
+ * floats: a value's 7 magnitude bits moved into a float's exponent and mantissa, the
+ * exponent bias raised by 120 (exact); a subnormal (exponent 0, value m * 2^-9) is read with
+ * exponent 1, then 2^-6 taken off. */
+#define FP8 1024
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+static inline vf fp8_widen(const uint8_t *R p, float scale) {
+    vu b;
+#if defined(__AVX512F__)
+    b = (vu)_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)p));
+#elif defined(__AVX2__)
+    b = (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)p));
+#else
+    for (int l = 0; l < VL; l++) b[l] = p[l];
+#endif
+    const vu mag = b & 0x7f, sign = (b & 0x80) << 24;
+    const vu sub = (vu)(mag < 8); /* all ones where subnormal */
+    const vu bits = (((mag | (sub & 8)) << 20) + (120u << 23)) | sign;
+    const vu less = (sub & 0x3c800000u) | sign; /* 2^-6 */
+    vf v, c;
+    memcpy(&v, &bits, sizeof v);
+    memcpy(&c, &less, sizeof c);
+    return (v - c) * scale;
+}
+
+static inline __attribute__((always_inline)) void
+mm_fp8_row(const int ROWS, const uint8_t *wr, int64_t nb, const float *x, int64_t k, float *y,
+           int64_t ldy) {
+    vf acc[FEW][CH] = {{{0}}};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wr + b * 132;
+        float s;
+        memcpy(&s, blk, 4);
+        PREFETCH(blk);
+        _Pragma("GCC unroll 16")
+        for (int v = 0; v < 128 / VL; v++) {
+            const vf wv = fp8_widen(blk + 4 + v * VL, s);
+            for (int i = 0; i < ROWS; i++)
+                acc[i][v % CH] += wv * loadv(x + i * k + b * 128 + v * VL);
+        }
+    }
+    for (int i = 0; i < ROWS; i++)
+        y[i * ldy] = hsum(acc[i][0] + acc[i][1] + acc[i][2] + acc[i][3]);
+}
+
+static inline __attribute__((always_inline)) void mm_fp8_decode(const uint8_t *blk, float *out) {
+    float s;
+    memcpy(&s, blk, 4);
+    for (int v = 0; v < 128 / VL; v++) {
+        const vf w = fp8_widen(blk + 4 + v * VL, s);
+        memcpy(out + v * VL, &w, sizeof w);
+    }
+}
+
+PRODUCTS(mm_fp8, 128, 132)
+
 /* y (m rows, row stride ldy) = x (m, k) @ W(n, k)^T; W's rows are k / QK blocks each. */
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy) {
     if (m <= 0) return 0;
+    if (type == FP8) {
+        if (m <= FEW) mm_fp8_few(w, n, k, x, m, y, ldy);
+        else mm_fp8_tiled(w, n, k, x, m, y, ldy);
+        return 0;
+    }
     if (m <= FEW) DISPATCH(mm, type, _few, (w, n, k, x, m, y, ldy))
     DISPATCH(mm, type, _tiled, (w, n, k, x, m, y, ldy))
 }
 
 /* out (nblocks * QK floats) = the values of nblocks consecutive blocks. */
 int tg_dequant(int type, const uint8_t *w, int64_t nblocks, float *out) {
+    if (type == FP8) {
+        mm_fp8_dequant(w, nblocks, out);
+        return 0;
+    }
     DISPATCH(mm, type, _dequant, (w, nblocks, out))
 }

@@ -28,6 +28,7 @@ from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
 from tiergen.models.layers import (apply_rope_interleaved, cat_rows, embedding, linear,
                                    rms_norm, rope_attention_factor, rope_inv_freq, yarn_mscale)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
+from tiergen.weights.packed import Packed
 
 
 class DeepseekV2:
@@ -84,7 +85,10 @@ class DeepseekV2:
         r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
         a = "self_attn."
         q = r[a + "q_a_proj.weight"] if m.q_lora_rank else r[a + "q_proj.weight"]
-        kv_b = r[a + "kv_b_proj.weight"].view(c.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+        kv_b = r[a + "kv_b_proj.weight"]
+        if isinstance(kv_b, Packed):  # (FP8) absorbed into the attention as float tensors
+            kv_b = kv_b.dequantize(r["input_layernorm.weight"].dtype)
+        kv_b = kv_b.view(c.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
         w = {"input_norm": r["input_layernorm.weight"],
              "qkv_a": cat_rows([q, r[a + "kv_a_proj_with_mqa.weight"]]),
              "kv_norm": r[a + "kv_a_layernorm.weight"],

@@ -183,11 +183,13 @@ class WeightPlan:
                        for s, d in specs.values())
 
         # compressed matrices are dequantised into one dense set for the layer in use; packed
-        # ones, multiplied by many rows, are decoded one at a time into one buffer
+        # ones, multiplied by many rows, are decoded one at a time into one buffer (a
+        # routed expert at a time)
         device = total["device"] + self.global_bytes + max(
             (sum(self.dense_bytes(j, n) for n in self.shapes[j] if self.compressed(j, n))
              for j in layers), default=0) + max(
-            (self.dense_bytes(j, n) for j in layers for n in self.blocks[j]), default=0)
+            (self.dense_bytes(j, n) // (self.shapes[j][n][0] if is_expert(n) else 1)
+             for j in layers for n in self.blocks[j]), default=0)
         # two buffer sets stream disk layers; one set holds a layer's experts read from disk
         host = total["host"] + 2 * size(self.buffer_shapes("disk", False)) \
             + size(self.buffer_shapes("disk", True)) + self.expert_cache

@@ -172,9 +172,15 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
     if gen_path.exists():
         eos = as_id_list(read_json(gen_path).get("eos_token_id"))
         config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos))
-    return ModelFiles(directory.name, config, SafetensorsSource(directory),
-                      Tokenizer.from_hf_dir(directory), config_dtype(raw),
-                      fingerprint(list(directory.glob("*.safetensors")) + [directory / "config.json"]))
+    source = SafetensorsSource(directory)
+    if raw.get("quantization_config"):  # FP8 blocks (from_hf_config refused the others)
+        from tiergen.weights.fp8 import FP8Source, fp8_block_rows
+
+        source = FP8Source(source, fp8_block_rows(raw["quantization_config"]))
+    return ModelFiles(directory.name, config, source, Tokenizer.from_hf_dir(directory),
+                      config_dtype(raw),
+                      fingerprint(list(directory.glob("*.safetensors")) + [directory / "config.json"]),
+                      packed=bool(getattr(source, "quantized_types", list)()))
 
 
 def _from_gguf(path: Path, packed: bool = True) -> ModelFiles:
@@ -201,8 +207,7 @@ def _download(repo_id: str) -> Path:
 def quantized(files: ModelFiles, kind: str) -> ModelFiles:
     """A float checkpoint with its layer matrices quantised to ``kind`` ("q8_0", "q4_0",
     "q4_k"; see :mod:`tiergen.weights.quantize`): once, into the cache directory, and read
-    from there on later loads. A GGUF whose matrices are already quantised is refused."""
-    from tiergen.weights.gguf_map import GGUFSource
+    from there on later loads. A checkpoint already quantised (GGUF blocks, FP8) is refused."""
     from tiergen.weights.quantize import quantize_type, quantized_source
 
     quantize_type(kind)
@@ -213,8 +218,8 @@ def quantized(files: ModelFiles, kind: str) -> ModelFiles:
         raise TiergenError(f"model {files.name} is already quantised to {files.quantize} at "
                            f"load; open it again to quantise it to {kind}")
     source = files.source
-    if isinstance(source, GGUFSource) and (types := source.quantized_types()):
-        raise TiergenError(f"{source.file.path.name} is already quantised ({', '.join(types)}); "
+    if types := getattr(source, "quantized_types", list)():
+        raise TiergenError(f"model {files.name} is already quantised ({', '.join(types)}); "
                            "quantize (--quantize) is for float checkpoints (Hugging Face "
                            "safetensors, or an F32/F16/BF16 GGUF): leave it out to run the "
                            "file's own blocks")

@@ -32,7 +32,9 @@ from tiergen.weights.quant import (GGMLType, dequantize, ggml_type_name, ggml_ty
 # Block types kept packed (and multiplied packed); others are dequantised at load.
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
                           GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
-                          GGMLType.MXFP4})
+                          GGMLType.MXFP4, GGMLType.FP8})
+# ... of which the integer kernels take these (FP8 values are no small integers: float path)
+INTEGER_TYPES = PACKED_TYPES - {GGMLType.FP8}
 
 Parts = tuple[tuple[int, int], ...]  # (ggml type, rows) in row order
 

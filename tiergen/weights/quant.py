@@ -52,6 +52,9 @@ class GGMLType(IntEnum):
     MXFP4 = 39
     NVFP4 = 40
     Q1_0 = 41
+    # tiergen's own, never in a GGUF file: FP8 (e4m3) checkpoints with block scales (DeepSeek,
+    # Kimi), as blocks of 128 e4m3 values after their float32 scale
+    FP8 = 1024
 
 
 GGML_TYPE_NAMES: dict[int, str] = {t.value: t.name for t in GGMLType}
@@ -96,6 +99,7 @@ GGML_BLOCK_SIZES: dict[int, tuple[int, int]] = {
     GGMLType.MXFP4: (32, 1 + 16),
     GGMLType.NVFP4: (64, 4 + 32),
     GGMLType.Q1_0: (128, 2 + 16),
+    GGMLType.FP8: (128, 4 + 128),
 }
 
 # Quantised types are dequantised this many blocks at a time, which bounds the memory of
@@ -281,6 +285,11 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d * q.view(n, 16, 16)).view(n, QK_K)
 
 
+def _fp8(blocks: torch.Tensor) -> torch.Tensor:
+    scale = blocks[:, :4].contiguous().view(torch.float32)
+    return blocks[:, 4:].contiguous().view(torch.float8_e4m3fn).float() * scale
+
+
 # The per-type rules: type -> (elements per block, bytes per block, blocks -> values).
 _DEQUANT: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
     t: (*GGML_BLOCK_SIZES[t], decode)
@@ -300,6 +309,7 @@ _DEQUANT: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
         GGMLType.Q6_K: _q6_k,
         GGMLType.Q8_K: _q8_k,
         GGMLType.MXFP4: _mxfp4,
+        GGMLType.FP8: _fp8,
     }.items()
 }
 FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})

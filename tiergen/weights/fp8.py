@@ -1,0 +1,102 @@
+"""FP8 checkpoints with block scales, as DeepSeek-V3/R1 and Kimi K2 ship them: each linear
+weight in float8 e4m3 with a float32 ``weight_scale_inv`` per block of (rows, 128 columns)
+(``quantization_config.weight_block_size``; the value is e4m3 x scale).
+
+They stay packed: each matrix becomes tiergen's FP8 blocks (:data:`GGMLType.FP8`: 128 e4m3
+values after their block's scale, the scale repeated on each row of its block, 8.25 bits a
+weight), multiplied by the float kernels, which decode e4m3 as they go. A matrix whose rows
+are not whole blocks of 128 columns cannot take that form; it is decoded to float at load.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from tiergen.errors import TiergenError
+from tiergen.weights.packed import Packed, narrow, packed_like
+from tiergen.weights.quant import GGMLType
+
+BLOCK = 128  # values per FP8 block along a row
+
+
+def fp8_block_rows(quantization_config: dict) -> int:
+    """The rows of a scale block of an FP8 ``quantization_config`` tiergen reads, or a
+    TiergenError saying why not."""
+    fmt = quantization_config.get("fmt", "e4m3")
+    block = quantization_config.get("weight_block_size")
+    if fmt != "e4m3" or not (isinstance(block, (list, tuple)) and len(block) == 2):
+        raise TiergenError(f"config.json: FP8 checkpoints in format {fmt!r} with block size "
+                           f"{block!r} are not supported (tiergen reads e4m3 with "
+                           "weight_block_size [rows, 128], as DeepSeek-V3 and Kimi K2 ship)")
+    if int(block[1]) != BLOCK:
+        raise TiergenError(f"config.json: FP8 blocks of {block[1]} columns are not supported "
+                           f"(tiergen reads blocks of {BLOCK} columns)")
+    return int(block[0])
+
+
+def fp8_packed(w: torch.Tensor, scale_inv: torch.Tensor, block_rows: int) -> Packed:
+    """An e4m3 matrix (R, C) and its block scales (ceil(R / block_rows), C / 128) as FP8
+    blocks (C a multiple of 128)."""
+    rows, cols = w.shape
+    scales = scale_inv.float().repeat_interleave(block_rows, dim=0)[:rows].contiguous()
+    out = torch.empty(rows, cols // BLOCK, 4 + BLOCK, dtype=torch.uint8)
+    out[..., :4] = scales.view(torch.uint8).view(rows, cols // BLOCK, 4)
+    out[..., 4:] = w.contiguous().view(torch.uint8).view(rows, cols // BLOCK, BLOCK)
+    return Packed(out.view(-1), (rows, cols), ((GGMLType.FP8, rows),))
+
+
+def fp8_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """The values of an e4m3 matrix with its block scales, as float32 (any shape)."""
+    rows, cols = w.shape
+    scales = scale_inv.float().repeat_interleave(block_rows, 0)[:rows]
+    return w.float() * scales.repeat_interleave(BLOCK, 1)[:, :cols]
+
+
+class FP8Source:
+    """A safetensors checkpoint whose e4m3 matrices (those with a ``weight_scale_inv``) come
+    back as FP8 :class:`Packed` blocks; every other tensor as the checkpoint has it."""
+
+    def __init__(self, source, block_rows: int) -> None:
+        self.source, self.block_rows = source, block_rows
+        self._shapes = source.shapes()
+        self._fp8 = {n for n in self._shapes
+                     if n.endswith(".weight") and n + "_scale_inv" in self._shapes}
+        odd = sorted(n for n in self._fp8 if self._shapes[n][1] % BLOCK)
+        if odd:
+            logging.getLogger("tiergen").warning(
+                "tiergen: %d FP8 matrices (%s, ...) have rows that are not whole blocks of %d; "
+                "they are decoded to float at load", len(odd), odd[0], BLOCK)
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: s for n, s in self._shapes.items() if not n.endswith("_scale_inv")}
+
+    def quantized_types(self) -> list[str]:
+        return ["FP8"] if self._fp8 else []
+
+    def _packs(self, name: str) -> bool:
+        return name in self._fp8 and self._shapes[name][1] % BLOCK == 0
+
+    def meta(self, name: str) -> Packed | None:
+        return packed_like(self._shapes[name], GGMLType.FP8) if self._packs(name) else None
+
+    def locate(self, name: str) -> tuple[Path, int, torch.dtype | int, tuple[int, ...]] | None:
+        return None if name in self._fp8 else self.source.locate(name)
+
+    def get(self, name: str) -> torch.Tensor | Packed:
+        if name not in self._fp8:
+            return self.source.get(name)
+        w, scale = self.source.get(name), self.source.get(name + "_scale_inv")
+        if self._packs(name):
+            return fp8_packed(w, scale, self.block_rows)
+        return fp8_dequantize(w, scale, self.block_rows)
+
+    def get_slice(self, name: str, dim: int, rows: range) -> torch.Tensor | Packed:
+        if name not in self._fp8:
+            return self.source.get_slice(name, dim, rows)
+        return narrow(self.get(name), dim, rows)
