@@ -2,15 +2,16 @@
 bfloat16 weights, over 10 GB of routed experts) under a host budget far below its size, the
 routed experts on disk (``Policy(experts="disk")``).
 
-The other weights (1 GB) are resident: mapped from the checkpoint's files, whose pages are
-left alone, while the routed experts' files (tiergen's offload directory) are evicted from the
-page cache every 0.2 s. Reported per decode step: the bytes read from storage
-(``/proc/self/io``) against the bytes of the experts its tokens routed to (each layer's
-distinct chosen experts times an expert's bytes, recorded from the router), and the seconds
-per step. The checkpoint is built once in --dir.
+The other weights (1 GB) are resident, mapped from the checkpoint's files; the routed experts
+are read from those files expert by expert, and every file under --dir is evicted from the
+page cache every 0.2 s (pages mapped into the process stay: the resident weights). The host
+cache of experts is off (``--expert-cache 0``) unless asked for: this measures the reads.
+Reported per decode step: the bytes read from storage (``/proc/self/io``) against the bytes
+of the experts its tokens routed to (each layer's distinct chosen experts times an expert's
+bytes, recorded from the router), and the seconds per step. The checkpoint is built once in --dir.
 
     python benchmarks/bench_moe_disk.py [--dir /var/tmp/tiergen-v3] [--host-memory 4G]
-        [--batch 1,8] [--prompt-len 16] [--gen-len 16]
+        [--batch 1,8] [--prompt-len 16] [--gen-len 16] [--expert-cache 0]
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def child(a: argparse.Namespace) -> dict:
     import tiergen.models.moe as moe
     from tiergen import LLM, Policy, SamplingParams
 
-    policy = Policy(experts="disk", offload_dir=str(Path(a.dir) / "offload"))
+    policy = Policy(experts="disk", offload_dir=str(Path(a.dir) / "offload"),
+                    expert_cache=a.expert_cache)
     llm = LLM(Path(a.dir) / "model", dtype="bfloat16", policy=policy, host_memory=a.host_memory)
     cfg = llm.config
     expert_bytes = 3 * cfg.hidden_size * cfg.moe.intermediate_size * 2
@@ -118,6 +120,7 @@ def main() -> None:
     p.add_argument("--batch", default="1,8")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=16)
+    p.add_argument("--expert-cache", default="0")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -138,10 +141,8 @@ def main() -> None:
     for batch in a.batch.split(","):
         cmd = [sys.executable, __file__, "--child", "--dir", a.dir, "--host-memory",
                a.host_memory, "--batch", batch, "--prompt-len", str(a.prompt_len),
-               "--gen-len", str(a.gen_len)]
-        # only the routed experts' files: the rest of the weights are resident (mapped from
-        # the checkpoint's files, whose pages the budget holds)
-        with PageCacheEvictor(Path(a.dir) / "offload", period=0.2):
+               "--gen-len", str(a.gen_len), "--expert-cache", a.expert_cache]
+        with PageCacheEvictor(Path(a.dir), period=0.2):
             done = subprocess.run(cmd, capture_output=True, text=True,
                                   env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
         if done.returncode:

@@ -327,6 +327,11 @@ def _gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _quant_method(cfg: dict[str, Any]) -> str | None:
+    quant = cfg.get("quantization_config")
+    return quant.get("quant_method") if isinstance(quant, dict) else None
+
+
 def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The MoE (and MLA) fields of a ModelConfig for the mixture-of-experts architectures."""
     layers = cfg["num_hidden_layers"]
@@ -334,7 +339,9 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         moe = MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                         intermediate_size=cfg["intermediate_size"], norm_topk_prob=False,
                         scoring="topk_softmax", router_logit_bias=True, expert_bias=True,
-                        expert_act="clamped_swiglu", gate_up_interleaved=True,
+                        expert_act="clamped_swiglu",
+                        # the MXFP4 checkpoint's experts are given with gate and up apart
+                        gate_up_interleaved=_quant_method(cfg) != "mxfp4",
                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
         return dict(moe=moe)
@@ -410,12 +417,14 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         raise TiergenError(f"unsupported architecture {arch!r}; tiergen supports "
                            + ", ".join(SUPPORTED_ARCHITECTURES))
     quant = cfg.get("quantization_config")
-    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-    if quant and method != "fp8":  # read as plain tensors, its weights would be wrong silently
+    method = _quant_method(cfg) or ("unknown" if isinstance(quant, dict) else quant)
+    mxfp4 = method == "mxfp4" and arch == "GptOssForCausalLM"  # gpt-oss's own experts
+    if quant and method != "fp8" and not mxfp4:  # as plain tensors they would be wrong
         raise TiergenError(f"config.json: checkpoints quantised with {method!r} are not "
-                           "supported (FP8 block-quantised ones are); load an unquantised "
-                           "checkpoint (tiergen quantises it with --quantize) or a GGUF file")
-    if quant:
+                           "supported (FP8 block-quantised ones, and gpt-oss's MXFP4 ones, "
+                           "are); load an unquantised checkpoint (tiergen quantises it with "
+                           "--quantize) or a GGUF file")
+    if quant and not mxfp4:
         from tiergen.weights.fp8 import fp8_block_rows
 
         fp8_block_rows(quant)  # refused here if its format is not one tiergen reads

@@ -173,10 +173,15 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
         eos = as_id_list(read_json(gen_path).get("eos_token_id"))
         config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos))
     source = SafetensorsSource(directory)
-    if raw.get("quantization_config"):  # FP8 blocks (from_hf_config refused the others)
+    quant = raw.get("quantization_config")  # (from_hf_config refused what is not read here)
+    if quant and quant.get("quant_method") == "mxfp4":
+        from tiergen.weights.mxfp4 import MXFP4Source
+
+        source = MXFP4Source(source)
+    elif quant:
         from tiergen.weights.fp8 import FP8Source, fp8_block_rows
 
-        source = FP8Source(source, fp8_block_rows(raw["quantization_config"]))
+        source = FP8Source(source, fp8_block_rows(quant))
     return ModelFiles(directory.name, config, source, Tokenizer.from_hf_dir(directory),
                       config_dtype(raw),
                       fingerprint(list(directory.glob("*.safetensors")) + [directory / "config.json"]),
