@@ -182,21 +182,32 @@ KERNELS(mm_mxfp4, 32, 32, 17, un_mxfp4)
 /* ---- FP8 (DeepSeek-V3's and Kimi K2's checkpoints): tiergen's own block of 128 e4m3 values
  * after a float32 scale (the checkpoint's block scale, repeated on each row of its block).
  * e4m3 values are no small integers times a shared scale, so they are decoded straight to
- * floats: a value's 7 magnitude bits moved into a float's exponent and mantissa, the
- * exponent bias raised by 120 (exact); a subnormal (exponent 0, value m * 2^-9) is read with
- * exponent 1, then 2^-6 taken off. */
+ * floats. With F16C: a value's 7 magnitude bits moved under float16's exponent, whose bias
+ * is 8 more than e4m3's, make the float16 of value / 256 (subnormals too), which the
+ * hardware widens; the scale takes the 256 (FP8_SCALE). Without: the same bits under a float
+ * exponent (bias 120 more), a subnormal (exponent 0, m * 2^-9) read with exponent 1 less
+ * 2^-6. Both exact. */
 #define FP8 1024
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+#if defined(__F16C__) && (defined(__AVX512F__) || defined(__AVX2__))
+#define FP8_SCALE 256.0f
+static inline __m256i fp8_halves(__m256i b) { /* 16-bit lanes holding bytes */
+    return _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3f80)),
+                           _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+}
+#endif
 
 static inline vf fp8_widen(const uint8_t *R p, float scale) {
-    vu b;
-#if defined(__AVX512F__)
-    b = (vu)_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)p));
-#elif defined(__AVX2__)
-    b = (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)p));
+#if defined(__AVX512F__) && defined(__F16C__)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)p));
+    return (vf)_mm512_cvtph_ps(fp8_halves(b)) * scale;
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadl_epi64((const void *)p)); /* 8 used */
+    return (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(fp8_halves(b))) * scale;
 #else
+#define FP8_SCALE 1.0f
+    typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+    vu b;
     for (int l = 0; l < VL; l++) b[l] = p[l];
-#endif
     const vu mag = b & 0x7f, sign = (b & 0x80) << 24;
     const vu sub = (vu)(mag < 8); /* all ones where subnormal */
     const vu bits = (((mag | (sub & 8)) << 20) + (120u << 23)) | sign;
@@ -205,6 +216,7 @@ static inline vf fp8_widen(const uint8_t *R p, float scale) {
     memcpy(&v, &bits, sizeof v);
     memcpy(&c, &less, sizeof c);
     return (v - c) * scale;
+#endif
 }
 
 static inline __attribute__((always_inline)) void
@@ -215,6 +227,7 @@ mm_fp8_row(const int ROWS, const uint8_t *wr, int64_t nb, const float *x, int64_
         const uint8_t *blk = wr + b * 132;
         float s;
         memcpy(&s, blk, 4);
+        s *= FP8_SCALE;
         PREFETCH(blk);
         _Pragma("GCC unroll 16")
         for (int v = 0; v < 128 / VL; v++) {
@@ -230,6 +243,7 @@ mm_fp8_row(const int ROWS, const uint8_t *wr, int64_t nb, const float *x, int64_
 static inline __attribute__((always_inline)) void mm_fp8_decode(const uint8_t *blk, float *out) {
     float s;
     memcpy(&s, blk, 4);
+    s *= FP8_SCALE;
     for (int v = 0; v < 128 / VL; v++) {
         const vf w = fp8_widen(blk + 4 + v * VL, s);
         memcpy(out + v * VL, &w, sizeof w);
