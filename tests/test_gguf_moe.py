@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from tiergen import LLM, Policy, SamplingParams
-from tiergen.models.moe import CHECKPOINT_NAMES
+from tiergen.weights.moe_names import CHECKPOINT_NAMES
 from tiergen.weights.gguf_map import DEEPSEEK2_LAYER_NAMES, MOE_NAMES
 from tiergen.weights.packed import Packed
 from gguf_writer import write_gguf
@@ -39,7 +39,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 def moe_tensors(directory, names: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The checkpoint's tensors with each layer's routed experts stacked (E, ...) under a
     name of their own, and the layer-relative names of the MoE tensors in the GGUF file
-    (``names``: the checkpoint names, tiergen.models.moe.checkpoint_names)."""
+    (``names``: the checkpoint names, tiergen.weights.moe_names.checkpoint_names)."""
     raw = safetensors.torch.load_file(directory / "model.safetensors")
     templates = {names[keys[0]]: (key, gguf_name) for gguf_name, keys in MOE_NAMES.items()
                  for key in keys if len(keys) == 1 and key in names}

@@ -327,6 +327,24 @@ def _gemma3_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+FP8_BLOCK = 128  # values of an FP8 checkpoint's scale block along a row
+
+
+def fp8_block_rows(quantization_config: dict) -> int:
+    """The rows of a scale block of an FP8 ``quantization_config`` tiergen reads, or a
+    TiergenError saying why not."""
+    fmt = quantization_config.get("fmt", "e4m3")
+    block = quantization_config.get("weight_block_size")
+    if fmt != "e4m3" or not (isinstance(block, (list, tuple)) and len(block) == 2):
+        raise TiergenError(f"config.json: FP8 checkpoints in format {fmt!r} with block size "
+                           f"{block!r} are not supported (tiergen reads e4m3 with "
+                           "weight_block_size [rows, 128], as DeepSeek-V3 and Kimi K2 ship)")
+    if int(block[1]) != FP8_BLOCK:
+        raise TiergenError(f"config.json: FP8 blocks of {block[1]} columns are not supported "
+                           f"(tiergen reads blocks of {FP8_BLOCK} columns)")
+    return int(block[0])
+
+
 def _quant_method(cfg: dict[str, Any]) -> str | None:
     quant = cfg.get("quantization_config")
     return quant.get("quant_method") if isinstance(quant, dict) else None
@@ -425,8 +443,6 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
                            "are); load an unquantised checkpoint (tiergen quantises it with "
                            "--quantize) or a GGUF file")
     if quant and not mxfp4:
-        from tiergen.weights.fp8 import fp8_block_rows
-
         fp8_block_rows(quant)  # refused here if its format is not one tiergen reads
     try:
         heads = cfg["num_attention_heads"]

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from tiergen.config import ModelConfig, as_id_list, from_hf_config
+from tiergen.config import ModelConfig, as_id_list, fp8_block_rows, from_hf_config
 from tiergen.errors import TiergenError
 from tiergen.paths import cache_dir, written_atomically
 from tiergen.tokenizer import Tokenizer
@@ -179,7 +179,7 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
 
         source = MXFP4Source(source)
     elif quant:
-        from tiergen.weights.fp8 import FP8Source, fp8_block_rows
+        from tiergen.weights.fp8 import FP8Source
 
         source = FP8Source(source, fp8_block_rows(quant))
     return ModelFiles(directory.name, config, source, Tokenizer.from_hf_dir(directory),

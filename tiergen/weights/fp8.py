@@ -15,27 +15,9 @@ from pathlib import Path
 
 import torch
 
-from tiergen.errors import TiergenError
+from tiergen.config import FP8_BLOCK as BLOCK
 from tiergen.weights.packed import Packed, narrow, packed_like
 from tiergen.weights.quant import GGMLType
-
-BLOCK = 128  # values per FP8 block along a row
-
-
-def fp8_block_rows(quantization_config: dict) -> int:
-    """The rows of a scale block of an FP8 ``quantization_config`` tiergen reads, or a
-    TiergenError saying why not."""
-    fmt = quantization_config.get("fmt", "e4m3")
-    block = quantization_config.get("weight_block_size")
-    if fmt != "e4m3" or not (isinstance(block, (list, tuple)) and len(block) == 2):
-        raise TiergenError(f"config.json: FP8 checkpoints in format {fmt!r} with block size "
-                           f"{block!r} are not supported (tiergen reads e4m3 with "
-                           "weight_block_size [rows, 128], as DeepSeek-V3 and Kimi K2 ship)")
-    if int(block[1]) != BLOCK:
-        raise TiergenError(f"config.json: FP8 blocks of {block[1]} columns are not supported "
-                           f"(tiergen reads blocks of {BLOCK} columns)")
-    return int(block[0])
-
 
 def fp8_packed(w: torch.Tensor, scale_inv: torch.Tensor, block_rows: int) -> Packed:
     """An e4m3 matrix (R, C) and its block scales (ceil(R / block_rows), C / 128) as FP8

@@ -15,6 +15,7 @@ import torch
 from tiergen.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf import GGUFFile, GGUFTensorInfo
+from tiergen.weights.moe_names import checkpoint_names
 from tiergen.weights.packed import PACKED_TYPES, Packed, narrow, packed_like
 from tiergen.weights.quant import FLOAT_TYPES, GGMLType, dequantize, tensor_nbytes
 
@@ -67,7 +68,7 @@ DEEPSEEK2_LAYER_NAMES = LAYER_NAMES | {
 }
 
 # A MoE layer's tensors (GGUF name less "blk.N."), by the keys of their checkpoint names in
-# tiergen.models.moe (checkpoint_names); *_exps tensors stack the routed experts (E, out, in).
+# tiergen.weights.moe_names (checkpoint_names); *_exps tensors stack the routed experts (E, out, in).
 # Newer converters may fuse gate and up into one (E, 2I, H): two keys, its halves.
 MOE_NAMES = {
     "ffn_gate_inp.weight": ("router",),
@@ -128,7 +129,7 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
 
 def hf_expert_names(gguf_name: str, names: dict[str, str], num_experts: int
                     ) -> dict[str, tuple[int | None, int | None]]:
-    """Hugging Face names (``names``: tiergen.models.moe.checkpoint_names) of a MoE tensor of
+    """Hugging Face names (``names``: tiergen.weights.moe_names.checkpoint_names) of a MoE tensor of
     a GGUF file: {name: (expert, half)}, one name per routed expert for a stacked *_exps
     tensor (expert None: the whole tensor), and per half of a fused gate and up (half None:
     not fused)."""
@@ -323,8 +324,6 @@ class GGUFSource:
         # fused gate and up); None: all of it
         self._names: dict[str, tuple[str, int | None, int | None]] = {}
         if self.config.moe:
-            from tiergen.models.moe import checkpoint_names
-
             moe_names = checkpoint_names(self.config)
         for g in self.file.tensors:
             if (hf := hf_name(g, self._arch)) is not None:
