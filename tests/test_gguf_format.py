@@ -39,12 +39,17 @@ def _deq(raw: np.ndarray, qtype: int, shape: tuple[int, ...], dtype=torch.float3
 
 
 def test_type_table_matches_gguf():
+    """GGML's types as gguf-py has them; tiergen's own (FP8) are none of them."""
     for ggml_type, sizes in quant.GGML_BLOCK_SIZES.items():
+        if ggml_type in quant.OWN_TYPES:
+            assert ggml_type not in {t.value for t in T}
+            continue
         reference = T(ggml_type)
         assert quant.GGML_TYPE_NAMES[ggml_type] == reference.name
         assert gguf.GGML_QUANT_SIZES[reference] == sizes, reference.name
     for ggml_type, (block_size, type_size, _) in quant._DEQUANT.items():
-        assert gguf.GGML_QUANT_SIZES[T(ggml_type)] == (block_size, type_size)
+        if ggml_type not in quant.OWN_TYPES:
+            assert gguf.GGML_QUANT_SIZES[T(ggml_type)] == (block_size, type_size)
 
 
 @pytest.mark.parametrize(
@@ -355,14 +360,15 @@ def test_truncated_tensor_data(written, tmp_path):
         GGUFFile(cut)
 
 
-def test_corrupt_tensor_type(written, tmp_path):
+@pytest.mark.parametrize("type_id", [999, int(quant.GGMLType.FP8)])  # (FP8: tiergen's own)
+def test_corrupt_tensor_type(written, tmp_path, type_id):
     data = bytearray(written[0].read_bytes())
     name = b"vec.bias"
     at = data.index(name) + len(name) + 4 + 8  # past the name, n_dims and the one dim
-    data[at : at + 4] = (999).to_bytes(4, "little")
+    data[at : at + 4] = type_id.to_bytes(4, "little")
     path = tmp_path / "bad.gguf"
     path.write_bytes(bytes(data))
-    with pytest.raises(TiergenError, match="unknown GGML tensor type id 999"):
+    with pytest.raises(TiergenError, match=f"unknown GGML tensor type id {type_id}"):
         GGUFFile(path)
 
 

@@ -80,12 +80,11 @@ class ExpertCache:
         by dropping the least recently used experts of other layers (the layer in use keeps
         its own); None where the capacity does not allow it."""
         nbytes = sum(t.nbytes for t in like.values())
-        for key in [k for k in self.entries if k[0] != layer]:
-            if self.used + nbytes <= self.capacity:
-                break
-            self.used -= sum(t.nbytes for t in self.entries.pop(key).values())
-        if self.used + nbytes > self.capacity:
-            return None
+        while self.used + nbytes > self.capacity:
+            oldest = next((k for k in self.entries if k[0] != layer), None)
+            if oldest is None:
+                return None
+            self.used -= sum(t.nbytes for t in self.entries.pop(oldest).values())
         return {n: torch.empty_like(t) for n, t in like.items()}
 
     def put(self, layer: int, expert: int, rows: dict[str, torch.Tensor]) -> None:
@@ -95,8 +94,9 @@ class ExpertCache:
 
 class OffloadedExperts(Experts):
     """One layer's routed experts, each of the stacked tensors either in host RAM
-    (``resident``) or on disk (read row by row into ``buffers``, host tensors of full shape
-    owned by the caller and reused layer after layer)."""
+    (``resident``) or on disk: read expert by expert into the ``cache``, or where it has no
+    room into ``buffers`` (host tensors of full shape owned by the caller and reused layer
+    after layer)."""
 
     def __init__(self, layer: int, resident: dict[str, torch.Tensor | Packed],
                  disk: OffloadedWeights | None, buffers: dict[str, torch.Tensor | Packed],

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from tiergen.errors import TiergenError
-from tiergen.weights.quant import dequantize, ggml_type_name, ggml_type_sizes, tensor_nbytes
+from tiergen.weights.quant import (OWN_TYPES, dequantize, ggml_type_name, ggml_type_sizes,
+                                   tensor_nbytes)
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -263,6 +264,9 @@ class GGUFFile:
         data_offset: int,
     ) -> GGUFTensorInfo:
         try:
+            if ggml_type in OWN_TYPES:  # tiergen's own: not a type of any GGUF file
+                raise TiergenError(f"unknown GGML tensor type id {ggml_type}; the file is "
+                                   "corrupt")
             block_size = ggml_type_sizes(ggml_type)[0]
         except TiergenError as e:
             raise self._error(f"tensor {name!r}: {e}") from None

@@ -58,6 +58,7 @@ class GGMLType(IntEnum):
 
 
 GGML_TYPE_NAMES: dict[int, str] = {t.value: t.name for t in GGMLType}
+OWN_TYPES = frozenset({GGMLType.FP8})  # tiergen's block types, which no GGUF file holds
 
 QK_K = 256  # elements per K-quant super-block
 _K_SCALE_SIZE = 12  # bytes of packed 6-bit scales and mins in Q4_K / Q5_K
