@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 
 import torch
@@ -60,6 +61,44 @@ def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
     return needs
 
 
+class Recycled:
+    """The CPU tensors of closed caches, handed on to new caches (flat storage, cut to the
+    shape asked for), so that a new cache needs no zeroing and no fresh pages: for 64 rows
+    of a 1,000-token shared prefix that was most of a block's set-up.
+
+    A cache's slots are read only where its rows wrote them or under an attention mask, and a
+    mask weighs any finite value exactly 0; a recycled tensor is finite throughout (it began
+    as zeros and held K/V since), so it serves as zeros do (the tests of every cache kind,
+    shared prefixes and merges hold it, and failed when new caches were filled with 7.25).
+    Nothing is kept that a closed cache did not hold, and a request no kept tensor can serve
+    drops them all."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []  # flat, by size
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = torch.Size(shape).numel()
+        with self._lock:
+            for i, flat in enumerate(self._free):
+                if flat.dtype == dtype and n <= flat.numel() <= 2 * n:
+                    return self._free.pop(i)[:n].view(shape)
+            self._free.clear()
+        return torch.zeros(n, dtype=dtype).view(shape)
+
+    def give(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s memory (all of it: a tensor that is part of another is not kept)."""
+        whole = t if t._base is None else t._base
+        if (whole.device.type == "cpu" and whole.is_contiguous() and not whole.is_pinned()
+                and whole.untyped_storage().nbytes() == whole.nbytes):
+            with self._lock:
+                self._free.append(whole.view(-1))
+                self._free.sort(key=torch.Tensor.numel)
+
+
+RECYCLED = Recycled()
+
+
 class TieredKV:
     """K/V for every layer of one micro-batch, sized for its longest sequence (a
     sliding-window layer: for its window, as a ring).
@@ -97,8 +136,10 @@ class TieredKV:
                 assert spill_dir is not None
                 # a new spill file reads back as zeros: no need to write them
                 self.layers.append(SpillFile(spill_dir, self._numel(j) * self.stored_dtype.itemsize))
+            elif device.type == "cpu":
+                self.layers.append(RECYCLED.take(self.stored_shape(j), self.stored_dtype))
             else:
-                host = tier == "host" and device.type != "cpu"
+                host = tier == "host"
                 self.layers.append(torch.zeros(self.stored_shape(j), dtype=self.stored_dtype,
                                                device="cpu" if host else device,
                                                pin_memory=host and pin))
@@ -270,3 +311,6 @@ class TieredKV:
         for store in self.layers:
             if isinstance(store, SpillFile):
                 store.close()
+            elif self.device.type == "cpu":
+                RECYCLED.give(store)
+        self.layers, self._resident, self._work = [], {}, {}
