@@ -345,15 +345,19 @@ class MicroBatchState:
             slots = torch.arange(start + at, start + at + logits.shape[1], device=self.prompt.device)
             follows = slots + 1 < self.prompt.shape[1]
             targets = self.prompt[rows][:, (slots + 1).clamp(max=self.prompt.shape[1] - 1)]
-            for i, r in enumerate(rows):
+            # every row's positions in one call: per row, the vocabulary-wide operations
+            # were most of a scoring block's time after its products
+            keep = torch.stack([follows & (slots >= self.prompt.shape[1] - len(self.live[r].prompt_ids)
+                                           + self.shared)  # after a shared prefix's slots
+                                for r in rows])
+            counts = keep.sum(-1).tolist()
+            if not sum(counts):
+                return
+            tops = [self.live[r].params.prompt_logprobs for r, n in zip(rows, counts) for _ in range(n)]
+            entries = iter(position_logprobs(logits[keep.to(logits.device)], targets[keep], tops))
+            for r, n in zip(rows, counts):
                 seq = self.live[r]
-                # the row's first slot it computes itself (after a shared prefix's)
-                first = self.prompt.shape[1] - len(seq.prompt_ids) + self.shared
-                keep = follows & (slots >= first)
-                if keep.any():
-                    entries = position_logprobs(logits[i, keep.to(logits.device)],
-                                                targets[i, keep], [seq.params.prompt_logprobs] * int(keep.sum()))
-                    seq.prompt_logprobs.extend(seq.decoded(e) for e in entries)
+                seq.prompt_logprobs.extend(seq.decoded(next(entries)) for _ in range(n))
 
         return PositionLogits(torch.tensor(rows), take)
 
