@@ -6,9 +6,10 @@ tiergen keeps attention, shared experts and the dense layer resident and reads t
 experts from disk only when routed (``Policy(experts="disk")``, packed Q4_0), keeping those
 read in its expert cache (half of what the budget leaves; also run without it); llama.cpp maps
 the file (``use_mmap``), with its default repacking of Q4_0 weights into anonymous memory
-and without it (``--no-repack``). Reported: decode tokens/s of one prompt, bytes read per decode step,
-and for tiergen the bytes of the experts its tokens routed to. The file (random weights, a
-placeholder vocabulary, llama.cpp's deepseek2 layout) is built once in --dir.
+and without it (``--no-repack``). Reported: decode tokens/s of one prompt, bytes read per
+decode step, and for tiergen the bytes of the experts its tokens routed to and its cache's
+hits. The file (random weights, a placeholder vocabulary, llama.cpp's deepseek2 layout) is
+built once in --dir.
 
     python benchmarks/bench_moe_gguf.py [--dir /var/tmp/tiergen-v3-gguf] [--host-memory 4G]
         [--prompt-len 16] [--gen-len 16]
@@ -50,9 +51,11 @@ def tensors() -> list[tuple[str, tuple[int, ...], bool]]:
                 (b + "attn_kv_a_norm.weight", (KV_RANK,), False),
                 (b + "attn_k_b.weight", (HEADS, KV_RANK, NOPE), False),
                 (b + "attn_v_b.weight", (HEADS, V, KV_RANK), False),
-                (b + "attn_output.weight", (H, HEADS * V), True), (b + "ffn_norm.weight", (H,), False)]
+                (b + "attn_output.weight", (H, HEADS * V), True),
+                (b + "ffn_norm.weight", (H,), False)]
         if j == 0:
-            out += [(b + "ffn_gate.weight", (DENSE, H), True), (b + "ffn_up.weight", (DENSE, H), True),
+            out += [(b + "ffn_gate.weight", (DENSE, H), True),
+                    (b + "ffn_up.weight", (DENSE, H), True),
                     (b + "ffn_down.weight", (H, DENSE), True)]
             continue
         s = SHARED * EXPERT
@@ -61,7 +64,8 @@ def tensors() -> list[tuple[str, tuple[int, ...], bool]]:
                 (b + "ffn_gate_exps.weight", (EXPERTS, EXPERT, H), True),
                 (b + "ffn_up_exps.weight", (EXPERTS, EXPERT, H), True),
                 (b + "ffn_down_exps.weight", (EXPERTS, H, EXPERT), True),
-                (b + "ffn_gate_shexp.weight", (s, H), True), (b + "ffn_up_shexp.weight", (s, H), True),
+                (b + "ffn_gate_shexp.weight", (s, H), True),
+                (b + "ffn_up_shexp.weight", (s, H), True),
                 (b + "ffn_down_shexp.weight", (H, s), True)]
     return out + [("output_norm.weight", (H,), False), ("output.weight", (VOCAB, H), True)]
 
@@ -229,7 +233,8 @@ def in_cgroup(limit: str) -> str | None:
 
 def parse_bytes(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+    unit = units.get(text[-1].upper())
+    return int(text) if unit is None else int(float(text[:-1]) * unit)
 
 
 def run(a: argparse.Namespace, engine: str, group: str | None) -> dict:

@@ -119,8 +119,8 @@ def test_embedding_rows_and_permutation():
 def test_experts_stack_into_one_packed_tensor():
     """Routed experts: E matrices of one layout stack into (E, out, in); expert e is a view
     of its bytes, and a mix of layouts or of packed and float stacks as floats."""
-    experts = [cat_rows([random_packed(GGMLType.Q4_K, 8, 256, e), random_packed(GGMLType.Q6_K, 8, 256, 9 + e)])
-               for e in range(3)]
+    experts = [cat_rows([random_packed(GGMLType.Q4_K, 8, 256, e),
+                         random_packed(GGMLType.Q6_K, 8, 256, 9 + e)]) for e in range(3)]
     stacked = stack(experts)
     assert stacked.shape == (3, 16, 256) and stacked.parts == experts[0].parts
     assert stacked.nbytes == sum(m.nbytes for m in experts)

@@ -347,16 +347,16 @@ class MicroBatchState:
             targets = self.prompt[rows][:, (slots + 1).clamp(max=self.prompt.shape[1] - 1)]
             # every row's positions in one call: per row, the vocabulary-wide operations
             # were most of a scoring block's time after its products
-            keep = torch.stack([follows & (slots >= self.prompt.shape[1] - len(self.live[r].prompt_ids)
-                                           + self.shared)  # after a shared prefix's slots
-                                for r in rows])
+            seqs = [self.live[r] for r in rows]
+            # a row's first slot is the first it computes itself (after a shared prefix's)
+            firsts = [self.prompt.shape[1] - len(seq.prompt_ids) + self.shared for seq in seqs]
+            keep = torch.stack([follows & (slots >= first) for first in firsts])
             counts = keep.sum(-1).tolist()
             if not sum(counts):
                 return
-            tops = [self.live[r].params.prompt_logprobs for r, n in zip(rows, counts) for _ in range(n)]
+            tops = [seq.params.prompt_logprobs for seq, n in zip(seqs, counts) for _ in range(n)]
             entries = iter(position_logprobs(logits[keep.to(logits.device)], targets[keep], tops))
-            for r, n in zip(rows, counts):
-                seq = self.live[r]
+            for seq, n in zip(seqs, counts):
                 seq.prompt_logprobs.extend(seq.decoded(next(entries)) for _ in range(n))
 
         return PositionLogits(torch.tensor(rows), take)

@@ -28,8 +28,9 @@ Specs = dict[str, tuple[int, ...]]
 
 class Experts:
     """Routed experts' weights as two stacked tensors, gate_up (E, 2I, H) and down (E, H, I)
-    (float, or :class:`~tiergen.weights.packed.Packed` stacks), and their biases (E, 2I) and (E, H) where the model has them, resident where compute
-    runs. Offloaded stores (host RAM behind a GPU, disk) subclass it."""
+    (float, or :class:`~tiergen.weights.packed.Packed` stacks), and their biases (E, 2I) and
+    (E, H) where the model has them, resident where compute runs. Offloaded stores (host RAM
+    behind a GPU, disk) subclass it."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,
                  gate_up_bias: torch.Tensor | None = None,
@@ -74,7 +75,8 @@ def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
     ``bias`` (E,): added to the scores to choose experts, not to weigh them (DeepSeek-V3);
     ``logit_bias`` (E,): the router's own bias (gpt-oss)."""
     if cfg.router_float32:  # (llama.cpp keeps routers float; a quantised one is decoded)
-        logits = F.linear(x.float(), gate.dequantize() if isinstance(gate, Packed) else gate.float())
+        gate = gate.dequantize() if isinstance(gate, Packed) else gate.float()
+        logits = F.linear(x.float(), gate)
     else:
         logits = linear(x, gate, logit_bias)
     if cfg.scoring == "topk_softmax":  # gpt-oss: a softmax over the chosen experts' logits

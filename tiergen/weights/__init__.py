@@ -182,9 +182,9 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
         from tiergen.weights.fp8 import FP8Source
 
         source = FP8Source(source, fp8_block_rows(quant))
+    files = list(directory.glob("*.safetensors")) + [directory / "config.json"]
     return ModelFiles(directory.name, config, source, Tokenizer.from_hf_dir(directory),
-                      config_dtype(raw),
-                      fingerprint(list(directory.glob("*.safetensors")) + [directory / "config.json"]),
+                      config_dtype(raw), fingerprint(files),
                       packed=bool(getattr(source, "quantized_types", list)()))
 
 

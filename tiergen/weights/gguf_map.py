@@ -68,7 +68,8 @@ DEEPSEEK2_LAYER_NAMES = LAYER_NAMES | {
 }
 
 # A MoE layer's tensors (GGUF name less "blk.N."), by the keys of their checkpoint names in
-# tiergen.weights.moe_names (checkpoint_names); *_exps tensors stack the routed experts (E, out, in).
+# tiergen.weights.moe_names (checkpoint_names); *_exps tensors stack the routed experts
+# (E, out, in).
 # Newer converters may fuse gate and up into one (E, 2I, H): two keys, its halves.
 MOE_NAMES = {
     "ffn_gate_inp.weight": ("router",),

@@ -26,7 +26,8 @@ CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
 CHECKPOINT_NAMES["DeepseekV3ForCausalLM"] = CHECKPOINT_NAMES["DeepseekV2ForCausalLM"] | {
     "router_bias": "mlp.gate.e_score_correction_bias"}
 # gpt-oss stores every expert in one tensor, transposed: gate_up (E, H, 2I) with gate and up
-# in alternate columns (kept alternating: see models.moe.expert_mlp), down (E, I, H); "stacked" names it.
+# in alternate columns (kept alternating: see models.moe.expert_mlp), down (E, I, H);
+# "stacked" names it.
 CHECKPOINT_NAMES["GptOssForCausalLM"] = {
     "stacked": "", "router": "mlp.router.weight", "router_logit_bias": "mlp.router.bias",
     "gate_up": "mlp.experts.gate_up_proj", "gate_up_bias": "mlp.experts.gate_up_proj_bias",

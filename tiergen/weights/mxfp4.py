@@ -21,7 +21,8 @@ from tiergen.weights.quant import GGMLType
 
 # the names of one expert's tensors this source gives (gate and up: the even and odd rows
 # of the checkpoint's gate_up)
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|bias)")
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\."
+                     r"(gate|up|down)_proj\.(weight|bias)")
 
 
 def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
