@@ -151,6 +151,32 @@ def test_the_prefix_cache_serves_later_requests(tmp_path, case):
     assert scheduler.prefixes is not None and len(scheduler.prefixes) == 0  # closed at stop
 
 
+def test_a_cached_prefix_gives_the_rows_prompt_logprobs_of_their_own_tokens(tmp_path):
+    """A row that shares only part of a cached entry, up to a token where it differs, gets
+    the log-probability of its own token there (the entry scored its own)."""
+    build("llama-gqa-tied", tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    prompts = [PREFIX + r for r in (RESTS[1], RESTS[0], RESTS[2])]
+    params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    llm.share_prefixes = False
+    want = [r.prompt_logprobs for r in llm.generate(prompts, params)]
+    llm.share_prefixes = True
+    scheduler = Scheduler(llm, prefix_cache=1 << 26).start()
+    try:
+        got = []
+        for p in prompts:
+            request = scheduler.submit(p, params)
+            list(request.events(timeout=60))
+            got.append(request.seq.prompt_logprobs)
+    finally:
+        scheduler.stop()
+    assert scheduler.snapshot().prefix_cache_hits == len(prompts) - 1
+    for prompt, ours, ref in zip(prompts, got, want):
+        assert len(ours) == len(prompt) and ours[0] is None
+        for token, a, b in zip(prompt[1:], ours[1:], ref[1:]):
+            assert token in a and abs(a[token].logprob - b[token].logprob) < 1e-4
+
+
 def test_the_prefix_cache_stays_within_its_budget(tmp_path):
     build("llama-mha", tmp_path)
     llm = LLM(tmp_path, dtype="float32")

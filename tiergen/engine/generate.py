@@ -202,8 +202,11 @@ class SharedPrefix:
         log-probabilities need."""
         if {s.params.prompt_logprobs for s in seqs} - {None, self.logprobs}:
             return 0
-        n = _sharable(cfg, seqs, min(len(os.path.commonprefix([self.tokens, s.prompt_ids]))
-                                     for s in seqs))
+        common = min(len(os.path.commonprefix([self.tokens, s.prompt_ids])) for s in seqs)
+        n = _sharable(cfg, seqs, common)
+        if n == common < self.length and any(s.prompt_logprobs is not None for s in seqs):
+            # it scored its own token after them, not the rows': they score the last one
+            n = _sharable(cfg, seqs, n - 1)
         return 0 if _windows(cfg) and n < self.length else n
 
     def give_logprobs(self, seqs: list[Sequence], n: int) -> None:
