@@ -76,9 +76,24 @@ def build(directory: Path) -> Path:
     return directory
 
 
+def count_routed(expert_bytes: int) -> list[int]:
+    """A counter ([bytes]) that the router, from now on, adds each MoE layer call's distinct
+    chosen experts to, at ``expert_bytes`` each."""
+    import tiergen.models.moe as moe
+
+    routed, route = [0], moe.route
+
+    def counting(cfg, x, gate, *biases):
+        ids, weights = route(cfg, x, gate, *biases)
+        routed[0] += len(set(ids.flatten().tolist())) * expert_bytes
+        return ids, weights
+
+    moe.route = counting
+    return routed
+
+
 def child(a: argparse.Namespace) -> dict:
     import tiergen  # noqa: F401  (the CPU guard first)
-    import tiergen.models.moe as moe
     from tiergen import LLM, Policy, SamplingParams
 
     policy = Policy(experts="disk", offload_dir=str(Path(a.dir) / "offload"),
@@ -86,14 +101,7 @@ def child(a: argparse.Namespace) -> dict:
     llm = LLM(Path(a.dir) / "model", dtype="bfloat16", policy=policy, host_memory=a.host_memory)
     cfg = llm.config
     expert_bytes = 3 * cfg.hidden_size * cfg.moe.intermediate_size * 2
-    routed, route = [0], moe.route
-
-    def counting(cfg_, x, gate, *biases):
-        ids, weights = route(cfg_, x, gate, *biases)
-        routed[0] += len(set(ids.flatten().tolist())) * expert_bytes
-        return ids, weights
-
-    moe.route = counting
+    routed = count_routed(expert_bytes)
     import random
 
     rng = random.Random(0)

@@ -150,22 +150,16 @@ def expert_nbytes() -> int:
 
 def child_tiergen(a: argparse.Namespace) -> dict:
     import tiergen  # noqa: F401  (the CPU guard first)
-    import tiergen.models.moe as moe
     from tiergen import LLM, Policy, SamplingParams
+
+    from bench_moe_disk import count_routed  # (here: llama.cpp's child has no torch)
 
     t = time.perf_counter()
     policy = Policy(experts="disk", offload_dir=str(Path(a.dir) / "offload"),
                     expert_cache=0 if a.child == "tiergen-no-cache" else None)
     llm = LLM(a.gguf, policy=policy, host_memory=a.host_memory)
     load = time.perf_counter() - t
-    routed, route = [0], moe.route
-
-    def counting(cfg_, x, gate, *biases):
-        ids, weights = route(cfg_, x, gate, *biases)
-        routed[0] += len(set(ids.flatten().tolist())) * expert_nbytes()
-        return ids, weights
-
-    moe.route = counting
+    routed = count_routed(expert_nbytes())
     # bytes read and routed from the first decode step on (the prompt's step is the first
     # call of forward_block)
     marks, forward = [], llm.executor.forward_block
@@ -219,22 +213,18 @@ def child_llamacpp(a: argparse.Namespace) -> dict:
 def in_cgroup(limit: str) -> str | None:
     """A memory cgroup (v1 or v2) limited to ``limit`` for the children, or None where this
     machine gives none."""
+    from tiergen.offload.policy import parse_size
+
     for root, name in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
                        ("/sys/fs/cgroup", "memory.max")):
         group = Path(root) / "tiergen-bench"
         try:
             group.mkdir(exist_ok=True)
-            (group / name).write_text(str(parse_bytes(limit)))
+            (group / name).write_text(str(parse_size(limit)))
             return str(group)
         except OSError:
             continue
     return None
-
-
-def parse_bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    unit = units.get(text[-1].upper())
-    return int(text) if unit is None else int(float(text[:-1]) * unit)
 
 
 def run(a: argparse.Namespace, engine: str, group: str | None) -> dict:

@@ -206,41 +206,37 @@ def layer_segments(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
     and shapes), the row ranges of checkpoint tensors that, one after the other, are its rows;
     a tensor that is anything else (scaled, transposed, stacked, cast) is left out.
 
-    Found by fusing probe tensors of one column whose rows hold codes naming (tensor, row):
-    exact in float64, and spaced so that any arithmetic on them shows."""
-    fused = _fused_probe(fuse, specs)
-    out = {}
-    for name, t in fused.items():
-        if not _is_probe(t) or t.dim() > 2 or (t.dim() == 2 and t.shape[1] != 1):
-            continue
-        runs = _runs(t, list(specs), specs)
-        if runs is not None:
-            out[name] = runs
-    return out
+    Found by fusing probe tensors (see :func:`_fused_probe`)."""
+    return all_segments(fuse, specs)[0]
 
 
-def stacked_segments(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
-                     specs: Mapping[str, tuple[int, ...]]) -> dict[str, list[Segments]]:
-    """As :func:`layer_segments`, for the stacked tensors ``fuse`` makes (E, rows, ...):
-    the runs of each of their E matrices (routed experts), or vectors (their biases), where
-    every one is found."""
-    fused = _fused_probe(fuse, specs)
-    out = {}
-    for name, t in fused.items():
-        # a stack of matrices probes as (E, rows, 1), of vectors as (E, rows)
-        if not _is_probe(t) or not ((t.dim() == 3 and t.shape[2] == 1)
-                                    or (t.dim() == 2 and t.shape[1] != 1)):
+def all_segments(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
+                 specs: Mapping[str, tuple[int, ...]]
+                 ) -> tuple[dict[str, Segments], dict[str, list[Segments]]]:
+    """:func:`layer_segments`, and from the same fusing, for the stacked tensors ``fuse``
+    makes (E, rows, ...), the runs of each of their E matrices (routed experts) or vectors
+    (their biases), where every one is found."""
+    plain, stacked = {}, {}
+    for name, t in _fused_probe(fuse, specs).items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float64:
             continue
-        runs = [_runs(m, list(specs), specs) for m in t]
-        if runs and all(r is not None for r in runs):
-            out[name] = runs
-    return out
+        # a matrix probes as (rows, 1), a vector as (rows,); a stack of matrices as
+        # (E, rows, 1), of vectors as (E, rows)
+        if t.dim() == 1 or (t.dim() == 2 and t.shape[1] == 1):
+            if (runs := _runs(t, list(specs), specs)) is not None:
+                plain[name] = runs
+        elif t.dim() == 2 or (t.dim() == 3 and t.shape[2] == 1):
+            runs = [_runs(m, list(specs), specs) for m in t]
+            if runs and all(r is not None for r in runs):
+                stacked[name] = runs
+    return plain, stacked
 
 
 def _fused_probe(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
                  specs: Mapping[str, tuple[int, ...]]) -> Mapping[str, object]:
     """``fuse`` applied to probe tensors of one column whose rows hold codes naming (tensor,
-    row): exact in float64, and spaced so that any arithmetic on them shows."""
+    row): exact in float64, and spaced so that any arithmetic on them shows ({} where the
+    fusing fails)."""
     probe = {}
     for i, (name, shape) in enumerate(specs.items()):
         rows = torch.arange(shape[0], dtype=torch.float64) * _ROW + i * _CODE + _MARK
@@ -249,10 +245,6 @@ def _fused_probe(fuse: Callable[[dict], Mapping[str, torch.Tensor]],
         return fuse(probe)
     except Exception:  # a family whose fusing needs real shapes: convert instead
         return {}
-
-
-def _is_probe(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.float64
 
 
 def _runs(t: torch.Tensor, names: list[str], specs: Mapping[str, tuple[int, ...]]
@@ -300,7 +292,7 @@ def in_place_rows(source: WeightSource, layer_specs: list[dict[str, tuple[int, .
                   segments: list[dict[str, list[Segments]]], dtype: torch.dtype,
                   blocks: list[dict[str, tuple[tuple[int, int], ...]]]) -> dict[str, list[Entry]]:
     """As :func:`in_place_entries`, for stacked tensors (``segments``: each layer's, from
-    :func:`stacked_segments`): an entry per matrix of the stack (a routed expert, read one at
+    :func:`all_segments`): an entry per matrix of the stack (a routed expert, read one at
     a time), where every one lies in the checkpoint as it is used."""
     out: dict[str, list[Entry]] = {}
     for j, (specs, layer) in enumerate(zip(layer_specs, segments)):

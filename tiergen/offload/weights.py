@@ -16,8 +16,7 @@ from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
 from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
 from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights,
-                                  Segments, in_place_entries, in_place_rows, layer_segments,
-                                  stacked_segments)
+                                  Segments, all_segments, in_place_entries, in_place_rows)
 from tiergen.offload.experts import (NAMES as EXPERT_NAMES, ExpertCache, HostRates,
                                      OffloadedExperts, is_expert)
 from tiergen.offload.policy import Policy, tier_at
@@ -246,17 +245,17 @@ class TieredWeights:
             key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
                                  .encode()).hexdigest()[:16]
             specs = [model.layer_specs(j) for j in range(cfg.num_layers)]
-            fuse = [lambda raw, j=j: model.fuse_layer(j, raw) for j in range(cfg.num_layers)]
-            segments = [layer_segments(fuse[j], specs[j]) for j in range(cfg.num_layers)]
+            both = [all_segments(lambda raw, j=j: model.fuse_layer(j, raw), specs[j])
+                    for j in range(cfg.num_layers)]
+            segments = [plain for plain, _ in both]
             found = {} if plan.compress else in_place_entries(
                 source, specs, [{n: r for n, r in layer.items() if not is_expert(n)}
                                 for layer in segments], dtype, plan.blocks)
             # routed experts, read expert by expert where each lies in the checkpoint as used
             rows = {}
             if not plan.compress and any(is_expert(n) for layer in plan.shapes for n in layer):
-                rows = in_place_rows(source, specs, [stacked_segments(fuse[j], specs[j])
-                                                     for j in range(cfg.num_layers)],
-                                     dtype, plan.blocks)
+                rows = in_place_rows(source, specs, [stacked for _, stacked in both], dtype,
+                                     plan.blocks)
             rest = [[n for n in plan.shapes[j] if OffloadedWeights.key(j, n) not in found | rows]
                     for j in range(cfg.num_layers)]
             converted = None

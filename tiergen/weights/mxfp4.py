@@ -56,19 +56,17 @@ class MXFP4Source:
         """The checkpoint's shapes with each layer's stacked experts as the names given."""
         out = {}
         for name, shape in checkpoint.items():
-            if name.endswith("experts.gate_up_proj_blocks"):
-                prefix, (e, rows, groups, _) = name.removesuffix(".gate_up_proj_blocks"), shape
-                for x in range(e):
-                    for part in ("gate", "up"):
-                        out[f"{prefix}.{x}.{part}_proj.weight"] = (rows // 2, groups * 32)
-                        out[f"{prefix}.{x}.{part}_proj.bias"] = (rows // 2,)
-            elif name.endswith("experts.down_proj_blocks"):
-                prefix, (e, rows, groups, _) = name.removesuffix(".down_proj_blocks"), shape
-                for x in range(e):
-                    out[f"{prefix}.{x}.down_proj.weight"] = (rows, groups * 32)
-                    out[f"{prefix}.{x}.down_proj.bias"] = (rows,)
-            elif not re.search(r"experts\.(gate_up|down)_proj_(blocks|scales|bias)$", name):
+            m = re.fullmatch(r"(.*\.experts)\.(gate_up|down)_proj_(blocks|scales|bias)", name)
+            if not m:
                 out[name] = shape
+            elif m.group(3) == "blocks":  # (E, rows, in / 32, 16)
+                experts, rows, groups, _ = shape
+                parts = ("gate", "up") if m.group(2) == "gate_up" else ("down",)
+                n = rows // len(parts)
+                for e in range(experts):
+                    for part in parts:
+                        out[f"{m.group(1)}.{e}.{part}_proj.weight"] = (n, groups * 32)
+                        out[f"{m.group(1)}.{e}.{part}_proj.bias"] = (n,)
         return out
 
     def _stacks(self, prefix: str) -> dict[str, torch.Tensor]:
