@@ -61,7 +61,7 @@ def test_fused_decode_equals_layer_by_operation(case, qtype, calls, tmp_path):
     path = tmp_path / "model.gguf"
     write_model_gguf(hf, GGUF_ARCH[case], path, gguf.GGMLQuantizationType[qtype])
     for activations in ("float32", "int16"):
-        llm = LLM(path, dtype="float32", activations=activations)
+        llm = LLM(path, dtype="float32", device="cpu", activations=activations)
         fused = prefill_and_decode_logits(llm)
         assert calls.n > 0
         calls.off()
@@ -81,7 +81,8 @@ def test_fused_decode_of_quantised_checkpoints(case, calls, tmp_path):
     with windows shorter than the prompts), Llama 3 RoPE, and a mixture of experts, whose
     layers run op by op beside fused ones."""
     build(case, tmp_path / "hf")
-    llm = LLM(tmp_path / "hf", dtype="float32", activations="float32", quantize="q8_0")
+    llm = LLM(tmp_path / "hf", dtype="float32", device="cpu", activations="float32",
+              quantize="q8_0")
     fused = prefill_and_decode_logits(llm)
     if case != "mixtral":
         assert calls.n > 0
@@ -103,7 +104,7 @@ def test_packaged_models_fused_on_both_paths(packaged, calls):
     """The packaged models scored one token at a time (every step a decode layer): the fused
     layer equals the layer by operation on the float path, and on the integer path stays as
     close to the float path as the layer by operation does."""
-    exact = LLM(packaged, activations="float32", prefill_chunk_size=1)
+    exact = LLM(packaged, device="cpu", activations="float32", prefill_chunk_size=1)
     fused_exact = token_by_token(exact)
     assert calls.n > 0
     calls.off()
@@ -111,7 +112,7 @@ def test_packaged_models_fused_on_both_paths(packaged, calls):
     calls.on()
     scale = by_op_exact.abs().max()
     assert (fused_exact - by_op_exact).abs().max() < 1e-5 * scale
-    int8 = LLM(packaged, activations="int8", prefill_chunk_size=1)
+    int8 = LLM(packaged, device="cpu", activations="int8", prefill_chunk_size=1)
     fused = kl(by_op_exact, token_by_token(int8)).mean()
     calls.off()
     by_op = kl(by_op_exact, token_by_token(int8)).mean()
@@ -121,7 +122,7 @@ def test_packaged_models_fused_on_both_paths(packaged, calls):
 def test_rolling_window_decode(calls, monkeypatch):
     """Gemma 3's sliding layers as rings shorter than the text: the fused layer writes the
     ring slot and masks it as the ring view does."""
-    llm = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1)
+    llm = LLM("gemma3-270m", device="cpu", activations="float32", prefill_chunk_size=1)
     llm.executor.cfg = cfg = dataclasses.replace(llm.executor.cfg, sliding_window=8)
     monkeypatch.setattr(llm.executor.model, "cfg", cfg)
     fused = token_by_token(llm)
@@ -129,7 +130,7 @@ def test_rolling_window_decode(calls, monkeypatch):
     calls.off()
     by_op = token_by_token(llm)
     assert (fused - by_op).abs().max() < 1e-5 * by_op.abs().max()
-    full = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1)
+    full = LLM("gemma3-270m", device="cpu", activations="float32", prefill_chunk_size=1)
     assert (token_by_token(full) - by_op).abs().max() > 1e-2  # the window did bite
 
 
@@ -139,7 +140,7 @@ def test_weights_streamed_from_disk(calls, tmp_path):
     as where they stay resident."""
     from tiergen import Policy
 
-    llm = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1,
+    llm = LLM("gemma3-270m", device="cpu", activations="float32", prefill_chunk_size=1,
               policy=Policy(weights=(0, 0), offload_dir=str(tmp_path)))
     text = TEXT[:120]
     fused = llm.logits(text)
@@ -148,5 +149,6 @@ def test_weights_streamed_from_disk(calls, tmp_path):
     by_op = llm.logits(text)
     assert (fused - by_op).abs().max() < 1e-5 * by_op.abs().max()
     calls.on()
-    resident = LLM("gemma3-270m", activations="float32", prefill_chunk_size=1).logits(text)
+    resident = LLM("gemma3-270m", device="cpu", activations="float32",
+                   prefill_chunk_size=1).logits(text)
     assert torch.equal(fused, resident)

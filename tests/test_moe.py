@@ -202,11 +202,12 @@ def test_expert_cache_keeps_experts_read_from_disk(tmp_path):
 
 def test_expert_cache_defaults_to_half_the_host_budget_left(tmp_path):
     build("mixtral", tmp_path / "hf")
-    free = LLM(tmp_path / "hf", dtype="float32", policy=Policy(experts="disk", offload_dir=tmp_path))
+    free = LLM(tmp_path / "hf", dtype="float32", device="cpu",
+               policy=Policy(experts="disk", offload_dir=tmp_path))
     assert free.executor.weight_plan.expert_cache == 0  # no budget: no cache
     needs = free.executor.weight_plan.needs()
     budget = needs["host"] + needs["device"] + 64 * 2**20
-    llm = LLM(tmp_path / "hf", dtype="float32", host_memory=budget,
+    llm = LLM(tmp_path / "hf", dtype="float32", device="cpu", host_memory=budget,
               policy=Policy(experts="disk", offload_dir=tmp_path))
     assert llm.executor.weight_plan.expert_cache == 32 * 2**20
     with pytest.raises(TiergenError, match="memory size"):

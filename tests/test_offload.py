@@ -102,7 +102,7 @@ def test_weights_on_disk_are_read_in_place_where_they_lie(model_dir, tmp_path, r
     the others are converted. Either way they are exactly what fusing makes."""
     from tiergen.offload.disk import CheckpointWeights
 
-    resident = LLM(model_dir, dtype="float32").executor.weights.resident
+    resident = LLM(model_dir, dtype="float32", device="cpu").executor.weights.resident
     llm = LLM(model_dir, dtype="float32", policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     disk = llm.executor.weights.disk
     case = request.node.callspec.params["model_dir"]

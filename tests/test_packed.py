@@ -215,7 +215,7 @@ def test_packed_weights_on_disk_are_read_from_the_gguf(packed_gguf, tmp_path):
     converted = sum(f.stat().st_size for f in tmp_path.rglob("*.bin"))
     assert converted == sum(e["nbytes"] for e in disk.converted.entries.values())
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
-    resident = LLM(path, dtype="float32").executor.weights.resident
+    resident = LLM(path, dtype="float32", device="cpu").executor.weights.resident
     for j, layer in enumerate(resident):
         for name, want in layer.items():
             shape, dtype = disk.shape(j, name)

@@ -397,7 +397,8 @@ class LLM:
         return math.exp(self._score_everywhere(ids, "nll").item() / (len(ids) - 1))
 
     def logits(self, text: Prompt) -> torch.Tensor:
-        """Float32 logits (tokens, vocab) after each token of ``text``, fed as perplexity's."""
+        """Float32 logits (tokens, vocab) after each token of ``text``, fed as perplexity's, in
+        host memory wherever the model runs."""
         return self._score_everywhere(self._scored(text), "logits")
 
     def _scored(self, text: Prompt) -> list[int]:
@@ -434,11 +435,11 @@ class LLM:
                 if out is None:  # a rank without the logits
                     continue
                 if what == "logits":
-                    logits.append(out[0][0])
+                    logits.append(out[0][0].cpu())
                     continue
                 targets = tokens[0, start + 1:start + 1 + piece.shape[1]]
                 logp = torch.log_softmax(out[0][0, :len(targets)], dim=-1)
-                nll -= logp.gather(1, targets[:, None]).sum().double()
+                nll -= logp.gather(1, targets[:, None].to(logp.device)).sum().double().cpu()
         finally:
             cache.close()
             self.last_stats = self.executor.finish_run()

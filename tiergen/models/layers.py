@@ -112,7 +112,9 @@ def fused_decode(kind: LayerKind, names: dict[str, str], w: dict, h: torch.Tenso
                  ) -> torch.Tensor | None:
     """A decode step's layer in one native call, or None where that cannot run it. ``names``
     maps the names of :mod:`tiergen.kernels.layer` to the family's own in ``w``."""
-    slots = cache.decode_slots(meta) if h.shape[1] == 1 else None
+    if h.shape[1] != 1 or h.device.type != "cpu" or cache.k.device.type != "cpu":
+        return None  # a CPU kernel: activations and cache both in host RAM
+    slots = cache.decode_slots(meta)
     if slots is None:
         return None
     named = {native: w.get(own) for native, own in names.items()}
