@@ -65,6 +65,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self._added = set(backend.get_added_tokens_decoder())  # spelled as they are
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        # token id -> its text alone, filled as log-probabilities name tokens (a scoring
+        # request names every prompt token and its alternatives)
+        self._strings: dict[int, str] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -100,7 +103,11 @@ class Tokenizer:
 
     def token_string(self, token_id: int) -> str:
         """A token's text alone (a byte that is part of a character reads as U+FFFD)."""
-        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+        text = self._strings.get(token_id)
+        if text is None:
+            text = self._strings[token_id] = self.token_bytes(token_id).decode("utf-8",
+                                                                               errors="replace")
+        return text
 
     def apply_chat_template(
         self,

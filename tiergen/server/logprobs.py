@@ -49,6 +49,9 @@ class Report:
             self.echo = [p if isinstance(p, str) else self._decode(ids)
                          for p, ids in zip(body.prompts(), prompts)]
         self._offsets: dict[int, int] = {}
+        # id(entry) -> (entry, token_logprob, top_logprobs): rows that share a prompt prefix
+        # share its entries, which are then written once per request, not once per row
+        self._done: dict[int, tuple[PositionLogprobs, float, dict[str, float]]] = {}
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -96,11 +99,14 @@ class Report:
                 values.append(None)
                 tops.append(None)
                 continue
-            values.append(_finite(entry[token].logprob))
-            top: dict[str, float] = {}
-            for t, value in _best_first(entry):
-                top.setdefault(self._text(t), _finite(value))
-            tops.append(top)
+            done = self._done.get(id(entry))
+            if done is None or done[0] is not entry:
+                top: dict[str, float] = {}
+                for t, value in _best_first(entry):
+                    top.setdefault(self._text(t), _finite(value))
+                done = self._done[id(entry)] = (entry, _finite(entry[token].logprob), top)
+            values.append(done[1])
+            tops.append(done[2])
         self._offsets[choice] = at
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
