@@ -1,8 +1,9 @@
 """Long-prompt prefill: tiergen (chunked) against transformers and llama.cpp, same machine, same
 run.
 
-One prompt of each length, one new token, in this CPU's faster dtype for both engines (bfloat16
-where it is native, else float32). SmolLM2-135M-Instruct (context 8,192) at 1k, 4k and 8k
+One prompt of each length, one new token. tiergen runs with its defaults (``dtype="auto"``:
+packed weights keep float32 between the products, whose activations are integers); transformers
+in this CPU's faster dtype (bfloat16 where it is native, else float32). SmolLM2-135M-Instruct (context 8,192) at 1k, 4k and 8k
 (8,000) tokens; Gemma 3 270M (context 32,768) at 4k, 8k, 16k and 32k (32,000). Reports prefill
 tokens/s and the growth of peak resident memory over the loaded model, each (engine, model,
 length) in a fresh process. llama.cpp (where ``../shared/peers/build_llamacpp.sh`` has built
@@ -37,7 +38,7 @@ def child(engine: str, length: int, chunk: int, gguf: str, dtype: str) -> dict:
     if engine == "tiergen":
         from tiergen import LLM, SamplingParams
 
-        llm = LLM(gguf, dtype=dtype, prefill_chunk_size=chunk)
+        llm = LLM(gguf, prefill_chunk_size=chunk)  # dtype: tiergen's own choice
         llm.generate([[5] * 16], SamplingParams(max_tokens=1))  # warm-up
 
         def run() -> None:
