@@ -528,6 +528,47 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
 #define ACC_SUM(x) (x)
 #endif
 
+#if defined(__AVX2__)
+/* One activation row (8 bits) against weight rows of Q4_0 or Q4_1 blocks, each block's
+ * nibbles spread into a register rather than decoded to a copy, and the minimum's term from
+ * the activations' per-block sums, made once per product (xb) rather than once per row. */
+static inline __attribute__((always_inline)) float
+row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t nb,
+        const int8_t *restrict xq, const float *restrict xs4, const float *restrict xb) {
+    const int at = TYPE == 2 ? 2 : 4;
+    const __m128i low = _mm_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = wr + b * BYTES;
+        PREFETCH(p);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(p + at));
+        const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
+                                                  _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
+        const __m256i d = dot4(_mm256_setzero_si256(), w, load32(xq + 32 * b));
+        const float a = half(p);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                              _mm256_mul_ps(_mm256_set1_ps(a), _mm256_loadu_ps(xs4 + 8 * b)), acc);
+        mins += (TYPE == 2 ? -8.0f * a : half(p + 2)) * xb[b];
+    }
+    return hsum8(acc) + mins;
+}
+
+#define ROW1_BLOCKS 1024  /* rows of up to this many blocks (32,768 values) */
+#define ROW1(NAME, TYPE, BYTES)                                                               \
+    static void NAME##_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,         \
+                            const float *xs4, const float *xsum, float *y) {                  \
+        const int64_t nb = k / 32;                                                            \
+        float xb[ROW1_BLOCKS];                                                                \
+        for (int64_t b = 0; b < nb; b++) xb[b] = xsum[2 * b] + xsum[2 * b + 1];               \
+        _Pragma("omp parallel for schedule(static)")                                          \
+        for (int64_t r = 0; r < n; r++)                                                       \
+            y[r] = row1_q4(TYPE, BYTES, w + r * nb * BYTES, nb, xq, xs4, xb);                 \
+    }
+ROW1(im_q4_0, 2, 18)
+ROW1(im_q4_1, 3, 20)
+#endif
+
 #define IKERNELS(NAME, QK, L, BYTES, UNPACK, SIGNED)                                          \
     static inline __attribute__((always_inline)) void                                      \
     NAME##_row(const int ROWS, const int WIDE, const uint8_t *wr, int64_t nb,                 \
@@ -628,6 +669,12 @@ int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16,
 static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                const int8_t *xl, const float *xs4, const float *xsum, int64_t m, float *y,
                int64_t ldy) {
+#if defined(__AVX2__)
+    if (m == 1 && !xl && (type == 2 || type == 3) && k / 32 <= ROW1_BLOCKS) {
+        (type == 2 ? im_q4_0_few1 : im_q4_1_few1)(w, n, k, xq, xs4, xsum, y);
+        return 0;
+    }
+#endif
     DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
 }
 
