@@ -2,14 +2,16 @@
 run.
 
 One prompt of each length, one new token. tiergen runs with its defaults (``dtype="auto"``:
-packed weights keep float32 between the products, whose activations are integers); transformers
-in this CPU's faster dtype (bfloat16 where it is native, else float32). SmolLM2-135M-Instruct (context 8,192) at 1k, 4k and 8k
-(8,000) tokens; Gemma 3 270M (context 32,768) at 4k, 8k, 16k and 32k (32,000). Reports prefill
-tokens/s and the growth of peak resident memory over the loaded model, each (engine, model,
-length) in a fresh process. llama.cpp (where ``../shared/peers/build_llamacpp.sh`` has built
-it) reads the same GGUF with 2 threads, 512 tokens per ``llama_decode``.
+packed weights keep float32 between the products, whose activations are integers);
+transformers in this CPU's faster dtype (bfloat16 where it is native, else float32).
+SmolLM2-135M-Instruct (context 8,192) at 1k, 4k and 8k (8,000) tokens; Gemma 3 270M (context
+32,768) at 4k, 8k, 16k and 32k (32,000). Reports prefill tokens/s and the growth of peak
+resident memory over the loaded model, each (engine, model, length) in a fresh process,
+--repeat times in turns (the table gives each engine's median run). llama.cpp (where
+``../shared/peers/build_llamacpp.sh`` has built it) reads the same GGUF with 2 threads, 512
+tokens per ``llama_decode``.
 
-    python benchmarks/bench_prefill.py [--models smollm2 gemma3-270m] [--chunk 512]
+    python benchmarks/bench_prefill.py [--models smollm2 gemma3-270m] [--chunk 512] [--repeat 3]
 """
 
 
@@ -73,6 +75,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
     p.add_argument("--lengths", type=int, nargs="+", help="instead of each model's own list")
     p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of each engine, in turns; the table gives each one's median")
     p.add_argument("--child", nargs=5)
     args = p.parse_args()
     if args.child:
@@ -96,20 +100,25 @@ def main() -> None:
     for model in args.models:
         gguf = str(_packaged_file(model))
         for length in args.lengths or LENGTHS[model]:
-            rows = {}
-            for engine in ("tiergen", *peers):
-                if engine == "llama.cpp":  # one prompt, fed 512 tokens per llama_decode
-                    cmd = [str(LLAMA_PYTHON), "-c", LLAMA_CPP, gguf, "1", str(length), "1"]
-                else:
-                    cmd = [sys.executable, __file__, "--child", engine, str(length),
-                           str(args.chunk), gguf, dtype]
-                out = subprocess.run(cmd, capture_output=True, text=True)
-                if out.returncode:
-                    sys.exit(f"{engine} {model} {length} failed:\n{out.stderr[-3000:]}")
-                rows[engine] = r = json.loads(out.stdout.strip().splitlines()[-1])
-                if engine == "llama.cpp":  # prompt and its one new token, as the others
-                    r["tok_s"] = length * r["total_tok_s"]
-                print(engine, model, length, r, flush=True)
+            runs: dict[str, list[dict]] = {}
+            for turn in range(args.repeat):  # engines take turns, so they see the same drift
+                for engine in ("tiergen", *peers):
+                    if engine == "llama.cpp":  # one prompt, fed 512 tokens per llama_decode
+                        cmd = [str(LLAMA_PYTHON), "-c", LLAMA_CPP, gguf, "1", str(length), "1"]
+                    else:
+                        cmd = [sys.executable, __file__, "--child", engine, str(length),
+                               str(args.chunk), gguf, dtype]
+                    out = subprocess.run(cmd, capture_output=True, text=True)
+                    if out.returncode:
+                        sys.exit(f"{engine} {model} {length} failed:\n{out.stderr[-3000:]}")
+                    r = json.loads(out.stdout.strip().splitlines()[-1])
+                    if engine == "llama.cpp":  # prompt and its one new token, as the others
+                        r["tok_s"] = length * r["total_tok_s"]
+                    runs.setdefault(engine, []).append(r)
+                    print(engine, model, length, r, flush=True)
+            # each engine's median run by tokens/s
+            rows = {e: sorted(rs, key=lambda r: r.get("tok_s", 0))[len(rs) // 2]
+                    for e, rs in runs.items()}
             t, h = rows["tiergen"], rows["transformers"]
             peer_cells = " | ".join(f"{rows[e]['tok_s']:.0f}" for e in peers)
             if "refused" in t:
