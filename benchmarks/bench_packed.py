@@ -4,11 +4,12 @@
 through ``tiergen bench --json`` with its packed matrices on the integer path (the default),
 on the float path (``--exact``), and with them decoded to float32 at load (``--dequantize``); llama.cpp through llama-cpp-python's low-level API
 (one sequence id per row, a KV cache split per sequence, prompts fed 512 tokens per
-``llama_decode``). Every (engine, model,
-batch) runs in a fresh process, so peak RSS is its own.
+``llama_decode``). Every (engine, model, batch) runs in a fresh process, so peak RSS is its
+own; with --repeat N each runs N times, the engines in turns, and the table gives each one's
+median run (this machine's speed drifts within minutes).
 
     ../shared/peers/build_llamacpp.sh          # once: llama.cpp's binding in .peers/llamacpp-venv
-    python benchmarks/bench_packed.py [--models smollm2 gemma3-270m] [--batches 1 32] [--transformers]
+    python benchmarks/bench_packed.py [--models smollm2 gemma3-270m] [--batches 1 32] [--transformers] [--repeat 3]
 
 With --transformers, transformers ``generate`` runs on the same files too (dequantised at
 load, the faster of float32 and native bfloat16), and the table gives each tiergen run's
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--transformers", action="store_true",
                     help="transformers generate on the same files too (its faster dtype)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each engine, in turns; the table gives each one's median")
     args = ap.parse_args()
     if not LLAMA_PYTHON.exists():
         sys.exit(f"{LLAMA_PYTHON} not found: build llama.cpp's binding with "
@@ -128,12 +131,19 @@ def main() -> None:
     rows, cpu = [], None
     for model in args.models:
         for batch in args.batches:
-            runs = {"tiergen packed, int8": run_tiergen(model, batch, []),
-                    "tiergen packed, --exact": run_tiergen(model, batch, ["--exact"]),
-                    "tiergen float32": run_tiergen(model, batch, ["--dequantize"]),
-                    "llama.cpp": run_llama_cpp(model, batch)}
+            engines = {"tiergen packed, int8": lambda: run_tiergen(model, batch, []),
+                       "tiergen packed, --exact": lambda: run_tiergen(model, batch, ["--exact"]),
+                       "tiergen float32": lambda: run_tiergen(model, batch, ["--dequantize"]),
+                       "llama.cpp": lambda: run_llama_cpp(model, batch)}
             if args.transformers:
-                runs["transformers"] = run_transformers(model, batch)
+                engines["transformers"] = lambda: run_transformers(model, batch)
+            tries: dict[str, list[dict]] = {}
+            for _ in range(args.repeat):  # in turns, so that every engine sees the same drift
+                for name, run in engines.items():
+                    tries.setdefault(name, []).append(run())
+            # each engine's median run by total tokens/s
+            runs = {name: sorted(t, key=lambda r: r["total_tok_s"])[len(t) // 2]
+                    for name, t in tries.items()}
             first = runs["tiergen packed, int8"]
             cpu = f"{first['cpu']} [{' '.join(first['simd'])}]"
             rows.append((model, batch, runs))
