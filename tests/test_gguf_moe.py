@@ -231,3 +231,33 @@ def test_experts_on_disk_are_read_from_the_gguf(moe_model, tmp_path):
     assert disk.converted is None or not expected & set(disk.converted.entries)
     llm.generate(PROMPTS, GREEDY)
     assert 0 < disk.rows_read
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activations, tmp_path,
+                                                             monkeypatch):
+    """A decode step of one row runs its routed experts in one native call where it can
+    (packed, SwiGLU without biases): the same tokens and log-probabilities, to the bit, as the
+    experts run one by one, with the experts resident and read from disk."""
+    import tiergen.models.moe as moe
+
+    case, hf, directory = moe_model
+    path = directory / "Q4_0.gguf"
+    if not path.exists():
+        write_moe_gguf(hf, directory / "hf", case, path, gguf.GGMLQuantizationType.Q4_0)
+    calls = []
+    one_call = moe.experts_row
+    monkeypatch.setattr(moe, "experts_row", lambda *a: calls.append(1) or one_call(*a))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+    for policy in ({}, dict(experts="disk")):
+        llm = LLM(path, dtype="float32", activations=activations,
+                  policy=Policy(**policy, offload_dir=tmp_path))
+        fused = llm.generate([PROMPTS[1]], params)[0]
+        with monkeypatch.context() as m:
+            m.setattr(moe, "_one_token", lambda *a: None)
+            alone = llm.generate([PROMPTS[1]], params)[0]
+        assert fused.token_ids == alone.token_ids
+        assert [{t: p.logprob for t, p in e.items()} for e in fused.logprobs] == \
+            [{t: p.logprob for t, p in e.items()} for e in alone.logprobs]
+    # gpt-oss's experts have biases and a clamped SwiGLU: they run one by one
+    assert bool(calls) == (not case.startswith("gpt-oss"))

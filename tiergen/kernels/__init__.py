@@ -149,6 +149,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_glu.restype = None
     lib.tg_argmax.restype = None
     lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    lib.tg_experts_row.argtypes = [ptr, ptr, i64, ptr, ptr, ptr]
     lib.tg_tile_view.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr]
     return lib
 

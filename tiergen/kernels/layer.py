@@ -113,3 +113,32 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     if err:
         raise MemoryError("decode layer: out of memory for its buffers")
     return out
+
+
+def experts_row(x: torch.Tensor, experts: list[tuple[Packed, Packed]], mix: list[float]
+                ) -> torch.Tensor | None:
+    """One token's routed experts in one native call (``tg_experts_row``): the sum of
+    ``mix[e]`` times expert e's SwiGLU MLP of x (1, hidden), each expert a (gate_up, down)
+    pair of packed matrices on the CPU. None where the C kernels cannot take them; then the
+    experts run one by one, which computes the same numbers."""
+    if not (_usable(x) and x.shape[0] == 1):
+        return None
+    mats = [m for pair in experts for m in pair]
+    if not all(isinstance(m, Packed) and m.device.type == "cpu" and m.shape[1] % 32 == 0
+               and all(t in INTEGER_TYPES for t, _ in m.parts) for m in mats):
+        return None
+    lib = kernels.library()
+    if lib is None:
+        return None
+    qa, wide = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or (0, False)
+    hidden, inter = x.shape[1], experts[0][1].shape[1]
+    layer = _Layer(hidden=hidden, inter=inter, qa=qa, wide=int(wide))
+    arrays = [kernels.matrix_descriptor(m) for m in mats]
+    table = (ctypes.c_void_p * len(arrays))(*(ctypes.addressof(a) for a in arrays))
+    weights = (ctypes.c_float * len(mix))(*mix)
+    out = torch.empty(1, hidden, dtype=torch.float32)
+    err = lib.tg_experts_row(ctypes.byref(layer), table, len(experts), weights, x.data_ptr(),
+                             out.data_ptr())
+    if err == 2:
+        raise MemoryError("routed experts: out of memory for their buffers")
+    return None if err else out

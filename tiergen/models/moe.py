@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergen.config import ModelConfig, MoEConfig
+from tiergen.kernels.layer import experts_row
 from tiergen.models.layers import cat_rows, linear, swiglu_mlp
 from tiergen.weights.moe_names import checkpoint_names
 from tiergen.weights.packed import Packed, stack
@@ -112,6 +113,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     Under tensor parallelism a rank holds ``cfg.local_experts``, ``experts`` indexed from
     its first; the others' shares are left to their ranks."""
     local = cfg.local_experts
+    if len(x) == 1 and (out := _one_token(x, ids, weights, experts, cfg)) is not None:
+        return out
     k = ids.shape[1]
     flat, mix = ids.flatten(), weights.flatten()
     order = flat.argsort(stable=True)  # token slots grouped by expert
@@ -126,6 +129,28 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         y = experts.mlp(e - local.start, x[tokens], cfg)
         out.index_add_(0, tokens, y * mix[slots, None].to(y.dtype))
     return out
+
+
+def _one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
+               cfg: MoEConfig) -> torch.Tensor | None:
+    """:func:`routed_experts` for one token whose experts the C kernels take (packed, on the
+    CPU, SwiGLU without biases) in one native call, experts in the order the general path
+    adds them; None for any other."""
+    if cfg.expert_act != "silu" or x.device.type != "cpu":
+        return None
+    local = cfg.local_experts
+    chosen = sorted((e, m) for e, m in zip(ids[0].tolist(), weights[0].tolist()) if e in local)
+    if not chosen:
+        return None
+    experts.fetch([e - local.start for e, _ in chosen])
+    pairs = []
+    for e, _ in chosen:
+        gate_up, down, gate_up_bias, down_bias = experts.weights(e - local.start)
+        if gate_up_bias is not None or down_bias is not None:
+            return None
+        pairs.append((gate_up, down))
+    out = experts_row(x, pairs, [m for _, m in chosen])
+    return None if out is None else out.to(x.dtype)
 
 
 def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
