@@ -65,9 +65,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self._added = set(backend.get_added_tokens_decoder())  # spelled as they are
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
-        # token id -> its text alone, filled as log-probabilities name tokens (a scoring
+        # token id -> its bytes alone, filled as log-probabilities name tokens (a scoring
         # request names every prompt token and its alternatives)
-        self._strings: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -89,7 +89,13 @@ class Tokenizer:
         """The bytes a token stands for, alone (OpenAI's ``bytes`` of a logprob): a byte-level
         vocabulary's entry read through GPT-2's byte alphabet; a SentencePiece entry with "▁"
         as a space and "<0xNN>" as its byte; an added or special token as its text."""
-        text = self.backend.id_to_token(int(token_id))
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self._spell(int(token_id))
+        return raw
+
+    def _spell(self, token_id: int) -> bytes:
+        text = self.backend.id_to_token(token_id)
         if text is None:
             return b""
         if token_id in self._added:
@@ -103,11 +109,7 @@ class Tokenizer:
 
     def token_string(self, token_id: int) -> str:
         """A token's text alone (a byte that is part of a character reads as U+FFFD)."""
-        text = self._strings.get(token_id)
-        if text is None:
-            text = self._strings[token_id] = self.token_bytes(token_id).decode("utf-8",
-                                                                               errors="replace")
-        return text
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def apply_chat_template(
         self,
