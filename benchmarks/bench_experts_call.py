@@ -1,0 +1,53 @@
+"""A token's routed experts in one native call against the same experts run one by one, on
+the DeepSeek-V3-shaped Q4_0 GGUF of ``bench_moe_gguf.py`` built with --experts experts (all
+resident): decode milliseconds a step of one prompt, each way --turns times in turns in one
+process, and the medians.
+
+    python benchmarks/bench_experts_call.py [--experts 16] [--dir /var/tmp/tiergen-moe16] [--turns 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe_gguf  # noqa: E402
+
+import tiergen.models.moe as moe  # noqa: E402
+from tiergen import LLM, SamplingParams  # noqa: E402
+from tiergen.bench import cpu_description  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--dir", default="/var/tmp/tiergen-moe16")
+    ap.add_argument("--turns", type=int, default=4)
+    args = ap.parse_args()
+    cpu = cpu_description()
+    print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
+    bench_moe_gguf.EXPERTS = args.experts
+    llm = LLM(str(bench_moe_gguf.build(Path(args.dir) / "model.gguf")))
+    prompt, steps = [list(range(100, 116))], 32
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    llm.generate(prompt, params)  # warm-up
+    one_call = moe._one_token
+    ways = {"one call": one_call, "one by one": lambda *a: None}
+    took: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(args.turns):
+        for name, way in ways.items():
+            moe._one_token = way
+            llm.generate(prompt, params)
+            took[name].append(llm.last_stats.decode_seconds / steps * 1e3)
+    moe._one_token = one_call
+    for name, ms in took.items():
+        print(f"{name}: ms a decode step {[round(t, 1) for t in ms]}, median "
+              f"{statistics.median(ms):.1f}")
+    print(f"one call: {statistics.median(took['one by one']) / statistics.median(took['one call']):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
