@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiergen import kernels
-from tiergen.weights.packed import INTEGER_TYPES
+from tiergen.weights.packed import INTEGER_TYPES, Packed, cat_rows
 from tiergen.weights.quant import GGMLType, dequantize, ggml_type_sizes
 from test_packed import random_packed
 
@@ -217,6 +217,9 @@ def test_every_instruction_set_build_does_the_same_arithmetic(isa_library, ggml_
         assert torch.equal(values, q) and torch.equal(got.sums, sums)
         y = kernels.integer_linear(x, w, None, block, wide)
         assert_close_relative(y, integer_reference(x, w, block, wide))
+        kept = Packed(w.data, w.shape, w.parts, may_keep_tiles=True)
+        assert kernels.keep_tiles(kept)
+        assert torch.equal(kernels.integer_linear(x, kept, None, block, wide), y)
 
 
 def test_a_prompt_whose_panels_outgrow_the_kept_buffer_multiplies_the_same():
@@ -228,3 +231,25 @@ def test_a_prompt_whose_panels_outgrow_the_kept_buffer_multiplies_the_same():
     again = kernels.integer_linear(x, w, None, 4)
     assert torch.equal(first, again)
     assert torch.equal(first[4090:], kernels.integer_linear(x[4090:], w, None, 4))
+
+
+@pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
+def test_kept_tiles_multiply_as_the_tiles_built_at_each_product(ggml_type):
+    """Kept tiles (kernels.keep_tiles) hold what each product would build: the same numbers
+    to the bit, for a matrix of two types whose rows do not fill the last tile and run past a
+    1024-value chunk, from three rows (fewer take the row kernel) to past a pass of 256."""
+    qk = ggml_type_sizes(ggml_type)[0]
+    cols = 1280 if qk == 256 else 32 * 37
+    w = cat_rows([random_packed(ggml_type, 21, cols, seed=ggml_type),
+                  random_packed(GGMLType.Q8_0, 14, cols, seed=1)])
+    assert not kernels.keep_tiles(w) and w.tiles is None  # only where its owner allows it
+    kept = Packed(w.data, w.shape, w.parts, may_keep_tiles=True)
+    assert kernels.keep_tiles(kept) and kept.tiles.numel() == kernels.tile_bytes(kept)
+    assert kernels.tile_bytes(kept) >= 3 * w.shape[0] * cols // 2
+    for rows in (1, 3, 5, 32, 300):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        for block, wide in FORMATS:
+            assert torch.equal(kernels.integer_linear(x, kept, None, block, wide),
+                               kernels.integer_linear(x, w, None, block, wide))
+    # a copy elsewhere, or over other bytes, does not carry them
+    assert kept.to("cpu").tiles is None and kept.with_data(w.data.clone()).tiles is None

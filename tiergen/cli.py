@@ -73,6 +73,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per block sharing one trip of each layer's weights (default: 1)")
     o.add_argument("--no-pin-memory", action="store_true",
                    help="do not pin host buffers (pinning speeds host-to-GPU copies)")
+    o.add_argument("--no-keep-tiles", action="store_true",
+                   help="do not keep the integer kernels' weight tiles for batched decode steps "
+                        "on a CPU (they take 1.5 bytes a weight in host RAM)")
     o.add_argument("--cpu-attention", action="store_true",
                    help="keep the KV cache in host RAM and run attention there")
     o.add_argument("--offload-dir", default=None,
@@ -168,7 +171,8 @@ def _policy(args: argparse.Namespace):
                    expert_cache=args.expert_cache,
                    compress_weights=args.compress_weights, compress_cache=args.compress_cache,
                    compress_bits=args.compress_bits,
-                   compress_group_size=args.compress_group_size, attn_sparsity=args.attn_sparsity)
+                   compress_group_size=args.compress_group_size, attn_sparsity=args.attn_sparsity,
+                   keep_tiles=not args.no_keep_tiles)
     if args.percent:
         return Policy.from_percent(args.percent, **options)
     return Policy(**options)
@@ -399,18 +403,6 @@ def cmd_run_batch(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- plan
 
 
-def available_ram() -> int | None:
-    """MemAvailable from /proc/meminfo, or None (no limit) where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     """``tiergen plan``: the fastest policy for a workload under the memory budgets, for the
     model and machine here, or on paper (``--config``, ``--machine``)."""
@@ -467,7 +459,7 @@ def _machine(args: argparse.Namespace, checkpoint_dtype):
     import torch
 
     from tiergen.devices import resolve_device, resolve_dtype
-    from tiergen.offload.memory import Budgets
+    from tiergen.offload.memory import Budgets, available_ram
     from tiergen.offload.policy import parse_size
     from tiergen.planner import calibrate, paper
 

@@ -28,8 +28,8 @@ from tiergen.models.base import ModelFamily
 from tiergen.offload.activations import Activations
 from tiergen.offload.experts import HostRates
 from tiergen.offload.kv import TieredKV, cache_needs
-from tiergen.offload.memory import (Budgets, add, device_peak, fmt, reset_peak_resident_set,
-                                    resident_set)
+from tiergen.offload.memory import (Budgets, add, available_ram, device_peak, fmt,
+                                    reset_peak_resident_set, resident_set)
 from tiergen.offload.policy import Policy, tiers_for
 from tiergen.offload.weights import TieredWeights, WeightPlan, offload_root
 from tiergen.parallel.stage import Stage
@@ -149,6 +149,12 @@ class Executor:
         self.weights = TieredWeights(model, source, dtype, device, self.policy, self.weight_plan,
                                      model_id, expert_rates=expert_rates)
         self.globals = self.weights.globals
+        if self.policy.keep_tiles and device.type == "cpu" and activations != "float32":
+            needs = self.weight_plan.needs()
+            host = self.budgets.host if self.budgets.host is not None else available_ram()
+            spare = (host or 0) - needs["host"] - needs["device"] - self.weight_plan.expert_cache
+            self.weights.tile_allowance = max(0, spare // 2)
+            self.weights.allow_tiles(self.globals)  # the LM head first: the largest product
         self.cache_tiers = tiers_for(self.cfg.num_layers, self.policy.cache_split)
         self.spill_dir = offload_root(self.policy) / "spill"
         self._cache_io = ThreadPoolExecutor(1, thread_name_prefix="tiergen-cache")  # FIFO

@@ -60,6 +60,7 @@ _arith = threading.local()  # .kind: this thread's activations (set_activations)
 # benchmarks/bench_int8.py). 16-bit ones, two int8 halves dotted apart, land below 5e-6.
 ACTIVATION_FORMATS = {"int8": (4, False), "int16": (16, True)}
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
+TILE_ROWS = 3  # integer products of this many rows or more read tiles (fewer: one row at a time)
 
 
 # -ffast-math is avoided: in a shared library it would switch the whole process to flushing
@@ -151,6 +152,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
     lib.tg_experts_row.argtypes = [ptr, ptr, i64, ptr, ptr, ptr]
     lib.tg_tile_view.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr]
+    lib.tg_tile_bytes.argtypes = [i64, i64]
+    lib.tg_tile_bytes.restype = i64
+    lib.tg_build_tiles.argtypes = [ptr, ptr]
     return lib
 
 
@@ -243,11 +247,38 @@ def activations_set(kind: str) -> Iterator[None]:
 
 def matrix_descriptor(w: Packed) -> ctypes.Array:
     """``w`` as the C kernels take a packed matrix of several parts: {rows, columns, parts,
-    then (GGML type, rows, address) for each part}."""
-    cells = [w.shape[0], w.shape[1], len(w.parts)]
+    then (GGML type, rows, address, its kept tiles' address or 0) for each part}."""
+    lib = library() if w.tiles is not None else None
+    cells, tile = [w.shape[0], w.shape[1], len(w.parts)], 0
     for ggml_type, _, rows, start, _ in layout(w.shape, w.parts):
-        cells += [ggml_type, rows, w.data.data_ptr() + start]
+        cells += [ggml_type, rows, w.data.data_ptr() + start,
+                  w.tiles.data_ptr() + tile if lib else 0]
+        tile += lib.tg_tile_bytes(rows, w.shape[1]) if lib else 0
     return (ctypes.c_int64 * len(cells))(*cells)
+
+
+def tile_bytes(w: Packed) -> int:
+    """What :func:`keep_tiles` would keep for ``w`` (0 without the C kernels)."""
+    lib = library()
+    return sum(lib.tg_tile_bytes(rows, w.shape[1]) for _, rows in w.parts) if lib else 0
+
+
+def keep_tiles(w: Packed) -> bool:
+    """Give ``w`` its integer kernels' tiles, built once (``int8.c``'s ``tg_build_tiles``:
+    every block decoded and interleaved as a product of three rows or more reads them, 3/2
+    bytes a value), if its owner allows it (``w.may_keep_tiles``: weights that stay where
+    they are, within a memory allowance). A product of a few rows otherwise spends about a
+    third of its time building them again. Whether ``w`` has them now."""
+    if w.tiles is not None or not w.may_keep_tiles:
+        return w.tiles is not None
+    lib = library()
+    if lib is None or w.device.type != "cpu" or not all(t in INTEGER_TYPES for t, _ in w.parts):
+        return False
+    tiles = torch.empty(tile_bytes(w), dtype=torch.uint8)  # (64-byte aligned, as the C needs)
+    if lib.tg_build_tiles(matrix_descriptor(w), tiles.data_ptr()):
+        return False
+    w.tiles = tiles
+    return True
 
 
 def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
@@ -258,6 +289,8 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     if lib is None:
         raise RuntimeError("the C kernels are unavailable")
     rows = x.shape[:-1].numel()
+    if rows >= TILE_ROWS and (x.dim() == 2 or x.shape[-2] == 1):  # a token of each sequence
+        keep_tiles(w)
     a = quantize_activations(x.reshape(rows, x.shape[-1]), block, wide)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32)
     err = lib.tg_qmatmul(matrix_descriptor(w), a.q.data_ptr(),

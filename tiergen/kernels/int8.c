@@ -569,6 +569,15 @@ ROW1(im_q4_0, 2, 18)
 ROW1(im_q4_1, 3, 20)
 #endif
 
+/* Kept tiles: a matrix's tiles one after another, TR rows by IKC values (fewer at the end of
+ * a row), each its interleaved bytes then its scales and offsets (tile_rows' as, cs): 3/2
+ * bytes a value. tile_at: where the tile of rows r0.. and values k0.. starts (a multiple of
+ * 64 bytes for k a multiple of 32). */
+static inline int64_t tile_at(int64_t r0, int64_t k0, int64_t k) { return (r0 * k + k0 * TR) / 2 * 3; }
+
+/* The bytes of an n x k matrix's kept tiles. */
+int64_t tg_tile_bytes(int64_t n, int64_t k) { return tile_at((n + TR - 1) / TR * TR, 0, k); }
+
 #define IKERNELS(NAME, QK, L, BYTES, UNPACK, SIGNED)                                          \
     static inline __attribute__((always_inline)) void                                      \
     NAME##_row(const int ROWS, const int WIDE, const uint8_t *wr, int64_t nb,                 \
@@ -599,35 +608,72 @@ ROW1(im_q4_1, 3, 20)
             else NAME##_row(2, 0, wr, nb, xq, xq, xs4, xsum, k, y + r, ldy);                  \
         }                                                                                     \
     }                                                                                         \
+    /* the tile of weight rows r0 .. r0 + TR - 1 and values k0 .. k0 + len - 1 (rows: the  \
+     * decoded rows' scratch, TILE512 ? IKC * TR : IKC values) */                            \
+    static inline __attribute__((always_inline)) void                                      \
+    NAME##_tile(const uint8_t *w, int64_t n, int64_t nb, int64_t r0, int64_t k0, int64_t len, \
+                uint8_t *restrict tile, float *restrict as, float *restrict cs,               \
+                int8_t *restrict rows) {                                                      \
+        const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                                   \
+        for (int r = 0; r < TR; r++) {                                                        \
+            int8_t *q = TILE512 ? rows + r * IKC : rows;                                      \
+            if (r < ncols) {                                                                  \
+                DECODE_CHUNK(UNPACK, QK, L, BYTES, w + ((r0 + r) * nb + k0 / QK) * BYTES,     \
+                             len / QK, q, as + r, cs + r, TR)                                 \
+            } else {                                                                          \
+                memset(q, 0, len);                                                            \
+                for (int64_t t = 0; t < len / SB; t++) as[t * TR + r] = cs[t * TR + r] = 0.0f; \
+            }                                                                                 \
+            TILE_OFFSET(SIGNED, len / SB, as + r, cs + r, TR)                                 \
+            for (int64_t g = 0; g < len / 4 && !TILE512; g++) {                               \
+                uint32_t four;                                                                \
+                memcpy(&four, q + 4 * g, 4);                                                  \
+                memcpy(tile + g * 4 * TR + r * 4, &four, 4);                                  \
+            }                                                                                 \
+        }                                                                                     \
+        if (TILE512) interleave16(rows, len, SIGNED, tile);                                   \
+    }                                                                                         \
     static void NAME##_tiled(const uint8_t *w, int64_t n, int64_t k, const Panels *P,         \
                              int64_t m, float *y, int64_t ldy, int qa) {                      \
-        const int64_t nb = k / QK;                                                            \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
             uint8_t tile[IKC * TR] __attribute__((aligned(64)));                              \
             float as[IKC / SB * TR], cs[IKC / SB * TR];                                       \
-            /* AVX-512: every row decoded, then interleaved at once */                        \
             int8_t rows[TILE512 ? IKC * TR : IKC] __attribute__((aligned(64)));               \
             const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                               \
             for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
                 const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
-                for (int r = 0; r < TR; r++) {                                                \
-                    int8_t *q = TILE512 ? rows + r * IKC : rows;                              \
-                    if (r < ncols) {                                                          \
-                        DECODE_CHUNK(UNPACK, QK, L, BYTES, w + ((r0 + r) * nb + k0 / QK) * BYTES, \
-                                     len / QK, q, as + r, cs + r, TR)                         \
-                    } else {                                                                  \
-                        memset(q, 0, len);                                                    \
-                        for (int64_t t = 0; t < len / SB; t++) as[t * TR + r] = cs[t * TR + r] = 0.0f; \
-                    }                                                                         \
-                    TILE_OFFSET(SIGNED, len / SB, as + r, cs + r, TR)                         \
-                    for (int64_t g = 0; g < len / 4 && !TILE512; g++) {                       \
-                        uint32_t four;                                                        \
-                        memcpy(&four, q + 4 * g, 4);                                          \
-                        memcpy(tile + g * 4 * TR + r * 4, &four, 4);                          \
-                    }                                                                         \
-                }                                                                             \
-                if (TILE512) interleave16(rows, len, SIGNED, tile);                           \
+                NAME##_tile(w, n, k / QK, r0, k0, len, tile, as, cs, rows);                   \
+                tile_pass(SIGNED && !TILE512, qa, m, tile, as, cs, k0, len, P, y + r0, ldy, ncols); \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    /* every tile of the matrix, kept (tile_at) */                                            \
+    static void NAME##_build(const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {          \
+        _Pragma("omp parallel for schedule(static)")                                          \
+        for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
+            int8_t rows[TILE512 ? IKC * TR : IKC] __attribute__((aligned(64)));               \
+            for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
+                const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
+                uint8_t *tile = out + tile_at(r0, k0, k);                                     \
+                float *as = (float *)(tile + len * TR), *cs = as + len / SB * TR;             \
+                NAME##_tile(w, n, k / QK, r0, k0, len, tile, as, cs, rows);                   \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    /* the product over kept tiles (NAME##_build's) */                                        \
+    static void NAME##_kept(const uint8_t *tiles, int64_t n, int64_t k, const Panels *P,      \
+                            int64_t m, float *y, int64_t ldy, int qa) {                       \
+        _Pragma("omp parallel for schedule(static)")                                          \
+        for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
+            const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                               \
+            for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
+                const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
+                const uint8_t *tile = tiles + tile_at(r0, k0, k);                             \
+                const float *as = (const float *)(tile + len * TR), *cs = as + len / SB * TR; \
+                /* the next tile on its way to the cache while this one is in use */         \
+                for (int64_t b = 0; b < len * TR / 2 * 3; b += 64)                            \
+                    __builtin_prefetch(tile + len * TR / 2 * 3 + b, 0, 2);                    \
                 tile_pass(SIGNED && !TILE512, qa, m, tile, as, cs, k0, len, P, y + r0, ldy, ncols); \
             }                                                                                 \
         }                                                                                     \
@@ -678,10 +724,20 @@ static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
     DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
 }
 
+static int kept(int type, const uint8_t *tiles, int64_t n, int64_t k, const Panels *P, int qa,
+                int64_t m, float *y, int64_t ldy) {
+    DISPATCH(im, type, _kept, (tiles, n, k, P, m, y, ldy, qa))
+}
+
+static int build(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
+    DISPATCH(im, type, _build, (w, n, k, out))
+}
+
 /* y (m rows, row stride n) = the quantised activations (m, k) @ W(n, k)^T for a packed matrix
  * whose rows come in parts of one GGML type each, described as {n, k, parts, then (type,
- * rows, address) for each part} (layer.c's matrix). The activations are packed into panels
- * once for every part. -1 for a type without a kernel, -2 out of memory. */
+ * rows, address, kept tiles' address or 0) for each part} (layer.c's matrix). The activations
+ * are packed into panels once for every part. -1 for a type without a kernel, -2 out of
+ * memory. */
 int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float *xs4,
                const float *xsum, int qa, int64_t m, float *y) {
     const int64_t n = w[0], k = w[1], parts = w[2];
@@ -691,20 +747,22 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
     int err = 0;
     int64_t row = 0;
     for (int64_t p = 0; p < parts && !err; p++) {
-        const int type = (int)w[3 + 3 * p];
-        const int64_t rows = w[4 + 3 * p];
-        const uint8_t *data = (const uint8_t *)(intptr_t)w[5 + 3 * p];
+        const int type = (int)w[3 + 4 * p];
+        const int64_t rows = w[4 + 4 * p];
+        const uint8_t *data = (const uint8_t *)(intptr_t)w[5 + 4 * p],
+                      *tiles = (const uint8_t *)(intptr_t)w[6 + 4 * p];
         if (m <= FEWI) {
             err = few(type, data, rows, k, xq, xl, xs4, xsum, m, y + row, n);
         } else {
             /* MB rows at a time, so that their panels stay in cache while every tile passes
-             * over them (each tile is decoded again for each MB rows: a small cost against
-             * MB rows) */
+             * over them (each tile is decoded again for each MB rows, unless kept: a small
+             * cost against MB rows) */
             for (int64_t m0 = 0; m0 < m && !err; m0 += MB) {
                 const Panels B = {P.q + m0 * k, P.l ? P.l + m0 * k : NULL, P.s + m0 * (k / 4),
                                   P.sum + m0 * (k / SB), P.start + m0 * (k / SB), k};
-                err = tiled(type, data, rows, k, &B, qa, m - m0 < MB ? m - m0 : MB,
-                            y + row + m0 * n, n);
+                const int64_t mb = m - m0 < MB ? m - m0 : MB;
+                err = tiles ? kept(type, tiles, rows, k, &B, qa, mb, y + row + m0 * n, n)
+                            : tiled(type, data, rows, k, &B, qa, mb, y + row + m0 * n, n);
             }
         }
         row += rows;
@@ -714,6 +772,20 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
         panel_buf = NULL, panel_cap = 0;
     }
     return err;
+}
+
+/* Every part's tiles (as a descriptor of tg_qmatmul gives them, its kept tiles' addresses
+ * ignored) into out, one part after another, tg_tile_bytes(rows, k) each: what a product of
+ * many rows otherwise decodes at every call. -1 for a type without a kernel. */
+int tg_build_tiles(const int64_t *w, uint8_t *out) {
+    const int64_t k = w[1];
+    for (int64_t p = 0; p < w[2]; p++) {
+        const int64_t rows = w[4 + 4 * p];
+        if (build((int)w[3 + 4 * p], (const uint8_t *)(intptr_t)w[5 + 4 * p], rows, k, out))
+            return -1;
+        out += tg_tile_bytes(rows, k);
+    }
+    return 0;
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */

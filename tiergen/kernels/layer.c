@@ -36,8 +36,8 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy);
 
-/* A packed matrix (n rows of k values): {n, k, parts, then (ggml type, rows, address) for
- * each part, its rows in order}. */
+/* A packed matrix (n rows of k values): {n, k, parts, then (ggml type, rows, address, kept
+ * tiles' address or 0: int8.c's tg_build_tiles) for each part, its rows in order}. */
 typedef const int64_t *matrix;
 
 typedef struct {
@@ -66,10 +66,10 @@ static int product(const tg_layer *L, matrix w, const float *x, int64_t m, float
     } else {
         int64_t row = 0;
         for (int64_t p = 0; p < parts; p++) {
-            const int err = tg_matmul((int)w[3 + 3 * p], (const uint8_t *)(intptr_t)w[5 + 3 * p],
-                                      w[4 + 3 * p], k, x, m, y + row, n);
+            const int err = tg_matmul((int)w[3 + 4 * p], (const uint8_t *)(intptr_t)w[5 + 4 * p],
+                                      w[4 + 4 * p], k, x, m, y + row, n);
             if (err) return err;
-            row += w[4 + 3 * p];
+            row += w[4 + 4 * p];
         }
     }
     if (bias)

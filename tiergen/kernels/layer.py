@@ -66,8 +66,9 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     vecs = [w.get(n) for n in NORMS + BIASES]
     # buffers that stream weights from disk hold another layer's matrices, perhaps of other
     # types (Q4_K_M mixes them), at the same address: the key has the layout too
-    key = (kind, fmt, *((m.data.data_ptr(), m.shape, m.parts) for m in mats
-                        if isinstance(m, Packed)),
+    key = (kind, fmt, *((m.data.data_ptr(), m.shape, m.parts,
+                         None if m.tiles is None else m.tiles.data_ptr())
+                        for m in mats if isinstance(m, Packed)),
            *(None if v is None else (v.data_ptr(), v.dtype, v.device) for v in vecs))
     entry = _built.get(key)
     if entry is not None:
@@ -105,6 +106,10 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     lib = kernels.library()
     if lib is None:
         return None
+    if fmt is not None and B >= kernels.TILE_ROWS:
+        for n in MATRICES:
+            if isinstance(w[n], Packed):
+                kernels.keep_tiles(w[n])
     layer = _layer(kind, fmt, w)
     if layer is None:
         return None

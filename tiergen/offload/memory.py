@@ -49,6 +49,18 @@ def add(*parts: Bytes) -> Bytes:
     return {t: sum(p.get(t, 0) for p in parts) for t in TIERS}
 
 
+def available_ram() -> int | None:
+    """MemAvailable from /proc/meminfo, or None (no limit) where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def resident_set() -> tuple[int, int]:
     """(current, peak) resident memory of this process in bytes, from /proc."""
     current = peak = 0

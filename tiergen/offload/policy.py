@@ -52,6 +52,12 @@ class Policy:
     ``attn_sparsity`` < 1 keeps only that fraction of the largest attention weights of each
     decode query (and reads only the matching V rows).
 
+    ``keep_tiles``: on a CPU with integer activations, packed weights that stay in host RAM
+    keep the integer kernels' tiles (3/2 bytes a value) for decode steps of three or more
+    sequences, built at the first such step, within half of what the host budget leaves after
+    the weights (without a budget, half of the RAM available at load). A few rows otherwise
+    decode every block again at every step.
+
     ``gpu_batch_size`` sequences run through a layer at once (a micro-batch);
     ``num_gpu_batches`` micro-batches form a *block* that shares one trip of each layer's
     weights, so weight traffic per token falls as the block grows. ``gpu_batch_size=None``
@@ -73,6 +79,7 @@ class Policy:
     compress_bits: int = 4
     compress_group_size: int = 64
     attn_sparsity: float = 1.0
+    keep_tiles: bool = True
 
     def __post_init__(self) -> None:
         self.weight_split = _split("weights", self.weights)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tiergen import kernels
 from tiergen.errors import TiergenError
 from tiergen.paths import cache_dir
 from tiergen.models.base import ModelFamily, Weights
@@ -293,6 +294,7 @@ class TieredWeights:
                                 for n, (s, d) in plan.buffer_shapes("disk", experts=True).items()}
         self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are dequantised
         self._views: dict[int, Weights] = {}  # layers read where they live, as handed out
+        self.tile_allowance = 0  # bytes of kept tiles still to allow (see allow_tiles)
         self.expert_rates = expert_rates or HostRates()
         self.expert_cache = ExpertCache(plan.expert_cache)
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="tiergen-io")
@@ -344,7 +346,19 @@ class TieredWeights:
                 weights[n] = dequantize(q, out)
         if self.plan.compress is None and self._in_place[j]:  # (compressed: shared buffers)
             self._views[j] = weights
+            self.allow_tiles(weights)
         return weights
+
+    def allow_tiles(self, weights: Weights) -> None:
+        """Let packed matrices in host RAM that stay where they are (a layer read in place,
+        the globals) keep their integer kernels' tiles (:func:`tiergen.kernels.keep_tiles`)
+        while ``tile_allowance`` lasts, in the order they come."""
+        for t in weights.values():
+            if isinstance(t, Packed) and t.device.type == "cpu" and not t.may_keep_tiles:
+                need = kernels.tile_bytes(t)
+                if 0 < need <= self.tile_allowance:
+                    t.may_keep_tiles = True
+                    self.tile_allowance -= need
 
     def _with_experts(self, j: int, weights: Weights) -> Weights:
         """Hand a MoE layer its routed experts as one object under "experts"."""

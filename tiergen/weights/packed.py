@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -47,6 +47,10 @@ class Packed:
     data: torch.Tensor  # flat uint8
     shape: tuple[int, ...]
     parts: Parts  # of one matrix of a stack
+    # Resident weights may keep the integer kernels' tiles for products of a few rows
+    # (kernels.keep_tiles): tiles, once built, and whether they may be.
+    tiles: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    may_keep_tiles: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.shape = tuple(self.shape)
@@ -70,10 +74,10 @@ class Packed:
         return "+".join(ggml_type_name(t) for t, _ in self.parts)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Packed:
-        return replace(self, data=self.data.to(device, non_blocking=non_blocking))
+        return Packed(self.data.to(device, non_blocking=non_blocking), self.shape, self.parts)
 
     def pin_memory(self) -> Packed:
-        return replace(self, data=self.data.pin_memory())
+        return Packed(self.data.pin_memory(), self.shape, self.parts)
 
     def __getitem__(self, e: int) -> Packed:
         """Matrix e of a stack (a view of its bytes)."""
@@ -83,7 +87,7 @@ class Packed:
 
     def with_data(self, data: torch.Tensor) -> Packed:
         """The same layout over other storage (a buffer this matrix was read into)."""
-        return replace(self, data=data)
+        return Packed(data, self.shape, self.parts)
 
     def segments(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
         """(ggml type, first row, rows, that part's bytes) of each part."""
@@ -141,7 +145,7 @@ class Packed:
         """Rows reordered (``perm[i]`` is the old row of new row i), within one part."""
         if len(self.parts) != 1:
             raise TiergenError("only a single-type packed matrix can have its rows permuted")
-        return replace(self, data=self.data.view(self.shape[0], -1)[perm].reshape(-1))
+        return Packed(self.data.view(self.shape[0], -1)[perm].reshape(-1), self.shape, self.parts)
 
 
 def narrow(t: torch.Tensor | Packed, dim: int, rows: range) -> torch.Tensor | Packed:
