@@ -4,8 +4,6 @@ within the host budget, and none for weights streamed through reused buffers."""
 
 from __future__ import annotations
 
-import torch
-
 from tiergen import LLM, Policy, SamplingParams
 from tiergen.kernels import tile_bytes
 from tiergen.weights.packed import Packed

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import struct
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
