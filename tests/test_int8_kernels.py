@@ -253,3 +253,24 @@ def test_kept_tiles_multiply_as_the_tiles_built_at_each_product(ggml_type):
                                kernels.integer_linear(x, w, None, block, wide))
     # a copy elsewhere, or over other bytes, does not carry them
     assert kept.to("cpu").tiles is None and kept.with_data(w.data.clone()).tiles is None
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_a_tokens_experts_in_one_call_add_each_experts_output_in_order(count, kind):
+    """tg_experts_row gives each expert's output as alone, added in order, whether the threads
+    share each product or (an even split of the experts) take whole experts each."""
+    from tiergen.kernels.layer import experts_row
+
+    hidden, inter = 256, 96
+    experts = [(random_packed(GGMLType.Q4_0, 2 * inter, hidden, seed=2 * e),
+                random_packed(GGMLType.Q4_0, hidden, inter, seed=2 * e + 1)) for e in range(count)]
+    mix = [0.5, 0.25, 0.125, 0.0625][:count]
+    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(count))
+    with kernels.activations_set(kind):
+        got = experts_row(x, experts, mix)
+        alone = [experts_row(x, [pair], [1.0]) for pair in experts]
+    want = torch.zeros(1, hidden)
+    for m, y in zip(mix, alone):
+        want = want + m * y
+    assert torch.equal(got, want)
