@@ -296,6 +296,21 @@ typedef struct {
 static __thread void *panel_buf;
 static __thread size_t panel_cap;
 
+/* Row r's (row i of panel p) sums and, for 8 bits, the tiles' starting values. */
+static inline void panel_sums(int64_t r, int64_t p, int64_t i, int64_t m, int64_t k,
+                              const float *xs4, const float *xsum, int qa, int wide,
+                              Panels *P) {
+    for (int64_t t = 0; t < k / SB; t++) {
+        const int64_t at = (p * (k / SB) + t) * MI + i;
+        P->sum[at] = r < m ? xsum[r * (k / SB) + t] : 0.0f;
+        if (wide) continue;
+        double total = 0.0;  /* what the tiles' integer sums start from, in sum */
+        for (int b = 0; b < SB / qa; b++)
+            total += r < m ? xs4[r * (k / 4) + (SB * t + qa * b) / 4] : 0.0f;
+        P->start[at] = (float)(-(double)MAGIC * total);
+    }
+}
+
 static int make_panels(int64_t m, int64_t k, const int8_t *xq, const int8_t *xl,
                        const float *xs4, const float *xsum, int qa, Panels *P) {
     const int64_t rows = (m + MI - 1) / MI * MI;
@@ -312,27 +327,48 @@ static int make_panels(int64_t m, int64_t k, const int8_t *xq, const int8_t *xl,
     P->s = panel_buf, P->sum = (float *)((char *)panel_buf + sb), P->start = P->sum + tb / sizeof(float);
     P->q = (int8_t *)((char *)panel_buf + sb + 2 * tb), P->l = xl ? P->q + qb : NULL;
     _Pragma("omp parallel for schedule(static) if (m * k > 65536)")
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t p = r / MI, i = r % MI;
-        for (int64_t g = 0; g < k / 4; g++) {
-            const int64_t at = (p * (k / 4) + g) * MI + i;
-            int32_t four = 0, low = 0;
-            if (r < m) {
-                memcpy(&four, xq + r * k + 4 * g, 4);
-                if (xl) memcpy(&low, xl + r * k + 4 * g, 4);
+    for (int64_t p = 0; p < rows / MI; p++) {
+#if defined(__AVX2__)
+        if (MI == 4 && !xl && (p + 1) * MI <= m) {  /* four whole rows: their values and scales by 4 x 4
+                                            transposes of 32-bit words */
+            const int64_t r = p * MI;
+            for (int64_t g = 0; g < k / 4; g += 4) {
+                const int64_t at = (p * (k / 4) + g) * MI;
+                __m128i v[4];
+                __m128 f[4];
+                for (int i = 0; i < 4; i++) {
+                    v[i] = _mm_loadu_si128((const __m128i *)(xq + (r + i) * k + 4 * g));
+                    f[i] = _mm_loadu_ps(xs4 + (r + i) * (k / 4) + g);
+                }
+                _MM_TRANSPOSE4_PS(f[0], f[1], f[2], f[3]);
+                const __m128i a = _mm_unpacklo_epi32(v[0], v[1]), b = _mm_unpacklo_epi32(v[2], v[3]),
+                              c = _mm_unpackhi_epi32(v[0], v[1]), d = _mm_unpackhi_epi32(v[2], v[3]);
+                v[0] = _mm_unpacklo_epi64(a, b), v[1] = _mm_unpackhi_epi64(a, b);
+                v[2] = _mm_unpacklo_epi64(c, d), v[3] = _mm_unpackhi_epi64(c, d);
+                for (int j = 0; j < 4; j++) {
+                    _mm_storeu_si128((__m128i *)(P->q + 4 * (at + j * MI)), v[j]);
+                    _mm_storeu_ps(P->s + at + j * MI, f[j]);
+                }
             }
-            memcpy(P->q + 4 * at, &four, 4);
-            if (xl) memcpy(P->l + 4 * at, &low, 4);
-            P->s[at] = r < m ? xs4[r * (k / 4) + g] : 0.0f;
+            for (int64_t i = 0; i < MI; i++)
+                panel_sums(r + i, p, i, m, k, xs4, xsum, qa, 0, P);
+            continue;
         }
-        for (int64_t t = 0; t < k / SB; t++) {
-            const int64_t at = (p * (k / SB) + t) * MI + i;
-            P->sum[at] = r < m ? xsum[r * (k / SB) + t] : 0.0f;
-            if (xl) continue;
-            double total = 0.0;  /* what the tiles' integer sums start from, in sum */
-            for (int b = 0; b < SB / qa; b++)
-                total += r < m ? xs4[r * (k / 4) + (SB * t + qa * b) / 4] : 0.0f;
-            P->start[at] = (float)(-(double)MAGIC * total);
+#endif
+        for (int64_t i = 0; i < MI; i++) {
+            const int64_t r = p * MI + i;
+            for (int64_t g = 0; g < k / 4; g++) {
+                const int64_t at = (p * (k / 4) + g) * MI + i;
+                int32_t four = 0, low = 0;
+                if (r < m) {
+                    memcpy(&four, xq + r * k + 4 * g, 4);
+                    if (xl) memcpy(&low, xl + r * k + 4 * g, 4);
+                }
+                memcpy(P->q + 4 * at, &four, 4);
+                if (xl) memcpy(P->l + 4 * at, &low, 4);
+                P->s[at] = r < m ? xs4[r * (k / 4) + g] : 0.0f;
+            }
+            panel_sums(r, p, i, m, k, xs4, xsum, qa, xl != NULL, P);
         }
     }
     return 1;
