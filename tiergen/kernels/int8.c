@@ -22,7 +22,8 @@
  * interleaved the same way, each broadcast four of their bytes against that tile, and each
  * activation block's sum is scaled as it ends, read as a float without a conversion
  * instruction (MAGIC, tile_rows). Each weight block is decoded once per product (once per MB
- * rows of a prompt), whatever the number of rows.
+ * rows of a prompt), whatever the number of rows, or once for good where the caller keeps the
+ * tiles (tg_build_tiles: weights that stay in memory, multiplied by a batch at every step).
  */
 #include <math.h>
 
