@@ -11,7 +11,6 @@ here; its packed-matrix descriptors must be this tree's) as a third way.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 import tempfile
@@ -43,10 +42,11 @@ def main() -> None:
     one_call, this = moe._one_token, kernels.library()
     ways = {"one call": (one_call, this), "one by one": (lambda *a: None, this)}
     if args.against:
-        tmp = Path(tempfile.mkdtemp()) / "rev"
+        built = tempfile.TemporaryDirectory()  # (removed at exit)
+        tmp = Path(built.name) / "rev"  # (build_at writes its sources beside it)
         tmp.mkdir()
-        ways[f"one call at {args.against}"] = (
-            one_call, kernels.bind(ctypes.CDLL(str(build_at(args.against, tmp / "k.so")._name))))
+        ways[f"one call at {args.against}"] = (one_call,
+                                               kernels.bind(build_at(args.against, tmp / "k.so")))
     took: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.turns):
         for name, (way, lib) in ways.items():

@@ -150,10 +150,8 @@ class Executor:
                                      model_id, expert_rates=expert_rates)
         self.globals = self.weights.globals
         if self.policy.keep_tiles and device.type == "cpu" and activations != "float32":
-            needs = self.weight_plan.needs()
             host = self.budgets.host if self.budgets.host is not None else available_ram()
-            spare = (host or 0) - needs["host"] - needs["device"] - self.weight_plan.expert_cache
-            self.weights.tile_allowance = max(0, spare // 2)
+            self.weights.tile_allowance = self.weight_plan.host_left(host or 0) // 2
             self.weights.allow_tiles(self.globals)  # the LM head first: the largest product
         self.cache_tiers = tiers_for(self.cfg.num_layers, self.policy.cache_split)
         self.spill_dir = offload_root(self.policy) / "spill"

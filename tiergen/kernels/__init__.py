@@ -257,6 +257,13 @@ def matrix_descriptor(w: Packed) -> ctypes.Array:
     return (ctypes.c_int64 * len(cells))(*cells)
 
 
+def integer_kernels_take(w: object) -> bool:
+    """Whether ``int8.c`` multiplies ``w``: packed blocks of its types, in host memory, rows
+    of whole 32-value blocks."""
+    return (isinstance(w, Packed) and w.device.type == "cpu" and w.shape[-1] % 32 == 0
+            and all(t in INTEGER_TYPES for t, _ in w.parts))
+
+
 def tile_bytes(w: Packed) -> int:
     """What :func:`keep_tiles` would keep for ``w`` (0 without the C kernels)."""
     lib = library()
@@ -272,7 +279,7 @@ def keep_tiles(w: Packed) -> bool:
     if w.tiles is not None or not w.may_keep_tiles:
         return w.tiles is not None
     lib = library()
-    if lib is None or w.device.type != "cpu" or not all(t in INTEGER_TYPES for t, _ in w.parts):
+    if lib is None or not integer_kernels_take(w):
         return False
     tiles = torch.empty(tile_bytes(w), dtype=torch.uint8)  # (64-byte aligned, as the C needs)
     if lib.tg_build_tiles(matrix_descriptor(w), tiles.data_ptr()):
@@ -310,8 +317,7 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
     with integer activations set (:func:`set_activations`), the integer kernels' product."""
     rows = x.shape[:-1].numel()
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
-    if (fmt is not None and x.device.type == "cpu" and w.shape[1] % 32 == 0 and library()
-            and all(t in INTEGER_TYPES for t, _ in w.parts)):
+    if fmt is not None and x.device.type == "cpu" and integer_kernels_take(w) and library():
         return integer_linear(x, w, bias, *fmt)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:

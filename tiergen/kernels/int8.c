@@ -710,17 +710,28 @@ int64_t tg_tile_bytes(int64_t n, int64_t k) { return tile_at((n + TR - 1) / TR *
         }                                                                                     \
         if (TILE512) interleave16(rows, len, SIGNED, tile);                                   \
     }                                                                                         \
-    static void NAME##_tiled(const uint8_t *w, int64_t n, int64_t k, const Panels *P,         \
-                             int64_t m, float *y, int64_t ldy, int qa) {                      \
+    /* the tiles built as they are used, or read from kept (NAME##_build's) where not NULL */ \
+    static void NAME##_tiled(const uint8_t *w, const uint8_t *kept, int64_t n, int64_t k,     \
+                             const Panels *P, int64_t m, float *y, int64_t ldy, int qa) {     \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
-            uint8_t tile[IKC * TR] __attribute__((aligned(64)));                              \
-            float as[IKC / SB * TR], cs[IKC / SB * TR];                                       \
+            uint8_t built[IKC * TR] __attribute__((aligned(64)));                             \
+            float bas[IKC / SB * TR], bcs[IKC / SB * TR];                                     \
             int8_t rows[TILE512 ? IKC * TR : IKC] __attribute__((aligned(64)));               \
             const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                               \
             for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
                 const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
-                NAME##_tile(w, n, k / QK, r0, k0, len, tile, as, cs, rows);                   \
+                const uint8_t *tile = built;                                                  \
+                const float *as = bas, *cs = bcs;                                             \
+                if (kept) {                                                                   \
+                    tile = kept + tile_at(r0, k0, k);                                         \
+                    as = (const float *)(tile + len * TR), cs = as + len / SB * TR;           \
+                    /* the next tile on its way to the cache while this one is in use */     \
+                    for (int64_t b = 0; b < len * TR / 2 * 3; b += 64)                        \
+                        __builtin_prefetch(tile + len * TR / 2 * 3 + b, 0, 2);                \
+                } else {                                                                      \
+                    NAME##_tile(w, n, k / QK, r0, k0, len, built, bas, bcs, rows);            \
+                }                                                                             \
                 tile_pass(SIGNED && !TILE512, qa, m, tile, as, cs, k0, len, P, y + r0, ldy, ncols); \
             }                                                                                 \
         }                                                                                     \
@@ -735,23 +746,6 @@ int64_t tg_tile_bytes(int64_t n, int64_t k) { return tile_at((n + TR - 1) / TR *
                 uint8_t *tile = out + tile_at(r0, k0, k);                                     \
                 float *as = (float *)(tile + len * TR), *cs = as + len / SB * TR;             \
                 NAME##_tile(w, n, k / QK, r0, k0, len, tile, as, cs, rows);                   \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
-    /* the product over kept tiles (NAME##_build's) */                                        \
-    static void NAME##_kept(const uint8_t *tiles, int64_t n, int64_t k, const Panels *P,      \
-                            int64_t m, float *y, int64_t ldy, int qa) {                       \
-        _Pragma("omp parallel for schedule(static)")                                          \
-        for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
-            const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                               \
-            for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
-                const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
-                const uint8_t *tile = tiles + tile_at(r0, k0, k);                             \
-                const float *as = (const float *)(tile + len * TR), *cs = as + len / SB * TR; \
-                /* the next tile on its way to the cache while this one is in use */         \
-                for (int64_t b = 0; b < len * TR / 2 * 3; b += 64)                            \
-                    __builtin_prefetch(tile + len * TR / 2 * 3 + b, 0, 2);                    \
-                tile_pass(SIGNED && !TILE512, qa, m, tile, as, cs, k0, len, P, y + r0, ldy, ncols); \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
@@ -775,9 +769,9 @@ IKERNELS(im_q6_k, 256, 16, 210, un_q6_k, 0)
 IKERNELS(im_mxfp4, 32, 32, 17, un_mxfp4, 1)
 
 /* y (m rows, row stride ldy) = the quantised activations (m, k) @ W(n, k)^T. */
-static int tiled(int type, const uint8_t *w, int64_t n, int64_t k, const Panels *P, int qa,
-                 int64_t m, float *y, int64_t ldy) {
-    DISPATCH(im, type, _tiled, (w, n, k, P, m, y, ldy, qa))
+static int tiled(int type, const uint8_t *w, const uint8_t *kept, int64_t n, int64_t k,
+                 const Panels *P, int qa, int64_t m, float *y, int64_t ldy) {
+    DISPATCH(im, type, _tiled, (w, kept, n, k, P, m, y, ldy, qa))
 }
 
 /* nb blocks of a type as a tile holds them, for tests of the tiles' arithmetic: each block's
@@ -799,11 +793,6 @@ static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
     }
 #endif
     DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
-}
-
-static int kept(int type, const uint8_t *tiles, int64_t n, int64_t k, const Panels *P, int qa,
-                int64_t m, float *y, int64_t ldy) {
-    DISPATCH(im, type, _kept, (tiles, n, k, P, m, y, ldy, qa))
 }
 
 static int build(int type, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
@@ -838,8 +827,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
                 const Panels B = {P.q + m0 * k, P.l ? P.l + m0 * k : NULL, P.s + m0 * (k / 4),
                                   P.sum + m0 * (k / SB), P.start + m0 * (k / SB), k};
                 const int64_t mb = m - m0 < MB ? m - m0 : MB;
-                err = tiles ? kept(type, tiles, rows, k, &B, qa, mb, y + row + m0 * n, n)
-                            : tiled(type, data, rows, k, &B, qa, mb, y + row + m0 * n, n);
+                err = tiled(type, data, tiles, rows, k, &B, qa, mb, y + row + m0 * n, n);
             }
         }
         row += rows;

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tiergen import kernels
-from tiergen.weights.packed import INTEGER_TYPES, Packed
+from tiergen.weights.packed import Packed
 
 NORMS = ("attn_norm", "q_norm", "k_norm", "attn_out_norm", "ffn_norm", "ffn_out_norm")
 BIASES = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")
@@ -51,12 +51,6 @@ def _usable(t: torch.Tensor | None) -> bool:
                          and t.is_contiguous())
 
 
-def _takes(m: object) -> bool:
-    """Whether the C products take ``m``: packed blocks of integer-kernel types, on the CPU."""
-    return (isinstance(m, Packed) and m.device.type == "cpu" and m.shape[1] % 32 == 0
-            and all(t in INTEGER_TYPES for t, _ in m.parts))
-
-
 def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | None:
     """The C description of a layer (built once for the same tensors), or None if the C
     layer cannot take them."""
@@ -73,7 +67,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     entry = _built.get(key)
     if entry is not None:
         return entry[0]
-    if not all(map(_takes, mats)) or not all(map(_usable, vecs)):
+    if not all(map(kernels.integer_kernels_take, mats)) or not all(map(_usable, vecs)):
         return None
     arrays = [kernels.matrix_descriptor(m) for m in mats]
     qa, wide = fmt or (0, False)
@@ -132,7 +126,7 @@ def experts_row(x: torch.Tensor, experts: list[tuple[Packed, Packed]], mix: list
     if not (_usable(x) and x.shape[0] == 1):
         return None
     mats = [m for pair in experts for m in pair]
-    if not all(map(_takes, mats)):
+    if not all(map(kernels.integer_kernels_take, mats)):
         return None
     lib = kernels.library()
     if lib is None:

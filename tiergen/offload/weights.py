@@ -169,9 +169,14 @@ class WeightPlan:
         if policy.expert_cache is not None:
             self.expert_cache = policy.expert_cache
         elif host_budget is not None:
-            needs = self.needs()
-            used = needs["host"] + (needs["device"] if self.device_type == "cpu" else 0)
-            self.expert_cache = max(0, (host_budget - used) // 2)
+            self.expert_cache = self.host_left(host_budget) // 2
+
+    def host_left(self, host_budget: int) -> int:
+        """What ``host_budget`` leaves after the weights in host RAM (the device's too when
+        the device is the CPU) and the expert cache (0 when they take it all)."""
+        needs = self.needs()
+        used = needs["host"] + (needs["device"] if self.device_type == "cpu" else 0)
+        return max(0, host_budget - used - self.expert_cache)
 
     def needs(self) -> dict[str, int]:
         """Bytes per tier: placed weights plus the buffers that stream the rest."""
@@ -354,7 +359,7 @@ class TieredWeights:
         the globals) keep their integer kernels' tiles (:func:`tiergen.kernels.keep_tiles`)
         while ``tile_allowance`` lasts, in the order they come."""
         for t in weights.values():
-            if isinstance(t, Packed) and t.device.type == "cpu" and not t.may_keep_tiles:
+            if kernels.integer_kernels_take(t) and not t.may_keep_tiles:
                 need = kernels.tile_bytes(t)
                 if 0 < need <= self.tile_allowance:
                     t.may_keep_tiles = True
