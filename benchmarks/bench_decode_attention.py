@@ -13,7 +13,7 @@ import torch
 
 from tiergen import kernels
 from tiergen.bench import cpu_description
-from tiergen.models import layers
+from tiergen.cache import attention as layers
 
 SHAPES = [  # (name, batch, query heads, KV heads, slots, head dim)
     ("smollm2", 1, 9, 3, 192, 64), ("smollm2", 32, 9, 3, 192, 64),

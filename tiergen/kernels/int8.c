@@ -535,6 +535,59 @@ tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restric
 }
 
 #if TILE512
+/* tile_rows' 8-bit path over two tiles side by side (32 weight rows, the second with ncols of
+ * them): each four activation bytes and each scale are loaded once for both tiles, so the
+ * products need about half the loads. */
+static inline __attribute__((always_inline)) void
+tile_rows2(const int QA, const uint8_t *restrict t0, const uint8_t *restrict t1,
+           const float *restrict as0, const float *restrict cs0, const float *restrict as1,
+           const float *restrict cs1, int64_t len, const int8_t *restrict q,
+           const float *restrict s, const float *restrict sum, const float *restrict start,
+           float *restrict y, int64_t ldy, int rows, int ncols, int add) {
+    __m512 acc0[MI], acc1[MI];
+    for (int i = 0; i < MI; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len / SB; t++) {
+        const int64_t g0 = SB / 4 * t;
+        __m512i d0[MI], d1[MI];
+        __m512 p0[MI], p1[MI];
+        for (int i = 0; i < MI; i++) p0[i] = p1[i] = _mm512_set1_ps(start[t * MI + i]);
+        for (int g = 0; g < SB / 4; g++) {
+            const __m512i w0 = _mm512_loadu_si512(t0 + (g0 + g) * 4 * TR),
+                          w1 = _mm512_loadu_si512(t1 + (g0 + g) * 4 * TR);
+            for (int i = 0; i < MI; i++) {
+                int32_t four;
+                memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
+                const __m512i x = _mm512_set1_epi32(four);
+                if (g % (QA / 4) == 0) d0[i] = d1[i] = _mm512_set1_epi32(MAGIC_BITS);
+                d0[i] = _mm512_dpbusd_epi32(d0[i], w0, x);
+                d1[i] = _mm512_dpbusd_epi32(d1[i], w1, x);
+                if (g % (QA / 4) == QA / 4 - 1) {
+                    const __m512 sv = _mm512_set1_ps(s[(g0 + g) * MI + i]);
+                    p0[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(d0[i]), sv, p0[i]);
+                    p1[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(d1[i]), sv, p1[i]);
+                }
+            }
+        }
+        const __m512 a0 = _mm512_loadu_ps(as0 + t * TR), c0 = _mm512_loadu_ps(cs0 + t * TR),
+                     a1 = _mm512_loadu_ps(as1 + t * TR), c1 = _mm512_loadu_ps(cs1 + t * TR);
+        for (int i = 0; i < MI; i++) {
+            const __m512 si = _mm512_set1_ps(sum[t * MI + i]);
+            acc0[i] = _mm512_fmadd_ps(c0, si, _mm512_fmadd_ps(p0[i], a0, acc0[i]));
+            acc1[i] = _mm512_fmadd_ps(c1, si, _mm512_fmadd_ps(p1[i], a1, acc1[i]));
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    for (int i = 0; i < rows; i++) {
+        float *out = y + i * ldy;
+        if (add) {
+            acc0[i] = _mm512_add_ps(acc0[i], _mm512_loadu_ps(out));
+            acc1[i] = _mm512_add_ps(acc1[i], _mm512_maskz_loadu_ps(keep, out + TR));
+        }
+        _mm512_storeu_ps(out, acc0[i]);
+        _mm512_mask_storeu_ps(out + TR, keep, acc1[i]);
+    }
+}
+
 /* r[j] lane i := r[i] lane j, for 16 x 16 32-bit values */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16];
@@ -573,10 +626,12 @@ static void interleave16(const int8_t *restrict rows, int64_t len, int flip, uin
 }
 #endif
 
-/* tile_rows over every panel, with the block size as a constant. */
+/* tile_rows over every panel, with the block size as a constant; with AVX-512, two tiles at
+ * a time where tile1 is not NULL (8 bits; ncols: the last tile's rows). */
 static inline __attribute__((always_inline)) void
 tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
-          const float *restrict as, const float *restrict cs, int64_t k0, int64_t len,
+          const float *restrict as, const float *restrict cs, const uint8_t *restrict tile1,
+          const float *restrict as1, const float *restrict cs1, int64_t k0, int64_t len,
           const Panels *P, float *restrict y, int64_t ldy, int ncols) {
     const int64_t k = P->k;
     for (int64_t p = 0; p < (m + MI - 1) / MI; p++) {
@@ -586,6 +641,16 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
                     *start = P->start + (p * (k / SB) + k0 / SB) * MI;
         float *yp = y + p * MI * ldy;
         const int rows = m - p * MI < MI ? (int)(m - p * MI) : MI;
+#if TILE512
+        if (tile1) {
+#define TILE2(Q) tile_rows2(Q, tile, tile1, as, cs, as1, cs1, len, q, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
+            if (qa == 4) TILE2(4);
+            else if (qa == 8) TILE2(8);
+            else TILE2(16);
+#undef TILE2
+            continue;
+        }
+#endif
 #define TILE(Q, W) tile_rows(Q, SIGNED, W, tile, as, cs, len, q, l, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
         if (l) TILE(16, 1);
         else if (qa == 4) TILE(4, 0);
@@ -713,26 +778,33 @@ int64_t tg_tile_bytes(int64_t n, int64_t k) { return tile_at((n + TR - 1) / TR *
     /* the tiles built as they are used, or read from kept (NAME##_build's) where not NULL */ \
     static void NAME##_tiled(const uint8_t *w, const uint8_t *kept, int64_t n, int64_t k,     \
                              const Panels *P, int64_t m, float *y, int64_t ldy, int qa) {     \
+        const int NT = TILE512 && !P->l ? 2 : 1; /* tiles side by side (tile_rows2) */      \
         _Pragma("omp parallel for schedule(static)")                                          \
-        for (int64_t r0 = 0; r0 < n; r0 += TR) {                                              \
-            uint8_t built[IKC * TR] __attribute__((aligned(64)));                             \
-            float bas[IKC / SB * TR], bcs[IKC / SB * TR];                                     \
+        for (int64_t r0 = 0; r0 < n; r0 += NT * TR) {                                         \
+            uint8_t built[2][IKC * TR] __attribute__((aligned(64)));                          \
+            float bas[2][IKC / SB * TR], bcs[2][IKC / SB * TR];                               \
             int8_t rows[TILE512 ? IKC * TR : IKC] __attribute__((aligned(64)));               \
-            const int ncols = n - r0 < TR ? (int)(n - r0) : TR;                               \
+            const int nt = NT == 2 && n - r0 > TR ? 2 : 1;                                    \
+            const int ncols = n - r0 - (nt - 1) * TR < TR ? (int)(n - r0 - (nt - 1) * TR) : TR; \
             for (int64_t k0 = 0; k0 < k; k0 += IKC) {                                         \
                 const int64_t len = k - k0 < IKC ? k - k0 : IKC;                              \
-                const uint8_t *tile = built;                                                  \
-                const float *as = bas, *cs = bcs;                                             \
-                if (kept) {                                                                   \
-                    tile = kept + tile_at(r0, k0, k);                                         \
-                    as = (const float *)(tile + len * TR), cs = as + len / SB * TR;           \
-                    /* the next tile on its way to the cache while this one is in use */     \
-                    for (int64_t b = 0; b < len * TR / 2 * 3; b += 64)                        \
-                        __builtin_prefetch(tile + len * TR / 2 * 3 + b, 0, 2);                \
-                } else {                                                                      \
-                    NAME##_tile(w, n, k / QK, r0, k0, len, built, bas, bcs, rows);            \
+                const uint8_t *tile[2] = {NULL, NULL};                                        \
+                const float *as[2] = {NULL, NULL}, *cs[2] = {NULL, NULL};                     \
+                for (int j = 0; j < nt; j++) {                                                \
+                    const int64_t rj = r0 + j * TR;                                           \
+                    if (kept) {                                                               \
+                        tile[j] = kept + tile_at(rj, k0, k);                                  \
+                        as[j] = (const float *)(tile[j] + len * TR), cs[j] = as[j] + len / SB * TR; \
+                        /* the next tile on its way to the cache while this one is in use */ \
+                        for (int64_t b = 0; b < len * TR / 2 * 3; b += 64)                    \
+                            __builtin_prefetch(tile[j] + len * TR / 2 * 3 + b, 0, 2);         \
+                    } else {                                                                  \
+                        NAME##_tile(w, n, k / QK, rj, k0, len, built[j], bas[j], bcs[j], rows); \
+                        tile[j] = built[j], as[j] = bas[j], cs[j] = bcs[j];                   \
+                    }                                                                         \
                 }                                                                             \
-                tile_pass(SIGNED && !TILE512, qa, m, tile, as, cs, k0, len, P, y + r0, ldy, ncols); \
+                tile_pass(SIGNED && !TILE512, qa, m, tile[0], as[0], cs[0], tile[1], as[1],   \
+                          cs[1], k0, len, P, y + r0, ldy, ncols);                             \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \
