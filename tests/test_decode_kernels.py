@@ -52,8 +52,8 @@ def test_rope(B, H, T, D, torch_path):
 
 
 @pytest.mark.parametrize("H,KVH,D,Dv", [(9, 3, 64, 64), (4, 1, 72, 40), (2, 2, 16, 16),
-                                        (8, 2, 128, 128)],
-                         ids=["gqa", "mqa-latent-like", "mha", "gqa-128"])
+                                        (8, 2, 128, 128), (4, 1, 256, 256)],
+                         ids=["gqa", "mqa-latent-like", "mha", "gqa-128", "mqa-256"])
 @pytest.mark.parametrize("masked", [False, True])
 def test_decode_attention(H, KVH, D, Dv, masked, torch_path):
     g = torch.Generator().manual_seed(2)
@@ -68,6 +68,24 @@ def test_decode_attention(H, KVH, D, Dv, masked, torch_path):
         mask[1, ..., : S - 1] = False  # a row that sees only itself
     assert kernels.decode_attention(q, k, v, mask) is not None
     close(attention(q, k, v, mask), torch_path(attention, q, k, v, mask))
+
+
+def test_decode_attention_ignores_unwritten_slots_and_wide_score_ranges(torch_path):
+    """Slots the mask hides may hold anything (a cache's unwritten rows); scores may span
+    more than float32's exponentials (the kernel's vector exp clamps below -87)."""
+    g = torch.Generator().manual_seed(3)
+    B, H, KVH, S, D = 2, 4, 2, 70, 64
+    q = torch.randn(B, H, 1, D, generator=g) * 4
+    k, v = torch.randn(2, B, KVH, S, D, generator=g)
+    k[:, :, ::3] *= 30  # scores from about -1000 to 1000
+    mask = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    mask[..., -1] = True
+    want = torch_path(attention, q, k, v, mask)
+    k[~mask.view(B, 1, S, 1).expand_as(k)] = float("nan")
+    v[~mask.view(B, 1, S, 1).expand_as(v)] = float("inf")
+    got = kernels.decode_attention(q, k, v, mask)
+    assert got is not None and torch.isfinite(got).all()
+    close(got, want)
 
 
 def test_decode_attention_leaves_other_cases_to_torch():

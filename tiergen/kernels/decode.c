@@ -68,16 +68,87 @@ void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T,
     }
 }
 
+/* VW floats at a time: a 512-bit vector with AVX-512, 256 bits otherwise */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+
+static inline vf loadv(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* exp(x) for x <= 0, VW at a time, within a few units in the last place of expf (Cephes'
+ * polynomial on x - n ln 2); below -87 it gives exp(-87), where expf gives a denormal: a
+ * difference beside the softmax's largest term, 1, that float32 cannot hold. */
+static inline vf expv(vf x) {
+    const vf zero = {0}, big = zero + 12582912.0f;  /* 1.5 x 2^23: adding it rounds */
+    const vi low = x < -87.0f;
+    x = (vf)((low & (vi)(zero - 87.0f)) | (~low & (vi)x));
+    const vf n = (x * 1.44269504088896341f + big) - big;
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf y = zero + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return y * two_n;
+}
+
+/* r[i] = the sum of a[i]'s lanes, for VW vectors: each level adds pairs of vectors' lanes
+ * g apart, halving the vectors and keeping their order (a transpose and sum in log2(VW)
+ * levels). a is overwritten. */
+#define SUM_LEVEL(g, ...)                                                                  \
+    for (int m = 0; m < n / 2; m++)                                                        \
+        a[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], __VA_ARGS__) +              \
+               __builtin_shufflevector(a[2 * m], a[2 * m + 1], PLUS##g(__VA_ARGS__));         \
+    n /= 2;
+static inline vf lane_sums(vf a[VW]) {
+    int n = VW;
+#if VW == 16
+#define PLUS1(...) 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define PLUS2(...) 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define PLUS4(...) 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define PLUS8(...) 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+    SUM_LEVEL(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+    SUM_LEVEL(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+    SUM_LEVEL(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+    SUM_LEVEL(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+#else
+#define PLUS1(...) 1, 9, 3, 11, 5, 13, 7, 15
+#define PLUS2(...) 2, 3, 10, 11, 6, 7, 14, 15
+#define PLUS4(...) 4, 5, 6, 7, 12, 13, 14, 15
+    SUM_LEVEL(1, 0, 8, 2, 10, 4, 12, 6, 14)
+    SUM_LEVEL(2, 0, 1, 8, 9, 4, 5, 12, 13)
+    SUM_LEVEL(4, 0, 1, 2, 3, 8, 9, 10, 11)
+#endif
+    return a[0];
+}
+
 /* One query token per row: out[b, h] = softmax_s(scale * q[b, h] . k[b, g, s]) v[b, g, s]
  * over the slots s < S that mask[b, s] allows (every slot when mask is NULL), where the query
  * heads h of a group share the K/V head g = h / (H / KVH). q (B, H, D) and out (B, H, Dv) are
  * contiguous; a K (V) row starts at k + b * ks[0] + g * ks[1] + s * ks[2] (floats). The heads
  * of a group are scored together, so every K and V row is read once per group. A row with no
- * allowed slot gets zeros. Returns nonzero when out of memory. */
+ * allowed slot gets zeros. Returns nonzero when out of memory.
+ *
+ * Scores come VW slots at a time, each slot's products in a vector and the VW vectors summed
+ * lane-wise together (lane_sums), and their exponentials VW at a time (expv): a dot product's
+ * horizontal sum, or an exponential, one at a time would cost more than the products. */
 int tg_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask,
                         int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
                         const int64_t *ks, const int64_t *vs, float scale, float *out) {
-    const int64_t G = H / KVH;
+    const int64_t G = H / KVH, SP = (S + VW - 1) / VW * VW;
     int failed = 0;
 #pragma omp parallel for schedule(static) if (B * H * S * (D + Dv) >= (1 << 18))
     for (int64_t task = 0; task < B * KVH; task++) {
@@ -86,42 +157,54 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
         const float *qg = q + (b * H + g * G) * D;
         float *og = out + (b * H + g * G) * Dv;
         const uint8_t *mb = mask ? mask + b * S : NULL;
-        float *p = malloc(sizeof(float) * G * S);
+        float *p = malloc(sizeof(float) * G * SP);
         if (p == NULL) {
             failed = 1;
             continue;
         }
-        float best[G], total[G];
-        for (int64_t j = 0; j < G; j++) best[j] = -INFINITY, total[j] = 0.0f;
-        for (int64_t s = 0; s < S; s++) {
-            __builtin_prefetch(kb + (s + 8) * ks[2]);  /* the rows come from memory */
-            __builtin_prefetch(kb + (s + 8) * ks[2] + 16);
-            if (mb && !mb[s]) continue;
+        int64_t s0 = 0;
+        for (; D % VW == 0 && s0 + VW <= S; s0 += VW) {
             for (int64_t j = 0; j < G; j++) {
-                const float e = dot(qg + j * D, kb + s * ks[2], D) * scale;
-                p[j * S + s] = e;
-                if (e > best[j]) best[j] = e;
+                vf acc[VW] = {{0}};
+                for (int64_t c = 0; c < D; c += VW) {
+                    const vf x = loadv(qg + j * D + c);
+                    for (int u = 0; u < VW; u++) acc[u] += x * loadv(kb + (s0 + u) * ks[2] + c);
+                }
+                const vf e = lane_sums(acc) * scale;
+                memcpy(p + j * SP + s0, &e, sizeof e);
             }
         }
-        for (int64_t j = 0; j < G; j++)
+        for (; s0 < S; s0++)
+            for (int64_t j = 0; j < G; j++) p[j * SP + s0] = dot(qg + j * D, kb + s0 * ks[2], D) * scale;
+        float total[G];
+        for (int64_t j = 0; j < G; j++) {
+            float *pj = p + j * SP, best = -INFINITY;
             for (int64_t s = 0; s < S; s++)
-                if (!mb || mb[s]) total[j] += p[j * S + s] = expf(p[j * S + s] - best[j]);
-        /* out = sum_s p[s] v[s] / total, in registers: 32 outputs of up to 3 heads at a time,
-         * so that a V row is read once per 3 heads */
+                if ((!mb || mb[s]) && pj[s] > best) best = pj[s];
+            for (int64_t s = S; s < SP; s++) pj[s] = best;
+            for (int64_t s = 0; s < SP && best > -INFINITY; s += VW) {
+                const vf e = expv(loadv(pj + s) - best);
+                memcpy(pj + s, &e, sizeof e);
+            }
+            total[j] = 0.0f;
+            for (int64_t s = 0; s < S; s++)
+                if (!mb || mb[s]) total[j] += pj[s];
+        }
+        /* out = sum_s p[s] v[s] / total, in registers: 4 VW outputs of up to 3 heads at a
+         * time, so that a V row is read once per 3 heads */
         for (int64_t j0 = 0; j0 < G; j0 += 3) {
             const int64_t n = G - j0 < 3 ? G - j0 : 3;
             int64_t c = 0;
-            for (; c + 32 <= Dv; c += 32) {
-                v8 acc[3][4] = {{{0}}};
+            for (; c + 4 * VW <= Dv; c += 4 * VW) {
+                vf acc[3][4] = {{{0}}};
                 for (int64_t s = 0; s < S; s++) {
-                    __builtin_prefetch(vb + (s + 8) * vs[2] + c);
-                    __builtin_prefetch(vb + (s + 8) * vs[2] + c + 16);
+                    for (int u = 0; u < 4 * VW; u += 16) __builtin_prefetch(vb + (s + 8) * vs[2] + c + u);
                     if (mb && !mb[s]) continue;
                     const float *vr = vb + s * vs[2] + c;
-                    const v8 x0 = load8(vr), x1 = load8(vr + 8), x2 = load8(vr + 16),
-                             x3 = load8(vr + 24);
+                    const vf x0 = loadv(vr), x1 = loadv(vr + VW), x2 = loadv(vr + 2 * VW),
+                             x3 = loadv(vr + 3 * VW);
                     for (int64_t j = 0; j < n; j++) {
-                        const float e = p[(j0 + j) * S + s];
+                        const float e = p[(j0 + j) * SP + s];
                         acc[j][0] += e * x0, acc[j][1] += e * x1;
                         acc[j][2] += e * x2, acc[j][3] += e * x3;
                     }
@@ -129,8 +212,8 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
                 for (int64_t j = 0; j < n; j++) {
                     const float inv = total[j0 + j] > 0.0f ? 1.0f / total[j0 + j] : 0.0f;
                     for (int u = 0; u < 4; u++) {
-                        const v8 r = acc[j][u] * inv;
-                        memcpy(og + (j0 + j) * Dv + c + 8 * u, &r, sizeof r);
+                        const vf r = acc[j][u] * inv;
+                        memcpy(og + (j0 + j) * Dv + c + VW * u, &r, sizeof r);
                     }
                 }
             }
@@ -138,7 +221,7 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
                 for (int64_t j = j0; j < j0 + n; j++) {
                     float t = 0.0f;
                     for (int64_t s = 0; s < S; s++)
-                        if (!mb || mb[s]) t += p[j * S + s] * vb[s * vs[2] + c];
+                        if (!mb || mb[s]) t += p[j * SP + s] * vb[s * vs[2] + c];
                     og[j * Dv + c] = t * (total[j] > 0.0f ? 1.0f / total[j] : 0.0f);
                 }
         }
