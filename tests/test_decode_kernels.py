@@ -79,6 +79,7 @@ def test_decode_attention_ignores_unwritten_slots_and_wide_score_ranges(torch_pa
     k, v = torch.randn(2, B, KVH, S, D, generator=g)
     k[:, :, ::3] *= 30  # scores from about -1000 to 1000
     mask = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    mask[0, ..., 20:60] = False  # whole vectors of slots hidden (a cache's unused end)
     mask[..., -1] = True
     want = torch_path(attention, q, k, v, mask)
     k[~mask.view(B, 1, S, 1).expand_as(k)] = float("nan")

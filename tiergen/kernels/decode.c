@@ -135,6 +135,16 @@ static inline vf lane_sums(vf a[VW]) {
     return a[0];
 }
 
+/* Whether the mask hides all of VW slots. */
+static inline int hidden(const uint8_t *mask) {
+    uint64_t any = 0, w;
+    for (int i = 0; i < VW; i += 8) {
+        memcpy(&w, mask + i, 8);
+        any |= w;
+    }
+    return any == 0;
+}
+
 /* One query token per row: out[b, h] = softmax_s(scale * q[b, h] . k[b, g, s]) v[b, g, s]
  * over the slots s < S that mask[b, s] allows (every slot when mask is NULL), where the query
  * heads h of a group share the K/V head g = h / (H / KVH). q (B, H, D) and out (B, H, Dv) are
@@ -164,6 +174,7 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
         }
         int64_t s0 = 0;
         for (; D % VW == 0 && s0 + VW <= S; s0 += VW) {
+            if (mb && hidden(mb + s0)) continue;  /* (slots past a row's tokens: not read) */
             for (int64_t j = 0; j < G; j++) {
                 vf acc[VW] = {{0}};
                 for (int64_t c = 0; c < D; c += VW) {
@@ -183,6 +194,7 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
                 if ((!mb || mb[s]) && pj[s] > best) best = pj[s];
             for (int64_t s = S; s < SP; s++) pj[s] = best;
             for (int64_t s = 0; s < SP && best > -INFINITY; s += VW) {
+                if (mb && s + VW <= S && hidden(mb + s)) continue;
                 const vf e = expv(loadv(pj + s) - best);
                 memcpy(pj + s, &e, sizeof e);
             }
