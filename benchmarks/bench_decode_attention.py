@@ -1,19 +1,28 @@
 """One new token's attention over a cache: tiergen's C kernel (kernels.decode_attention)
 against the torch path it replaces (layers.attention with the library disabled), for
-SmolLM2's and Gemma 3's head shapes; a quarter of the slots masked out.
+SmolLM2's and Gemma 3's head shapes; a quarter of the slots masked out. --against REV times
+this tree's kernel against a git revision's instead, taking turns.
 
-    python benchmarks/bench_decode_attention.py
+    python benchmarks/bench_decode_attention.py [--against HEAD~1]
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from tiergen import kernels
 from tiergen.bench import cpu_description
 from tiergen.cache import attention as layers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_int8 import build_at  # noqa: E402
 
 SHAPES = [  # (name, batch, query heads, KV heads, slots, head dim)
     ("smollm2", 1, 9, 3, 192, 64), ("smollm2", 32, 9, 3, 192, 64),
@@ -30,22 +39,57 @@ def per_call(fn, n: int) -> float:
     return (time.perf_counter() - t) / n * 1e3
 
 
+def inputs(B: int, H: int, KVH: int, S: int, D: int):
+    q = torch.randn(B, H, 1, D)
+    kv = torch.randn(2, B, KVH, S, D)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    mask[..., S * 3 // 4:] = False
+    return q, kv[0], kv[1], mask
+
+
+def against(rev: str) -> None:
+    """This tree's kernel against revision ``rev``'s, in turns: each one's best of the turns,
+    and the median of the turns' ratios."""
+    print(f"| shape | batch | slots | {rev} ms | this tree ms | speed-up |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "rev").mkdir()
+        libs = {rev: build_at(rev, Path(tmp) / "rev" / "k.so"), "this tree": kernels.library()}
+        libs[rev].tg_decode_attention.argtypes = libs["this tree"].tg_decode_attention.argtypes
+        for name, B, H, KVH, S, D in SHAPES:
+            q, k, v, mask = inputs(B, H, KVH, S, D)
+            n = 500 if B == 1 else 50
+            best, ratios = dict.fromkeys(libs, float("inf")), []
+            for turn in range(10):
+                took = {}
+                for key in sorted(libs, reverse=turn % 2 == 1):
+                    kernels._lib = libs[key]
+                    took[key] = per_call(lambda: kernels.decode_attention(q, k, v, mask), n)
+                    best[key] = min(best[key], took[key])
+                ratios.append(took[rev] / took["this tree"])
+            kernels._lib = libs["this tree"]
+            print(f"| {name} | {B} | {S} | {best[rev]:.3f} | {best['this tree']:.3f} | "
+                  f"{statistics.median(ratios):.2f}x |", flush=True)
+
+
 @torch.inference_mode()
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", metavar="REV", help="a git revision to time against")
+    args = ap.parse_args()
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}), {torch.get_num_threads()} threads\n")
+    if args.against:
+        return against(args.against)
     print("| shape | batch | slots | C kernel ms | torch ms | speed-up |")
     print("|---|---|---|---|---|---|")
     for name, B, H, KVH, S, D in SHAPES:
-        q = torch.randn(B, H, 1, D)
-        kv = torch.randn(2, B, KVH, S, D)
-        mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
-        mask[..., S * 3 // 4:] = False
+        q, k, v, mask = inputs(B, H, KVH, S, D)
         n = 2000 if B == 1 else 200
-        c = per_call(lambda: kernels.decode_attention(q, kv[0], kv[1], mask), n)
+        c = per_call(lambda: kernels.decode_attention(q, k, v, mask), n)
         lib, kernels._lib = kernels._lib, False
         try:
-            t = per_call(lambda: layers.attention(q, kv[0], kv[1], mask), n)
+            t = per_call(lambda: layers.attention(q, k, v, mask), n)
         finally:
             kernels._lib = lib
         print(f"| {name} | {B} | {S} | {c:.3f} | {t:.3f} | {t / c:.1f}x |", flush=True)
