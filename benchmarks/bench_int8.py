@@ -7,7 +7,8 @@ model's layers do, instead of from a cache warmed by the run before.
 
     python benchmarks/bench_int8.py [--threads 2] [--types Q4_1,Q4_K,Q6_K,Q8_0] [--rows 1,2,32,512] [--cold]
 
---against REV times this tree's int8 products (a scale per 4) against those of a git revision,
+--against REV times this tree's int8 products (tiergen's int8 format: a scale per 4 values in
+the row kernel, per 8 in the tiles) against those of a git revision,
 both built here and loaded in this process, taking turns: the best time of each and the median
 of their ratios over the turns (this machine's speed drifts between runs; turns see the same
 drift).
@@ -84,7 +85,8 @@ def build_at(rev: str | None, out: Path, march: str | None = None) -> ctypes.CDL
 
 
 def against(rev: str, types: list[str], rows: list[int], march: str | None) -> None:
-    """This tree's int8 products (a scale per 4) against revision ``rev``'s, taking turns."""
+    """This tree's int8 products (tiergen's int8 format) against revision ``rev``'s, taking
+    turns."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "rev").mkdir(), (Path(tmp) / "tree").mkdir()
         libs = {rev: build_at(rev, Path(tmp) / "rev" / "k.so", march),
@@ -100,12 +102,13 @@ def against(rev: str, types: list[str], rows: list[int], march: str | None) -> N
                 w = random_packed(ggml_type, n, k)
                 for m in rows:
                     x = torch.randn(m, k)
+                    block = kernels.ACTIVATION_FORMATS["int8"].block(m)
                     best, ratios = dict.fromkeys(libs, float("inf")), []
                     for turn in range(20):
                         took = {}
                         for key in sorted(libs, reverse=turn % 2 == 1):
                             kernels._lib = libs[key]
-                            took[key] = best_ms(lambda: kernels.integer_linear(x, w, None, 4), 3)
+                            took[key] = best_ms(lambda: kernels.integer_linear(x, w, None, block), 3)
                             best[key] = min(best[key], took[key])
                         ratios.append(took[rev] / took["this tree"])
                     kernels._lib = libs["this tree"]

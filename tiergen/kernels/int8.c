@@ -85,12 +85,14 @@ quantize16(const int QA, const float *restrict x, int8_t *restrict q, float *res
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-/* quantize16 with QA = 4 and what tg_quantize_act makes of it (the scales and the block's
- * sum), the same operations on the same values: the four blocks' maxima gathered into one
- * lane each for the divisions, the products in double and added in order. */
+/* quantize16 and what tg_quantize_act makes of it (the scales and the block's sum), the same
+ * operations on the same values: the maxima of the four groups of four gathered into one lane
+ * each for the divisions (groups of a block share its maximum), the products in double and
+ * added in order (exact, as the scalar loop's: a float times a sum of 16 int8 fits in 53
+ * bits). */
 static inline __attribute__((always_inline)) void
-quantize16_4(const float *restrict x, int8_t *restrict q, float *restrict xs4,
-             float *restrict xsum) {
+quantize16_512(const int QA, const float *restrict x, int8_t *restrict q, float *restrict xs4,
+               float *restrict xsum) {
     const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12),
                   spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m128 top = _mm_set1_ps(127.0f);
@@ -98,6 +100,8 @@ quantize16_4(const float *restrict x, int8_t *restrict q, float *restrict xs4,
     __m512 m = _mm512_abs_ps(v);
     m = _mm512_max_ps(m, _mm512_permute_ps(m, 0xB1));
     m = _mm512_max_ps(m, _mm512_permute_ps(m, 0x4E));
+    if (QA >= 8) m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0xB1));
+    if (QA >= 16) m = _mm512_max_ps(m, _mm512_shuffle_f32x4(m, m, 0x4E));
     const __m128 m4 = _mm512_castps512_ps128(_mm512_permutexvar_ps(first, m));
     const __m128 inv4 = _mm_and_ps(_mm_div_ps(top, m4), _mm_cmpgt_ps(m4, _mm_setzero_ps()));
     const __m128 s4 = _mm_div_ps(m4, top);
@@ -121,10 +125,13 @@ void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, i
     const int64_t blocks = m * (k / SB);
     const float top = xl ? 32512.0f : 127.0f;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (!xl && qa == 4) {
+    if (!xl) {
         _Pragma("omp parallel for schedule(static) if (blocks > 256)")
-        for (int64_t t = 0; t < blocks; t++)
-            quantize16_4(x + t * SB, xq + t * SB, xs4 + t * SB / 4, xsum + t);
+        for (int64_t t = 0; t < blocks; t++) {
+            if (qa == 4) quantize16_512(4, x + t * SB, xq + t * SB, xs4 + t * SB / 4, xsum + t);
+            else if (qa == 8) quantize16_512(8, x + t * SB, xq + t * SB, xs4 + t * SB / 4, xsum + t);
+            else quantize16_512(16, x + t * SB, xq + t * SB, xs4 + t * SB / 4, xsum + t);
+        }
         return;
     }
 #endif
