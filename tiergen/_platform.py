@@ -49,9 +49,9 @@ def keep_freed_buffers() -> bool:
 
     A prompt batch's products allocate tens of MB of outputs and quantised activations each.
     glibc maps every allocation above its threshold afresh and unmaps it when freed, so the
-    kernel faults in and zeroes each of its pages again at every product: about 300,000 page
-    faults for a prefill of 32 prompts of 128 tokens (benchmarks/bench_prefill_buffers.py). So the
-    threshold is set to glibc's largest, 32 MB, and the heap is trimmed only once 256 MB lie
+    kernel faults in and zeroes each of its pages again at every product: about 350,000 page
+    faults for a prefill of 32 prompts of 128 tokens (benchmarks/bench_prefill_buffers.py). So
+    the threshold is set to glibc's largest, 32 MB, and the heap is trimmed only once 256 MB lie
     free at its top. A process that tunes malloc itself (GLIBC_TUNABLES or MALLOC_*_
     variables) keeps its own settings. Whether the settings were applied."""
     if platform.system() != "Linux" or "GLIBC_TUNABLES" in os.environ or any(

@@ -73,9 +73,9 @@ class ActivationFormat:
 
 # 8-bit activations take a scale per 4 values in the row kernel, where it is free (its lanes
 # are 4 values each), and per 8 in the tiles, where each scale costs a multiply-add beside each
-# product instruction: 1.13x faster at batch 32 than per 4 and as fast as per 16, while per 8
-# stays within a third of llama.cpp's KL divergence (benchmarks/bench_kld.py --int8-block;
-# speed: benchmarks/bench_int8.py). 16-bit ones, two int8 halves dotted apart, land below 5e-6.
+# product instruction (a scale per 4 takes them 1.13x the time at the median: benchmarks/
+# bench_int8.py), while per 8 stays within a third of llama.cpp's KL divergence
+# (benchmarks/bench_kld.py). 16-bit ones, two int8 halves dotted apart, land below 5e-6.
 ACTIVATION_FORMATS = {"int8": ActivationFormat(4, 8), "int16": ActivationFormat(16, 16, True)}
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 
