@@ -103,15 +103,13 @@ def main() -> None:
                     help="which runs besides the float path: int8, int16 (prompt chunks), "
                          "int8-rows, int16-rows (token by token), llama.cpp")
     ap.add_argument("--int8-block", type=int, default=None, choices=[4, 8, 16],
-                    help="values per scale of the int8 runs, rows and tiles alike (default: "
-                         "tiergen's, 4 in the row kernel and 8 in the tiles)")
+                    help="values per scale of the int8 runs (default: tiergen's, 4)")
     args = ap.parse_args()
-    if args.int8_block:  # the kernels take 4, 8 or 16
-        kernels.ACTIVATION_FORMATS["int8"] = kernels.ActivationFormat(args.int8_block, args.int8_block)
+    if args.int8_block:  # the kernels take 4, 8 or 16; tiergen uses 4
+        kernels.ACTIVATION_FORMATS["int8"] = (args.int8_block, False)
     cpu = cpu_description()
-    fmt = kernels.ACTIVATION_FORMATS["int8"]
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}); {TEXT.name}, windows of {args.ctx}, "
-          f"{args.windows} windows; int8: a scale per {fmt.rows} values in rows, {fmt.tiles} in tiles")
+          f"{args.windows} windows; int8: a scale per {kernels.ACTIVATION_FORMATS['int8'][0]}")
     print("| model | run | mean KLD | p99 KLD | max KLD | same top | perplexity |")
     print("|---|---|---|---|---|---|---|")
     for model in args.models:

@@ -163,19 +163,14 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind):
         got_many = kernels.packed_linear(many, w)
     assert kernels.activations() == "float32"
     fmt = kernels.ACTIVATION_FORMATS[kind]
-    assert torch.equal(approx, kernels.integer_linear(x, w, None, fmt.tiles, fmt.wide))
+    assert torch.equal(approx, kernels.integer_linear(x, w, None, *fmt))
     err = ((approx - exact).abs().max() / exact.abs().max()).item()
     assert 0 < err < (0.02 if kind == "int8" else 1e-4)
     # more rows than ROW_THRESHOLD (a prompt): the same tiles, so each row gets the same
     # numbers as it would alone
-    assert torch.equal(got_many, kernels.integer_linear(many, w, None, fmt.tiles, fmt.wide))
-    assert torch.equal(got_many[:3], kernels.integer_linear(many[:3], w, None, fmt.tiles, fmt.wide))
-    assert_close_relative(got_many, integer_reference(many, w, fmt.tiles, fmt.wide))
-    # fewer rows than the tiles take: the row kernel's finer blocks
-    one = x[:1]
-    with kernels.activations_set(kind):
-        assert torch.equal(kernels.packed_linear(one, w),
-                           kernels.integer_linear(one, w, None, fmt.rows, fmt.wide))
+    assert torch.equal(got_many, kernels.integer_linear(many, w, None, *fmt))
+    assert torch.equal(got_many[:3], kernels.integer_linear(many[:3], w, None, *fmt))
+    assert_close_relative(got_many, integer_reference(many, w, *fmt))
     with pytest.raises(ValueError, match="float32, int8, int16"):
         kernels.set_activations("int4")
 

@@ -54,30 +54,13 @@ _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailabl
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
 _arith = threading.local()  # .kind: this thread's activations (set_activations)
-TILE_ROWS = 3  # integer products of this many rows or more read tiles (fewer: one row at a time)
-
-
-@dataclass(frozen=True)
-class ActivationFormat:
-    """How the integer kernels quantise activations: values per scale in products of fewer
-    than :data:`TILE_ROWS` rows and in the tiles, and 16 bits (two int8 halves) or 8."""
-
-    rows: int
-    tiles: int
-    wide: bool = False
-
-    def block(self, m: int) -> int:
-        """Values per scale for a product of ``m`` rows."""
-        return self.tiles if m >= TILE_ROWS else self.rows
-
-
-# 8-bit activations take a scale per 4 values in the row kernel, where it is free (its lanes
-# are 4 values each), and per 8 in the tiles, where each scale costs a multiply-add beside each
-# product instruction (a scale per 4 takes them 1.13x the time at the median: benchmarks/
-# bench_int8.py), while per 8 stays within a third of llama.cpp's KL divergence
-# (benchmarks/bench_kld.py). 16-bit ones, two int8 halves dotted apart, land below 5e-6.
-ACTIVATION_FORMATS = {"int8": ActivationFormat(4, 8), "int16": ActivationFormat(16, 16, True)}
+# The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 4
+# values: free in the row kernel, whose lanes are 4 values each, and about 4x closer to the
+# float path than blocks of 16 (KL divergence: benchmarks/bench_kld.py --int8-block; speed:
+# benchmarks/bench_int8.py). 16-bit ones, two int8 halves dotted apart, land below 5e-6.
+ACTIVATION_FORMATS = {"int8": (4, False), "int16": (16, True)}
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
+TILE_ROWS = 3  # integer products of this many rows or more read tiles (fewer: one row at a time)
 
 
 # -ffast-math is avoided: in a shared library it would switch the whole process to flushing
@@ -335,7 +318,7 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) 
     rows = x.shape[:-1].numel()
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     if fmt is not None and x.device.type == "cpu" and integer_kernels_take(w) and library():
-        return integer_linear(x, w, bias, fmt.block(rows), fmt.wide)
+        return integer_linear(x, w, bias, *fmt)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
         if x.device.type == "cpu":  # the C decoder writes float32; the BLAS multiplies it best

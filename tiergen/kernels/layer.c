@@ -36,8 +36,6 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy);
 
-#define TILE_ROWS 3 /* int8.c multiplies this many activation rows or more by its tiles */
-
 /* A packed matrix (n rows of k values): {n, k, parts, then (ggml type, rows, address, kept
  * tiles' address or 0: int8.c's tg_build_tiles) for each part, its rows in order}. */
 typedef const int64_t *matrix;
@@ -46,8 +44,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, shift, q_scale;
     int32_t gelu;        /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
-    int32_t qa, qa_tiles, wide; /* activations: qa = 0 float32, else int8 blocks of qa, or of
-                                 * qa_tiles from TILE_ROWS rows on (wide: 16-bit) */
+    int32_t qa, wide;    /* activations: qa = 0 float32, else int8 blocks of qa (wide: 16-bit) */
     const float *attn_norm, *q_norm, *k_norm, *attn_out_norm, *ffn_norm, *ffn_out_norm;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     matrix qkv, o, gate_up, down;
@@ -63,9 +60,8 @@ static int product(const tg_layer *L, matrix w, const float *x, int64_t m, float
                    const float *bias, act_buffers *a) {
     const int64_t n = w[0], k = w[1], parts = w[2];
     if (L->qa) {
-        const int qa = m >= TILE_ROWS ? L->qa_tiles : L->qa;
-        tg_quantize_act(x, m, k, qa, a->q, L->wide ? a->low : NULL, a->s4, a->sum);
-        const int err = tg_qmatmul(w, a->q, L->wide ? a->low : NULL, a->s4, a->sum, qa, m, y);
+        tg_quantize_act(x, m, k, L->qa, a->q, L->wide ? a->low : NULL, a->s4, a->sum);
+        const int err = tg_qmatmul(w, a->q, L->wide ? a->low : NULL, a->s4, a->sum, L->qa, m, y);
         if (err) return err;
     } else {
         int64_t row = 0;

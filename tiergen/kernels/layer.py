@@ -26,7 +26,7 @@ _ptr = ctypes.c_void_p
 class _Layer(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
                 + [(n, ctypes.c_float) for n in ("eps", "shift", "q_scale")]
-                + [(n, ctypes.c_int32) for n in ("gelu", "qa", "qa_tiles", "wide")]
+                + [(n, ctypes.c_int32) for n in ("gelu", "qa", "wide")]
                 + [(n, _ptr) for n in NORMS + BIASES + MATRICES])
 
 
@@ -70,10 +70,10 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     if not all(map(kernels.integer_kernels_take, mats)) or not all(map(_usable, vecs)):
         return None
     arrays = [kernels.matrix_descriptor(m) for m in mats]
-    fmt = fmt or kernels.ActivationFormat(0, 0)
+    qa, wide = fmt or (0, False)
     layer = _Layer(w["o"].shape[0], kind.heads, kind.kv_heads, kind.head_dim,
                    w["down"].shape[1], kind.eps, kind.shift, kind.q_scale, int(kind.gelu),
-                   fmt.rows, fmt.tiles, int(fmt.wide), *(None if v is None else v.data_ptr() for v in vecs),
+                   qa, int(wide), *(None if v is None else v.data_ptr() for v in vecs),
                    *(ctypes.addressof(a) for a in arrays))
     if len(_built) > 4096:  # weights streamed from disk come at new addresses every step
         _built.clear()
@@ -131,9 +131,9 @@ def experts_row(x: torch.Tensor, experts: list[tuple[Packed, Packed]], mix: list
     lib = kernels.library()
     if lib is None:
         return None
-    fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or kernels.ActivationFormat(0, 0)
+    qa, wide = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or (0, False)
     hidden, inter = x.shape[1], experts[0][1].shape[1]
-    layer = _Layer(hidden=hidden, inter=inter, qa=fmt.rows, qa_tiles=fmt.tiles, wide=int(fmt.wide))
+    layer = _Layer(hidden=hidden, inter=inter, qa=qa, wide=int(wide))
     arrays = [kernels.matrix_descriptor(m) for m in mats]
     table = (ctypes.c_void_p * len(arrays))(*(ctypes.addressof(a) for a in arrays))
     weights = (ctypes.c_float * len(mix))(*mix)
