@@ -1,10 +1,8 @@
-"""A prompt batch's buffers, three ways: tiergen's (the MLP in chunks of rows,
-``layers.MLP_ROWS``, and freed buffers kept by glibc for reuse,
-``_platform.keep_freed_buffers``), the MLP on all rows at once, and that with glibc's default,
-which unmaps every allocation above its threshold when it is freed. A batch of 32 random
-prompts of 128 tokens, prefill alone (one new token) and a whole generation of 64 new tokens,
-each way in fresh processes taking turns. Reports each way's median seconds and the page
-faults of one prefill.
+"""A prompt batch's buffers, two ways: freed buffers kept by glibc for reuse (tiergen's default,
+``_platform.keep_freed_buffers``) and glibc's default, which unmaps every allocation above its
+threshold when it is freed. A batch of 32 random prompts of 128 tokens, prefill alone (one new
+token) and a whole generation of 64 new tokens, each way in fresh processes taking turns.
+Reports each way's median seconds and the page faults of one prefill.
 
     python benchmarks/bench_prefill_buffers.py [--model smollm2] [--turns 3]
 """
@@ -23,9 +21,6 @@ from tiergen.bench import cpu_description
 CHILD = r"""
 import json, resource, sys, time, torch
 from tiergen import LLM, SamplingParams
-from tiergen.models import layers
-if sys.argv[2] == "whole":
-    layers.MLP_ROWS = 1 << 30
 llm = LLM(sys.argv[1])
 ids = torch.randint(100, llm.config.vocab_size, (32, 128),
                     generator=torch.Generator().manual_seed(0)).tolist()
@@ -39,12 +34,10 @@ t = time.perf_counter(); llm.generate(ids, many); whole = time.perf_counter() - 
 print(json.dumps({"prefill_s": prefill, "faults": faults, "whole_s": whole}))
 """
 
-# (the MLP's rows, the environment); glibc's default: a malloc tunable of the user's (a no-op)
-# makes tiergen leave malloc alone
+# glibc's default: a malloc tunable of the user's (a no-op) makes tiergen leave malloc alone
 WAYS = {
-    "tiergen: MLP in chunks, freed buffers kept": ("chunks", {}),
-    "MLP whole, freed buffers kept": ("whole", {}),
-    "MLP whole, glibc's default": ("whole", {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"}),
+    "freed buffers kept (tiergen)": {},
+    "glibc's default": {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"},
 }
 
 
@@ -59,9 +52,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {way: [] for way in WAYS}
     for turn in range(args.turns):
         for way in sorted(WAYS, reverse=turn % 2 == 1):
-            rows, extra = WAYS[way]
-            env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | extra
-            out = subprocess.run([sys.executable, "-c", CHILD, args.model, rows], env=env,
+            env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | WAYS[way]
+            out = subprocess.run([sys.executable, "-c", CHILD, args.model], env=env,
                                  check=True, capture_output=True, text=True).stdout
             runs[way].append(json.loads(out.strip().splitlines()[-1]))
     print("| buffers | prefill s | page faults in a prefill | 128 + 64 tokens s | total tok/s |")

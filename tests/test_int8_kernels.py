@@ -274,18 +274,3 @@ def test_a_tokens_experts_in_one_call_add_each_experts_output_in_order(count, ki
     for m, y in zip(mix, alone):
         want = want + m * y
     assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("mlp", ["swiglu_mlp", "gelu_tanh_mlp"])
-def test_a_prompt_batchs_mlp_in_row_chunks_gives_every_row_the_same_numbers(mlp, monkeypatch):
-    from tiergen.models import layers
-    fn = getattr(layers, mlp)
-    gate_up = random_packed(GGMLType.Q4_K, 2 * 96, 256, 1)
-    down = random_packed(GGMLType.Q8_0, 256, 96, 2)
-    x = torch.randn(2, 1201, 256, generator=torch.Generator().manual_seed(5))
-    with kernels.activations_set("int8"):
-        chunked = fn(x, gate_up, down)  # 2402 rows: three chunks of 801 (none of 1 or 2)
-        monkeypatch.setattr(layers, "MLP_ROWS", 1 << 20)
-        whole = fn(x, gate_up, down)
-    assert chunked.shape == whole.shape == (2, 1201, 256)
-    assert torch.equal(chunked, whole)

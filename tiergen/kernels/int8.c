@@ -404,15 +404,33 @@ tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restric
           const float *restrict sum, const float *restrict start, float *restrict y,
           int64_t ldy, int rows, int ncols, int add) {
 #if TILE512
-    /* 16 bits only (8: tile_rows512); unsigned weights only: signed ones are offset by 128
-     * when the tile is built */
+    /* unsigned weights only: signed ones are offset by 128 when the tile is built */
     (void)SIGNED;
-    (void)start;
     __m512 acc[MI];
     for (int i = 0; i < MI; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         const int64_t g0 = SB / 4 * t;
         const __m512 a = _mm512_loadu_ps(as + t * TR), c = _mm512_loadu_ps(cs + t * TR);
+        if (!WIDE) {  /* the rows side by side: few registers, and their chains overlap */
+            __m512i d[MI];
+            __m512 part[MI];
+            for (int i = 0; i < MI; i++) part[i] = _mm512_set1_ps(start[t * MI + i]);
+            for (int g = 0; g < SB / 4; g++) {
+                const __m512i w = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
+                for (int i = 0; i < MI; i++) {
+                    int32_t four;
+                    memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
+                    if (g % (QA / 4) == 0) d[i] = _mm512_set1_epi32(MAGIC_BITS);
+                    d[i] = _mm512_dpbusd_epi32(d[i], w, _mm512_set1_epi32(four));
+                    if (g % (QA / 4) == QA / 4 - 1)
+                        part[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(d[i]),
+                                                  _mm512_set1_ps(s[(g0 + g) * MI + i]), part[i]);
+                }
+            }
+            for (int i = 0; i < MI; i++)
+                acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[t * MI + i]), _mm512_fmadd_ps(part[i], a, acc[i]));
+            continue;
+        }
         __m512i w[SB / 4];  /* 16 bits */
         for (int g = 0; g < SB / 4; g++) w[g] = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
         for (int i = 0; i < MI; i++) {
@@ -524,55 +542,56 @@ tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restric
 }
 
 #if TILE512
-/* tile_rows' 8-bit path with AVX-512, over NT (1 or 2) tiles side by side (t[j], as[j],
- * cs[j]; the last with ncols rows): with two, each four activation bytes and each scale are
- * loaded once for 32 weight rows, so the products need about half the loads. */
+/* tile_rows' 8-bit path over two tiles side by side (32 weight rows, the second with ncols of
+ * them): each four activation bytes and each scale are loaded once for both tiles, so the
+ * products need about half the loads. */
 static inline __attribute__((always_inline)) void
-tile_rows512(const int QA, const int NT, const uint8_t *const *t, const float *const *as,
-             const float *const *cs, int64_t len, const int8_t *restrict q,
-             const float *restrict s, const float *restrict sum, const float *restrict start,
-             float *restrict y, int64_t ldy, int rows, int ncols, int add) {
-    __m512 acc[2][MI];
-    for (int j = 0; j < NT; j++)
-        for (int i = 0; i < MI; i++) acc[j][i] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < len / SB; u++) {
-        const int64_t g0 = SB / 4 * u;
-        __m512i d[2][MI];
-        __m512 part[2][MI];
-        for (int j = 0; j < NT; j++)
-            for (int i = 0; i < MI; i++) part[j][i] = _mm512_set1_ps(start[u * MI + i]);
+tile_rows2(const int QA, const uint8_t *restrict t0, const uint8_t *restrict t1,
+           const float *restrict as0, const float *restrict cs0, const float *restrict as1,
+           const float *restrict cs1, int64_t len, const int8_t *restrict q,
+           const float *restrict s, const float *restrict sum, const float *restrict start,
+           float *restrict y, int64_t ldy, int rows, int ncols, int add) {
+    __m512 acc0[MI], acc1[MI];
+    for (int i = 0; i < MI; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len / SB; t++) {
+        const int64_t g0 = SB / 4 * t;
+        __m512i d0[MI], d1[MI];
+        __m512 p0[MI], p1[MI];
+        for (int i = 0; i < MI; i++) p0[i] = p1[i] = _mm512_set1_ps(start[t * MI + i]);
         for (int g = 0; g < SB / 4; g++) {
-            __m512i w[2];
-            for (int j = 0; j < NT; j++) w[j] = _mm512_loadu_si512(t[j] + (g0 + g) * 4 * TR);
+            const __m512i w0 = _mm512_loadu_si512(t0 + (g0 + g) * 4 * TR),
+                          w1 = _mm512_loadu_si512(t1 + (g0 + g) * 4 * TR);
             for (int i = 0; i < MI; i++) {
                 int32_t four;
                 memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
                 const __m512i x = _mm512_set1_epi32(four);
-                for (int j = 0; j < NT; j++) {
-                    if (g % (QA / 4) == 0) d[j][i] = _mm512_set1_epi32(MAGIC_BITS);
-                    d[j][i] = _mm512_dpbusd_epi32(d[j][i], w[j], x);
-                }
+                if (g % (QA / 4) == 0) d0[i] = d1[i] = _mm512_set1_epi32(MAGIC_BITS);
+                d0[i] = _mm512_dpbusd_epi32(d0[i], w0, x);
+                d1[i] = _mm512_dpbusd_epi32(d1[i], w1, x);
                 if (g % (QA / 4) == QA / 4 - 1) {
                     const __m512 sv = _mm512_set1_ps(s[(g0 + g) * MI + i]);
-                    for (int j = 0; j < NT; j++)
-                        part[j][i] = _mm512_fmadd_ps(_mm512_castsi512_ps(d[j][i]), sv, part[j][i]);
+                    p0[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(d0[i]), sv, p0[i]);
+                    p1[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(d1[i]), sv, p1[i]);
                 }
             }
         }
-        for (int j = 0; j < NT; j++) {
-            const __m512 a = _mm512_loadu_ps(as[j] + u * TR), c = _mm512_loadu_ps(cs[j] + u * TR);
-            for (int i = 0; i < MI; i++)
-                acc[j][i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[u * MI + i]),
-                                            _mm512_fmadd_ps(part[j][i], a, acc[j][i]));
+        const __m512 a0 = _mm512_loadu_ps(as0 + t * TR), c0 = _mm512_loadu_ps(cs0 + t * TR),
+                     a1 = _mm512_loadu_ps(as1 + t * TR), c1 = _mm512_loadu_ps(cs1 + t * TR);
+        for (int i = 0; i < MI; i++) {
+            const __m512 si = _mm512_set1_ps(sum[t * MI + i]);
+            acc0[i] = _mm512_fmadd_ps(c0, si, _mm512_fmadd_ps(p0[i], a0, acc0[i]));
+            acc1[i] = _mm512_fmadd_ps(c1, si, _mm512_fmadd_ps(p1[i], a1, acc1[i]));
         }
     }
-    for (int j = 0; j < NT; j++) {
-        const __mmask16 keep = j == NT - 1 ? (__mmask16)((1u << ncols) - 1) : (__mmask16)0xFFFF;
-        for (int i = 0; i < rows; i++) {
-            float *out = y + i * ldy + j * TR;
-            if (add) acc[j][i] = _mm512_add_ps(acc[j][i], _mm512_maskz_loadu_ps(keep, out));
-            _mm512_mask_storeu_ps(out, keep, acc[j][i]);
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+    for (int i = 0; i < rows; i++) {
+        float *out = y + i * ldy;
+        if (add) {
+            acc0[i] = _mm512_add_ps(acc0[i], _mm512_loadu_ps(out));
+            acc1[i] = _mm512_add_ps(acc1[i], _mm512_maskz_loadu_ps(keep, out + TR));
         }
+        _mm512_storeu_ps(out, acc0[i]);
+        _mm512_mask_storeu_ps(out + TR, keep, acc1[i]);
     }
 }
 
@@ -614,11 +633,12 @@ static void interleave16(const int8_t *restrict rows, int64_t len, int flip, uin
 }
 #endif
 
-/* tile_rows over every panel, with the block size as a constant, for nt tiles side by side
- * (tile[j], as[j], cs[j]; ncols: the last one's rows): two only with AVX-512 and 8 bits. */
+/* tile_rows over every panel, with the block size as a constant; with AVX-512, two tiles at
+ * a time where tile1 is not NULL (8 bits; ncols: the last tile's rows). */
 static inline __attribute__((always_inline)) void
-tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *const *tile,
-          const float *const *as, const float *const *cs, int nt, int64_t k0, int64_t len,
+tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
+          const float *restrict as, const float *restrict cs, const uint8_t *restrict tile1,
+          const float *restrict as1, const float *restrict cs1, int64_t k0, int64_t len,
           const Panels *P, float *restrict y, int64_t ldy, int ncols) {
     const int64_t k = P->k;
     for (int64_t p = 0; p < (m + MI - 1) / MI; p++) {
@@ -629,22 +649,16 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *const *tile,
         float *yp = y + p * MI * ldy;
         const int rows = m - p * MI < MI ? (int)(m - p * MI) : MI;
 #if TILE512
-        if (!l) {
-#define TILES(Q, NT) tile_rows512(Q, NT, tile, as, cs, len, q, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
-            if (nt == 2) {
-                if (qa == 4) TILES(4, 2);
-                else if (qa == 8) TILES(8, 2);
-                else TILES(16, 2);
-            } else {
-                if (qa == 4) TILES(4, 1);
-                else if (qa == 8) TILES(8, 1);
-                else TILES(16, 1);
-            }
-#undef TILES
+        if (tile1) {
+#define TILE2(Q) tile_rows2(Q, tile, tile1, as, cs, as1, cs1, len, q, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
+            if (qa == 4) TILE2(4);
+            else if (qa == 8) TILE2(8);
+            else TILE2(16);
+#undef TILE2
             continue;
         }
 #endif
-#define TILE(Q, W) tile_rows(Q, SIGNED, W, tile[0], as[0], cs[0], len, q, l, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
+#define TILE(Q, W) tile_rows(Q, SIGNED, W, tile, as, cs, len, q, l, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
         if (l) TILE(16, 1);
         else if (qa == 4) TILE(4, 0);
         else if (qa == 8) TILE(8, 0);
@@ -771,7 +785,7 @@ int64_t tg_tile_bytes(int64_t n, int64_t k) { return tile_at((n + TR - 1) / TR *
     /* the tiles built as they are used, or read from kept (NAME##_build's) where not NULL */ \
     static void NAME##_tiled(const uint8_t *w, const uint8_t *kept, int64_t n, int64_t k,     \
                              const Panels *P, int64_t m, float *y, int64_t ldy, int qa) {     \
-        const int NT = TILE512 && !P->l ? 2 : 1; /* tiles side by side (tile_rows512) */    \
+        const int NT = TILE512 && !P->l ? 2 : 1; /* tiles side by side (tile_rows2) */      \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r0 = 0; r0 < n; r0 += NT * TR) {                                         \
             uint8_t built[2][IKC * TR] __attribute__((aligned(64)));                          \
@@ -796,8 +810,8 @@ int64_t tg_tile_bytes(int64_t n, int64_t k) { return tile_at((n + TR - 1) / TR *
                         tile[j] = built[j], as[j] = bas[j], cs[j] = bcs[j];                   \
                     }                                                                         \
                 }                                                                             \
-                tile_pass(SIGNED && !TILE512, qa, m, tile, as, cs, nt, k0, len, P, y + r0, ldy, \
-                          ncols);                                                             \
+                tile_pass(SIGNED && !TILE512, qa, m, tile[0], as[0], cs[0], tile[1], as[1],   \
+                          cs[1], k0, len, P, y + r0, ldy, ncols);                             \
             }                                                                                 \
         }                                                                                     \
     }                                                                                         \

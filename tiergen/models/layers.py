@@ -128,37 +128,16 @@ def embedding(weight: torch.Tensor | Packed, ids: torch.Tensor, dtype: torch.dty
     return weight[ids].to(dtype)
 
 
-MLP_ROWS = 1024  # a prompt batch's MLP on packed weights goes this many rows or fewer at a time
-
-
-def _in_row_chunks(mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                   gate_up: torch.Tensor | Packed) -> torch.Tensor:
-    """mlp(x), a prompt batch's rows on packed weights with integer activations in chunks of
-    about MLP_ROWS: its intermediate buffers (2 x intermediate size a row) stay small enough
-    for the allocator to reuse and for the cache. The integer tiles decode the weights for
-    every 256 rows anyway, and give each row the same numbers in any chunk of three rows or
-    more (the chunks are of near-equal size, so none is smaller)."""
-    rows = x.shape[:-1].numel()
-    if (rows <= MLP_ROWS or not isinstance(gate_up, Packed) or x.device.type != "cpu"
-            or kernels.activations() not in kernels.ACTIVATION_FORMATS):
-        return mlp(x)
-    chunks = -(-rows // MLP_ROWS)
-    flat = x.reshape(rows, x.shape[-1])
-    out = torch.cat([mlp(part) for part in flat.split(-(-rows // chunks))])
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
 def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None
                ) -> torch.Tensor:
     """SwiGLU MLP with gate and up projections fused into one (2*I, H) matrix."""
-    return _in_row_chunks(lambda x: linear(_glu(linear(x, gate_up, gate_up_bias), gelu=False),
-                                           down, down_bias), x, gate_up)
+    return linear(_glu(linear(x, gate_up, gate_up_bias), gelu=False), down, down_bias)
 
 
 def gelu_tanh_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """GeGLU MLP (Gemma): down(gelu_tanh(gate(x)) * up(x)), gate and up fused as in swiglu_mlp."""
-    return _in_row_chunks(lambda x: linear(_glu(linear(x, gate_up), gelu=True), down), x, gate_up)
+    return linear(_glu(linear(x, gate_up), gelu=True), down)
 
 
 def _glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
