@@ -9,7 +9,6 @@ this tree's kernel against a git revision's instead, taking turns.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from tiergen.bench import cpu_description
 from tiergen.cache import attention as layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_int8 import build_at  # noqa: E402
+from bench_int8 import build_at, in_turns  # noqa: E402
 
 SHAPES = [  # (name, batch, query heads, KV heads, slots, head dim)
     ("smollm2", 1, 9, 3, 192, 64), ("smollm2", 32, 9, 3, 192, 64),
@@ -59,17 +58,10 @@ def against(rev: str) -> None:
         for name, B, H, KVH, S, D in SHAPES:
             q, k, v, mask = inputs(B, H, KVH, S, D)
             n = 500 if B == 1 else 50
-            best, ratios = dict.fromkeys(libs, float("inf")), []
-            for turn in range(10):
-                took = {}
-                for key in sorted(libs, reverse=turn % 2 == 1):
-                    kernels._lib = libs[key]
-                    took[key] = per_call(lambda: kernels.decode_attention(q, k, v, mask), n)
-                    best[key] = min(best[key], took[key])
-                ratios.append(took[rev] / took["this tree"])
-            kernels._lib = libs["this tree"]
+            best, ratio = in_turns(
+                libs, lambda: per_call(lambda: kernels.decode_attention(q, k, v, mask), n), 10, rev)
             print(f"| {name} | {B} | {S} | {best[rev]:.3f} | {best['this tree']:.3f} | "
-                  f"{statistics.median(ratios):.2f}x |", flush=True)
+                  f"{ratio:.2f}x |", flush=True)
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +85,25 @@ def build_at(rev: str | None, out: Path, march: str | None = None) -> ctypes.CDL
     return lib
 
 
+def in_turns(libs: dict[str, ctypes.CDLL], time_ms: Callable[[], float], turns: int,
+             rev: str) -> tuple[dict[str, float], float]:
+    """``time_ms`` with each of ``libs`` as the C kernels, ``turns`` times in turns (the order
+    alternating): each one's best time, and the median over the turns of ``rev``'s time over
+    "this tree"'s. The kernels are this tree's again afterwards."""
+    best, ratios = dict.fromkeys(libs, float("inf")), []
+    try:
+        for turn in range(turns):
+            took = {}
+            for key in sorted(libs, reverse=turn % 2 == 1):
+                kernels._lib = libs[key]
+                took[key] = time_ms()
+                best[key] = min(best[key], took[key])
+            ratios.append(took[rev] / took["this tree"])
+    finally:
+        kernels._lib = libs["this tree"]
+    return best, statistics.median(ratios)
+
+
 def against(rev: str, types: list[str], rows: list[int], march: str | None) -> None:
     """This tree's int8 products (tiergen's int8 format) against revision ``rev``'s, taking
     turns."""
@@ -92,6 +112,7 @@ def against(rev: str, types: list[str], rows: list[int], march: str | None) -> N
         libs = {rev: build_at(rev, Path(tmp) / "rev" / "k.so", march),
                 "this tree": build_at(None, Path(tmp) / "tree" / "k.so", march)
                 if march else kernels.library()}
+        block = kernels.ACTIVATION_FORMATS["int8"][0]
         print(f"| type | matrix | rows | {rev} ms | this tree ms | speed-up (median of turns) |")
         print("|---|---|---|---|---|---|")
         for name in types:
@@ -102,18 +123,11 @@ def against(rev: str, types: list[str], rows: list[int], march: str | None) -> N
                 w = random_packed(ggml_type, n, k)
                 for m in rows:
                     x = torch.randn(m, k)
-                    block = kernels.ACTIVATION_FORMATS["int8"][0]
-                    best, ratios = dict.fromkeys(libs, float("inf")), []
-                    for turn in range(20):
-                        took = {}
-                        for key in sorted(libs, reverse=turn % 2 == 1):
-                            kernels._lib = libs[key]
-                            took[key] = best_ms(lambda: kernels.integer_linear(x, w, None, block), 3)
-                            best[key] = min(best[key], took[key])
-                        ratios.append(took[rev] / took["this tree"])
-                    kernels._lib = libs["this tree"]
+                    best, ratio = in_turns(
+                        libs, lambda: best_ms(lambda: kernels.integer_linear(x, w, None, block), 3),
+                        20, rev)
                     print(f"| {name} | {n}x{k} | {m} | {best[rev]:.3f} | {best['this tree']:.3f} | "
-                          f"{statistics.median(ratios):.2f}x |", flush=True)
+                          f"{ratio:.2f}x |", flush=True)
 
 
 def main() -> None:
