@@ -679,11 +679,14 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
 
 #if defined(__AVX2__)
 /* One activation row (8 bits) against weight rows of Q4_0 or Q4_1 blocks, each block's
- * nibbles spread into a register rather than decoded to a copy, and the minimum's term from
- * the activations' per-block sums, made once per product (xb) rather than once per row. */
+ * nibbles spread into a register rather than decoded to a copy. Q4_0's offset of -8 enters
+ * each lane's integer sum from the start (nn: -8 times the lane's four activations, made once
+ * per product), so it costs no instruction per block; Q4_1's minimum multiplies the
+ * activations' per-block sums (xb), likewise made once per product. */
 static inline __attribute__((always_inline)) float
 row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t nb,
-        const int8_t *restrict xq, const float *restrict xs4, const float *restrict xb) {
+        const int8_t *restrict xq, const float *restrict xs4, const int32_t *restrict nn,
+        const float *restrict xb) {
     const int at = TYPE == 2 ? 2 : 4;
     const __m128i low = _mm_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
@@ -694,26 +697,98 @@ row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t
         const __m128i v = _mm_loadu_si128((const __m128i *)(p + at));
         const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
                                                   _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
-        const __m256i d = dot4(_mm256_setzero_si256(), w, load32(xq + 32 * b));
-        const float a = half(p);
+        const __m256i d = dot4(TYPE == 2 ? load32(nn + 8 * b) : _mm256_setzero_si256(), w,
+                               load32(xq + 32 * b));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                              _mm256_mul_ps(_mm256_set1_ps(a), _mm256_loadu_ps(xs4 + 8 * b)), acc);
-        mins += (TYPE == 2 ? -8.0f * a : half(p + 2)) * xb[b];
+                              _mm256_mul_ps(_mm256_set1_ps(half(p)), _mm256_loadu_ps(xs4 + 8 * b)), acc);
+        if (TYPE == 3) mins += half(p + 2) * xb[b];
     }
     return hsum8(acc) + mins;
 }
+
+#if TILE512 && defined(__AVX512VL__)
+#define ROW2 1
+/* row1_q4 for two weight rows at once, a block of each in one 512-bit vector: its 128-bit
+ * lanes hold values 0-15 of row 0, of row 1, then values 16-31 of row 0, of row 1, against
+ * the activations' halves broadcast alike, and each lane takes its row's weight scale (and
+ * Q4_1's minimum, against xm: each lane's four activations' sum times their scale). Half the
+ * instructions per block of row1_q4, whose 256-bit vectors leave the nibbles' work and the
+ * scales' conversions the same per block. */
+static inline __attribute__((always_inline)) void
+row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
+        const uint8_t *restrict w1, int64_t nb, const int8_t *restrict xq,
+        const float *restrict xs4, const int32_t *restrict nn, const float *restrict xm,
+        float *restrict y) {
+    const int at = TYPE == 2 ? 2 : 4;
+    const __m256i low = _mm256_set1_epi8(15);
+    /* from [a0, m0, a0, m0, a1, m1, a1, m1] (a block's scale and minimum, rows 0 and 1) */
+    const __m512i scale_at = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4),
+                  min_at = _mm512_setr_epi32(1, 1, 1, 1, 5, 5, 5, 5, 1, 1, 1, 1, 5, 5, 5, 5);
+    __m512 acc = _mm512_setzero_ps();
+#define HALVES(v) _mm512_shuffle_i64x2(_mm512_castsi256_si512(v), _mm512_castsi256_si512(v), 0x50)
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p0 = w0 + b * BYTES, *p1 = w1 + b * BYTES;
+        PREFETCH(p0);
+        PREFETCH(p1);
+        const __m256i v = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p0 + at))),
+            _mm_loadu_si128((const __m128i *)(p1 + at)), 1);
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+        const __m512i d = _mm512_dpbusd_epi32(TYPE == 2 ? HALVES(load32(nn + 8 * b)) : _mm512_setzero_si512(),
+                                              w, HALVES(load32(xq + 32 * b)));
+        int32_t u0, u1;  /* (Q4_0: the scale, then two bytes of values that are not used) */
+        memcpy(&u0, p0, 4), memcpy(&u1, p1, 4);
+        const __m512 am = _mm512_castps256_ps512(
+            _mm256_cvtph_ps(_mm_mask_set1_epi32(_mm_set1_epi32(u0), 0xC, u1)));
+        const __m512 s = _mm512_castsi512_ps(HALVES(load32(xs4 + 8 * b)));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
+                              _mm512_mul_ps(_mm512_permutexvar_ps(scale_at, am), s), acc);
+        if (TYPE == 3)
+            acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(min_at, am),
+                                  _mm512_castsi512_ps(HALVES(load32(xm + 8 * b))), acc);
+    }
+#undef HALVES
+    const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+    __m128 r = _mm_hadd_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    r = _mm_hadd_ps(r, r);  /* row 0's sum, row 1's */
+    y[0] = _mm_cvtss_f32(r);
+    y[1] = _mm_cvtss_f32(_mm_shuffle_ps(r, r, 1));
+}
+#else
+#define ROW2 0
+#endif
 
 #define ROW1_BLOCKS 1024  /* rows of up to this many blocks (32,768 values) */
 #define ROW1(NAME, TYPE, BYTES)                                                               \
     static void NAME##_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,         \
                             const float *xs4, const float *xsum, float *y) {                  \
-        const int64_t nb = k / 32;                                                            \
-        float xb[ROW1_BLOCKS];                                                                \
-        for (int64_t b = 0; b < nb; b++) xb[b] = xsum[2 * b] + xsum[2 * b + 1];               \
-        _Pragma("omp parallel for schedule(static)")                                          \
-        for (int64_t r = 0; r < n; r++)                                                       \
-            y[r] = row1_q4(TYPE, BYTES, w + r * nb * BYTES, nb, xq, xs4, xb);                 \
+        const int64_t nb = k / 32, pairs = ROW2 ? n / 2 : 0;                                  \
+        float xb[TYPE == 3 ? ROW1_BLOCKS : 1], xm[TYPE == 3 && ROW2 ? ROW1_BLOCKS * 8 : 1];   \
+        int32_t nn[TYPE == 2 ? ROW1_BLOCKS * 8 : 1];                                          \
+        for (int64_t g = 0; g < k / 4; g++) {                                                 \
+            const int32_t sum = xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3];    \
+            if (TYPE == 2) nn[g] = -8 * sum;                                                  \
+            else if (ROW2) xm[g] = xs4[g] * (float)sum;                                       \
+        }                                                                                     \
+        for (int64_t b = 0; b < nb && TYPE == 3; b++) xb[b] = xsum[2 * b] + xsum[2 * b + 1]; \
+        _Pragma("omp parallel")                                                               \
+        {                                                                                     \
+            _Pragma("omp for schedule(static) nowait")                                        \
+            for (int64_t r = 0; r < pairs; r++)                                               \
+                ROW2_CALL(TYPE, BYTES, w + 2 * r * nb * BYTES, w + (2 * r + 1) * nb * BYTES,  \
+                          nb, xq, xs4, nn, xm, y + 2 * r);                                    \
+            _Pragma("omp for schedule(static)")                                               \
+            for (int64_t r = 2 * pairs; r < n; r++)                                           \
+                y[r] = row1_q4(TYPE, BYTES, w + r * nb * BYTES, nb, xq, xs4, nn, xb);         \
+        }                                                                                     \
     }
+#if ROW2
+#define ROW2_CALL row2_q4
+#else
+#define ROW2_CALL(...) (void)0
+#endif
 ROW1(im_q4_0, 2, 18)
 ROW1(im_q4_1, 3, 20)
 #endif
