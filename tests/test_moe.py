@@ -200,6 +200,33 @@ def test_expert_cache_keeps_experts_read_from_disk(tmp_path):
     assert small.executor.weights.expert_cache.used <= 3 * expert
 
 
+def test_a_failed_expert_read_leaves_no_half_read_expert_in_the_cache(tmp_path, monkeypatch):
+    """Experts are read on the I/O threads, several at once; a read that fails raises on the
+    compute thread, and the expert it was reading is not kept, so the next run reads it
+    again and gives the same tokens."""
+    build("qwen3-moe", tmp_path / "hf")
+    llm = LLM(tmp_path / "hf", dtype="float32",
+              policy=Policy(experts="disk", expert_cache="1G", offload_dir=tmp_path / "o"))
+    disk, cache = llm.executor.weights.disk, llm.executor.weights.expert_cache
+    read_row, failed = disk.read_row, []
+
+    def failing(layer, name, row, out):
+        if not failed:
+            failed.append((layer, row))
+            out.view(torch.uint8).fill_(0xFF)  # (half-written)
+            raise OSError("the disk went away")
+        return read_row(layer, name, row, out)
+
+    monkeypatch.setattr(disk, "read_row", failing)
+    with pytest.raises(OSError, match="the disk went away"):
+        llm.generate(PROMPTS, GREEDY)
+    assert failed and failed[0] not in cache.entries
+    tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+    plain = LLM(tmp_path / "hf", dtype="float32",
+                policy=Policy(experts="disk", expert_cache=0, offload_dir=tmp_path / "p"))
+    assert tokens == [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+
+
 def test_expert_cache_defaults_to_half_the_host_budget_left(tmp_path):
     build("mixtral", tmp_path / "hf")
     free = LLM(tmp_path / "hf", dtype="float32", device="cpu",

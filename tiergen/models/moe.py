@@ -39,6 +39,9 @@ class Experts:
         self.gate_up, self.down = gate_up, down
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
+    def announce(self, ids: list[int]) -> None:
+        """Experts ``ids`` will be fetched soon (a store may start reading them)."""
+
     def fetch(self, ids: list[int]) -> None:
         """Experts ``ids`` are about to run (the others will not be asked for)."""
 
@@ -162,13 +165,15 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     ids, weights = route(cfg, x, w["router"], w.get("router_bias"), w.get("router_logit_bias"))
-    y = routed_experts(x, ids, weights, w["experts"], cfg)
-    if cfg.shared_intermediate_size:
-        shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
-        if cfg.shared_gate:
-            shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared
-        y = y + shared
-    return y.view(shape)
+    if not cfg.shared_intermediate_size:
+        return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
+    # the shared experts run while the routed ones are read
+    local = cfg.local_experts
+    w["experts"].announce([e - local.start for e in ids.unique().tolist() if e in local])
+    shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
+    if cfg.shared_gate:
+        shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared
+    return (routed_experts(x, ids, weights, w["experts"], cfg) + shared).view(shape)
 
 
 # -- the feed-forward part of a layer: a dense SwiGLU MLP, or a MoE one ---------------------

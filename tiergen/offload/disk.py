@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import uuid
 import zlib
 from collections.abc import Callable, Mapping
@@ -81,6 +82,7 @@ class OffloadedWeights:
         self.entries: dict[str, dict] = manifest["tensors"]
         self._verified: set = set()  # keys (and (key, row) pairs) whose checksum passed
         self.rows_read = 0
+        self._lock = threading.Lock()
         for e in self.entries.values():
             path = directory / e["file"]
             size = path.stat().st_size if path.exists() else -1
@@ -138,7 +140,8 @@ class OffloadedWeights:
             read_exact(fd, buf, row * size, f"offload file {path}")
         finally:
             os.close(fd)
-        self.rows_read += 1
+        with self._lock:  # (experts are read on several threads at once)
+            self.rows_read += 1
         if (key, row) not in self._verified:
             self._verify(zlib.crc32(buf) == e["rows"][row], path)
             self._verified.add((key, row))
@@ -345,6 +348,7 @@ class CheckpointWeights:
         self.rows = rows or {}  # key of a stacked tensor -> an entry per row
         self.converted = converted
         self.rows_read = 0
+        self._lock = threading.Lock()
         self._fds: dict[Path, int] = {}
         # routed experts are read without read-ahead: the next bytes are another expert,
         # rarely the next one wanted (a descriptor of their own: the advice is per descriptor)
@@ -384,12 +388,13 @@ class CheckpointWeights:
         key = OffloadedWeights.key(layer, name)
         if key not in self.rows:
             return self.converted.read_row(layer, name, row, out)
-        for path, _, _ in self.rows[key][row][2]:
-            if path not in self._row_fds:
-                self._row_fds[path] = os.open(path, os.O_RDONLY)
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(self._row_fds[path], 0, 0, os.POSIX_FADV_RANDOM)
-        self.rows_read += 1
+        with self._lock:  # (experts are read on several threads at once)
+            for path, _, _ in self.rows[key][row][2]:
+                if path not in self._row_fds:
+                    self._row_fds[path] = os.open(path, os.O_RDONLY)
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(self._row_fds[path], 0, 0, os.POSIX_FADV_RANDOM)
+            self.rows_read += 1
         return self._read(self._row_fds, self.rows[key][row], out, key)
 
     @staticmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import torch
@@ -91,29 +92,35 @@ class ExpertCache:
         self.entries[(layer, expert)] = rows
         self.used += sum(t.nbytes for t in rows.values())
 
+    def drop(self, layer: int, expert: int) -> None:
+        rows = self.entries.pop((layer, expert), None)
+        if rows is not None:
+            self.used -= sum(t.nbytes for t in rows.values())
+
 
 class OffloadedExperts(Experts):
     """One layer's routed experts, each of the stacked tensors either in host RAM
     (``resident``) or on disk: read expert by expert into the ``cache``, or where it has no
     room into ``buffers`` (host tensors of full shape owned by the caller and reused layer
-    after layer)."""
+    after layer). The reads of a step's experts run at once on ``pool``'s threads (a disk
+    serves several requests faster than one after another), where a pool is given."""
 
     def __init__(self, layer: int, resident: dict[str, torch.Tensor | Packed],
                  disk: OffloadedWeights | None, buffers: dict[str, torch.Tensor | Packed],
-                 device: torch.device, rates: HostRates, cache: ExpertCache | None = None
-                 ) -> None:
+                 device: torch.device, rates: HostRates, cache: ExpertCache | None = None,
+                 pool: Executor | None = None) -> None:
         self.layer, self.disk, self.device, self.rates = layer, disk, device, rates
-        self.cache = cache or ExpertCache(0)
+        self.cache, self.pool = cache or ExpertCache(0), pool
         self.tensors = {n: resident[n] if n in resident else buffers[n] for n in NAMES
                         if n in resident or n in buffers}
         self.on_disk = [n for n in self.tensors if n not in resident]
         self.rows: dict[int, dict[str, torch.Tensor]] = {}  # this layer's experts read, by id
+        self._reading: dict[int, list[Future]] = {}  # experts whose reads are under way
         super().__init__(*(self.tensors.get(n) for n in NAMES))
 
-    def fetch(self, ids: list[int]) -> None:
-        """Read the chosen experts not yet at hand for this layer (micro-batches of a block
-        share the reads): from the cache, else from disk (into the cache where it has room,
-        else into the buffers)."""
+    def announce(self, ids: list[int]) -> None:
+        """Start reading the experts ``ids`` that are neither at hand nor in the cache (into
+        the cache where it has room, else into the buffers); :meth:`fetch` waits for them."""
         for e in ids:
             if e in self.rows or not self.on_disk:
                 continue
@@ -122,11 +129,32 @@ class OffloadedExperts(Experts):
                 buffers = {n: _raw(self.tensors[n][e]) for n in self.on_disk}
                 room = self.cache.room(self.layer, buffers)
                 rows = buffers if room is None else room
-                for name in self.on_disk:
-                    self.disk.read_row(self.layer, name, e, rows[name])
-                if room is not None:
+                if room is not None:  # (taken now, so that the next expert's room counts it)
                     self.cache.put(self.layer, e, rows)
+                self._reading[e] = [self._read(e, name, rows[name]) for name in self.on_disk]
             self.rows[e] = rows
+
+    def _read(self, e: int, name: str, out: torch.Tensor) -> Future:
+        if self.pool is not None:
+            return self.pool.submit(self.disk.read_row, self.layer, name, e, out)
+        done: Future = Future()
+        done.set_result(self.disk.read_row(self.layer, name, e, out))
+        return done
+
+    def fetch(self, ids: list[int]) -> None:
+        """Have the chosen experts at hand for this layer (micro-batches of a block share the
+        reads): from the cache, else from disk."""
+        self.announce(ids)
+        reading, self._reading = self._reading, {}
+        failed = None
+        for e, reads in reading.items():
+            for read in reads:
+                if read.exception() is not None:
+                    failed = failed or read.exception()
+                    self.cache.drop(self.layer, e)  # not left in the cache half-read
+                    self.rows.pop(e, None)
+        if failed is not None:
+            raise failed
 
     def weights(self, e: int) -> tuple[torch.Tensor | Packed | None, ...]:
         rows = self.rows.get(e, {})

@@ -380,7 +380,7 @@ class TieredWeights:
                        if n in self.tiers[j]}
             weights["experts"] = OffloadedExperts(j, resident, self.disk, buffers,
                                                   self.device, self.expert_rates,
-                                                  self.expert_cache)
+                                                  self.expert_cache, self._pool)
         return weights
 
     def _expert_view(self, j: int, name: str, stored: torch.Tensor) -> torch.Tensor | Packed:
