@@ -125,11 +125,11 @@ class DeepseekV2:
         row = torch.cat([rms_norm(c_kv, w["kv_norm"], c.rms_norm_eps),
                          self._rope(k_pe[:, None], cos, sin)[:, 0]], dim=-1)[:, None]
         if self.absorb:
-            q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w["w_uk"])
+            q_lat = torch.matmul(q_nope, w["w_uk"])  # (B, H, T, rank); einsum costs 1.5x
             # attention scales by (rank + rope)**-0.5; MLA wants self.scale
             qa = torch.cat([q_lat, q_pe], dim=-1) * (self.scale * (rank + rope) ** 0.5)
             o_lat = cache.attend(qa, row, None, meta)  # (B, H, T, rank)
-            o = torch.einsum("bhtr,hvr->bhtv", o_lat, w["w_uv"])
+            o = torch.matmul(o_lat, w["w_uv"].mT)  # (B, H, T, v)
         else:
             o = self._naive_attention(w, q_nope, q_pe, row, cache, meta)
         h = h + self.reduce(linear(o.transpose(1, 2).reshape(B, T, -1), w["o"]))
