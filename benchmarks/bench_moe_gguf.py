@@ -12,8 +12,12 @@ hits. The file (random weights, a placeholder vocabulary, llama.cpp's deepseek2 
 built once in --dir.
 
     python benchmarks/bench_moe_gguf.py [--dir /var/tmp/tiergen-v3-gguf] [--host-memory 4G]
-        [--prompt-len 16] [--gen-len 16]
+        [--prompt-len 16] [--gen-len 16] [--repeat 3] [--engines tiergen llamacpp-no-repack]
         [--llamacpp-python .peers/llamacpp-venv/bin/python]
+
+With --repeat N every engine runs N times, the engines in turns (this machine's speed drifts
+between runs; turns see the same drift), and the table gives each one's median run by step
+time.
 """
 
 from __future__ import annotations
@@ -248,6 +252,19 @@ def run(a: argparse.Namespace, engine: str, group: str | None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+ENGINES = ("tiergen", "tiergen-no-cache", "llamacpp", "llamacpp-no-repack")
+
+
+def median_run(results: list[dict]) -> dict:
+    """The run of median step time (a failure, if any run failed)."""
+    failed = [r for r in results if "error" in r]
+    if failed:
+        return failed[0]
+    ranked = sorted(results, key=lambda r: r["step_s"])
+    return ranked[(len(ranked) - 1) // 2] | {
+        "step_times": [round(r["step_s"], 4) for r in results]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,6 +272,8 @@ def main() -> None:
     p.add_argument("--host-memory", default="4G")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--llamacpp-python", default=".peers/llamacpp-venv/bin/python")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -280,8 +299,11 @@ def main() -> None:
         print(f"tiergen failed: {first['error']}")
     # llama.cpp by default copies Q4_0 weights into its repacked CPU layout (anonymous memory,
     # so the whole model must fit the budget); --no-repack multiplies them in the map
-    results = {e: run(a, e, group)
-               for e in ("tiergen", "tiergen-no-cache", "llamacpp", "llamacpp-no-repack")}
+    runs: dict[str, list[dict]] = {e: [] for e in a.engines}
+    for _ in range(a.repeat):
+        for e in a.engines:
+            runs[e].append(run(a, e, group))
+    results = {e: median_run(r) for e, r in runs.items()}
     print("| engine | decode tok/s | s per step | GB read per step | GB routed per step | "
           "expert cache | peak RSS GB |")
     print("|---|---|---|---|---|---|---|")
@@ -292,11 +314,15 @@ def main() -> None:
         routed = f"{r['routed_per_step'] / 1e9:.3f}" if "routed_per_step" in r else "-"
         cache = (f"{r['cache_gb']:.2f} GB, {100 * r['hit_rate']:.0f} % hits in the run"
                  if "cache_gb" in r else "-")
-        print(f"| {engine} | {1 / r['step_s']:.2f} | {r['step_s']:.2f} | "
+        print(f"| {engine} | {1 / r['step_s']:.2f} | {r['step_s']:.3f} | "
               f"{r['read_per_step'] / 1e9:.3f} | {routed} | {cache} | {r['rss'] / 1e9:.2f} |")
+    if a.repeat > 1:
+        for engine, r in results.items():
+            if "step_times" in r:
+                print(f"{engine}: s per step in each run {r['step_times']}")
     for ours in ("tiergen", "tiergen-no-cache"):
         for peer in ("llamacpp", "llamacpp-no-repack"):
-            if "error" not in results[ours] and "error" not in results[peer]:
+            if all(e in results and "error" not in results[e] for e in (ours, peer)):
                 print(f"{ours} / {peer} decode: "
                       f"{results[peer]['step_s'] / results[ours]['step_s']:.2f}x")
 
