@@ -55,11 +55,13 @@ def test_rope(B, H, T, D, torch_path):
                                         (8, 2, 128, 128), (4, 1, 256, 256)],
                          ids=["gqa", "mqa-latent-like", "mha", "gqa-128", "mqa-256"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_decode_attention(H, KVH, D, Dv, masked, torch_path):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+def test_decode_attention(H, KVH, D, Dv, masked, kv_dtype, torch_path):
+    """A float16 cache (the integer path's) is read as the float32 cache of its values."""
     g = torch.Generator().manual_seed(2)
     B, S, capacity = 3, 37, 50
     q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2)
-    cache = torch.randn(2, B, KVH, capacity, max(D, Dv), generator=g)  # views into a buffer
+    cache = torch.randn(2, B, KVH, capacity, max(D, Dv), generator=g).to(kv_dtype)  # views
     k, v = cache[0, :, :, :S, :D], cache[1, :, :, :S, :Dv]
     mask = None
     if masked:  # every row keeps its own slot, as the engine's masks do
@@ -67,7 +69,9 @@ def test_decode_attention(H, KVH, D, Dv, masked, torch_path):
         mask[..., S - 1] = True
         mask[1, ..., : S - 1] = False  # a row that sees only itself
     assert kernels.decode_attention(q, k, v, mask) is not None
-    close(attention(q, k, v, mask), torch_path(attention, q, k, v, mask))
+    want = torch_path(attention, q, k.float(), v.float(), mask)
+    close(attention(q, k, v, mask), want)
+    close(torch_path(attention, q, k, v, mask), want)  # torch converts the cache
 
 
 def test_decode_attention_ignores_unwritten_slots_and_wide_score_ranges(torch_path):
@@ -117,3 +121,30 @@ def test_glu_equals_torch(gelu):
     gate, up = gu.chunk(2, dim=-1)
     want = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
     close(kernels.glu(gu, gelu), want, 1e-6)
+
+
+HALF_CASES = torch.tensor([0.0, -0.0, 1.0, -2.5, 65504.0, 65520.0, 1e6, -1e6, 6.1e-5, 5.96e-8,
+                           2.98e-8, 2.99e-8, 1e-9, 3e-5, 1.00048828125, 1.00146484375,
+                           float("inf"), float("-inf"), float("nan")])
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_float16_writes_round_as_torch(build, tmp_path):
+    """The decode layer's float16 cache rows (tg_to_half) hold what torch's .half() gives:
+    ties to even, subnormals, overflow to inf, NaN; with F16C and the portable C alike."""
+    import ctypes
+    import platform
+
+    lib = kernels.library()
+    if build == "portable":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("an x86 build without F16C")
+        flags = [f for f in kernels.FLAGS if not f.startswith(("-march", "-mcpu"))]
+        kernels._compile(tmp_path / "portable.so", flags + ["-march=x86-64"])
+        lib = kernels.bind(ctypes.CDLL(str(tmp_path / "portable.so")))
+    x = torch.cat([HALF_CASES, torch.randn(1000) * 10.0 ** torch.randint(-9, 6, (1000,))])
+    out = torch.empty(len(x), dtype=torch.float16)
+    lib.tg_to_half(x.data_ptr(), len(x), out.data_ptr())
+    want = x.half()
+    same = (out.view(torch.int16) == want.view(torch.int16)) | (out.isnan() & want.isnan())
+    assert same.all(), x[~same]

@@ -28,10 +28,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """
     B, H, T, D = q.shape
     kvh = k.shape[1]
+    if (sinks is None and T == 1 and sparsity == 1
+            and (out := kernels.decode_attention(q, k, v, mask)) is not None):
+        return out  # float32 queries on a CPU: one call
+    if k.dtype != q.dtype:  # a float16 cache under float32 queries (see Executor.kv_dtype)
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if sinks is not None:
         return _sink_attention(q, k, v, mask, sinks)
-    if T == 1 and sparsity == 1 and (out := kernels.decode_attention(q, k, v, mask)) is not None:
-        return out  # float32 on a CPU: one call
     if T == 1:
         # Decode: fold the query heads of a group into rows of one batched matmul
         # (B, KVH, G, D) @ (B, KVH, D, S); much faster on CPU than SDPA's kernels.

@@ -27,7 +27,7 @@ from tiergen.cache.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.activations import Activations
 from tiergen.offload.experts import HostRates
-from tiergen.offload.kv import TieredKV, cache_needs
+from tiergen.offload.kv import TieredKV, cache_dtype, cache_needs
 from tiergen.offload.memory import (Budgets, add, available_ram, device_peak, fmt,
                                     reset_peak_resident_set, resident_set)
 from tiergen.offload.policy import Policy, tiers_for
@@ -115,16 +115,17 @@ def cache_compression(policy: Policy) -> tuple[int, int] | None:
 
 
 def block_needs(weights: WeightPlan, cfg: ModelConfig, dtype: torch.dtype, policy: Policy,
-                micro_batches: list[tuple[int, int]], prompt_len: int) -> dict[str, int]:
+                micro_batches: list[tuple[int, int]], prompt_len: int,
+                kv_dtype: torch.dtype | None = None) -> dict[str, int]:
     """Bytes per tier that running a block needs: the weights as placed (with their streaming
-    buffers), the KV cache of micro-batches given as (rows, capacity), and the hidden states
-    of ``prompt_len`` tokens per row."""
+    buffers), the KV cache of micro-batches given as (rows, capacity) in ``kv_dtype``
+    (default: ``dtype``), and the hidden states of ``prompt_len`` tokens per row."""
     hidden = cfg.hidden_size * dtype.itemsize
     acts = {"device": 0, "host": 0, "disk": 0}
     for (rows, _), tier in zip(micro_batches, tiers_for(len(micro_batches), policy.activation_split)):
         acts[tier] += rows * prompt_len * hidden
-    cache = cache_needs(cfg, dtype, tiers_for(cfg.num_layers, policy.cache_split), micro_batches,
-                        weights.device_type, cache_compression(policy))
+    cache = cache_needs(cfg, kv_dtype or dtype, tiers_for(cfg.num_layers, policy.cache_split),
+                        micro_batches, weights.device_type, cache_compression(policy))
     return add(weights.needs(), cache, acts)
 
 
@@ -142,6 +143,8 @@ class Executor:
         self.budgets = budgets or Budgets()
         self.weight_plan = WeightPlan.make(model, dtype, self.policy, device, source)
         self.weight_plan.size_expert_cache(self.policy, self.budgets.host)
+        self.kv_dtype = cache_dtype(model.cfg, dtype, device.type,
+                                    activations == "int8" and any(self.weight_plan.blocks))
         self.budgets.check(self.weight_plan.needs(), "the model's weights under this policy", {
             "device": "put a smaller share of weights on the device (--percent) or raise "
                       "--device-memory",
@@ -173,7 +176,7 @@ class Executor:
 
     def _block_needs(self, micro_batches: list[tuple[int, int]], prompt_len: int):
         return block_needs(self.weight_plan, self.cfg, self.dtype, self.policy, micro_batches,
-                           prompt_len)
+                           prompt_len, self.kv_dtype)
 
     def fits(self, micro_batches: list[tuple[int, int]], prompt_len: int) -> bool:
         """Whether a block of micro-batches given as (rows, capacity) fits the budgets."""
@@ -191,7 +194,7 @@ class Executor:
         self.stats.planned = {t: max(self.stats.planned.get(t, 0), n) for t, n in needs.items()}
 
     def new_cache(self, batch: int, capacity: int) -> TieredKV:
-        return TieredKV(self.cfg, batch, capacity, self.dtype, self.device, self.cache_tiers,
+        return TieredKV(self.cfg, batch, capacity, self.kv_dtype, self.device, self.cache_tiers,
                         self.spill_dir, self.policy.pin_memory, self.policy.cpu_attention,
                         cache_compression(self.policy), self.policy.attn_sparsity)
 

@@ -144,12 +144,15 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_rope.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
     lib.tg_rope.restype = None
     lib.tg_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                        ptr, ptr, f32, ptr]
+                                        ptr, ptr, f32, ctypes.c_int, ptr]
+    lib.tg_to_half.argtypes = [ptr, i64, ptr]
+    lib.tg_to_half.restype = None
     lib.tg_argmax.argtypes = [ptr, i64, i64, ptr]
     lib.tg_glu.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
     lib.tg_glu.restype = None
     lib.tg_argmax.restype = None
-    lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
+                                    ctypes.c_int]
     lib.tg_experts_row.argtypes = [ptr, ptr, i64, ptr, ptr, ptr]
     lib.tg_tile_view.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr]
     lib.tg_tile_bytes.argtypes = [i64, i64]
@@ -347,6 +350,14 @@ def _cpu_float32(*ts: torch.Tensor) -> bool:
     return True
 
 
+def kv_half(k: torch.Tensor, v: torch.Tensor) -> bool | None:
+    """Whether a CPU cache's K/V, as the C kernels take them, hold float16 (False: float32;
+    None: neither, or not on the CPU)."""
+    if k.device.type != "cpu" or v.dtype != k.dtype:
+        return None
+    return {torch.float32: False, torch.float16: True}.get(k.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: float = 0.0
              ) -> torch.Tensor | None:
     """``F.rms_norm(x, eps=eps) * (weight + shift)`` in one call for contiguous float32 CPU
@@ -411,10 +422,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None) -> torch.Tensor | None:
     """Attention of one query token per row, q (B, H, 1, D), over k (B, KVH, S, D) and
     v (B, KVH, S, Dv) where ``mask`` (B, 1, 1, S) allows, scaled by D**-0.5, in one call
-    for float32 CPU tensors; None where the library cannot take them."""
+    for CPU tensors, q float32 and the cache float32 or float16 (:func:`kv_half`); None
+    where the library cannot take them."""
     B, H, T, D = q.shape
     kvh, S = k.shape[1], k.shape[2]
-    if (not _cpu_float32(q, k, v) or T != 1 or k.shape[0] != B or v.shape[:3] != k.shape[:3]
+    if (not _cpu_float32(q) or kv_half(k, v) is None or T != 1 or k.shape[0] != B
+            or v.shape[:3] != k.shape[:3]
             or k.stride(-1) != 1 or v.stride(-1) != 1 or H % kvh
             or (mask is not None and mask.shape != (B, 1, 1, S))):
         return None
@@ -429,6 +442,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if lib.tg_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                None if mask is None else mask.data_ptr(), B, H, kvh, S, D,
                                v.shape[-1], strides, ctypes.byref(strides, 24), D**-0.5,
-                               out.data_ptr()):
+                               kv_half(k, v), out.data_ptr()):
         raise MemoryError("decode attention: out of memory for its score buffer")
     return out

@@ -39,6 +39,31 @@ static inline float half(const uint8_t *p) {
 }
 #endif
 
+/* float32 to float16, rounding to nearest even as torch's .half() does (overflow: inf). */
+static inline uint16_t to_half(float f) {
+#if defined(__F16C__)
+    return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, e = (x >> 23) & 0xff, m = x & 0x7fffff;
+    if (e == 0xff) return (uint16_t)(sign | 0x7c00 | (m ? 0x200 : 0));
+    const int32_t ne = (int32_t)e - 112;  /* the exponent, rebiased for 15 */
+    if (ne >= 31) return (uint16_t)(sign | 0x7c00);
+    uint32_t h, rest, halfway;
+    if (ne <= 0) {  /* subnormal (or zero): the 24-bit significand shifted into 10 bits */
+        if (ne < -10) return (uint16_t)sign;
+        const int shift = 14 - ne;
+        const uint32_t sig = m | 0x800000;
+        h = sig >> shift, rest = sig & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    } else {
+        h = ((uint32_t)ne << 10) | (m >> 13), rest = m & 0x1fff, halfway = 0x1000;
+    }
+    if (rest > halfway || (rest == halfway && (h & 1))) h++;  /* (a carry rounds up the exponent) */
+    return (uint16_t)(sign | h);
+#endif
+}
+
 /* Weights stream from memory once per product. The hardware prefetcher alone leaves a row
  * kernel waiting on memory (on a 2-core VM: 4-5 GB/s from a single thread instead of 12);
  * asking for the bytes AHEAD bytes on, once per block, keeps the stream in cache

@@ -1,5 +1,5 @@
 /* The small operations of a decode step, for the CPU, in float32: RMSNorm, the rotary
- * embedding and one new token's attention over the cache. Each is a few microseconds of arithmetic, where the
+ * embedding and one new token's attention over the cache (held in float32 or float16). Each is a few microseconds of arithmetic, where the
  * several torch operations they otherwise take cost tens (each dispatch is microseconds);
  * at batch 1 that dispatch is most of a step outside the matrix products. Built into the
  * same library as packed.c.
@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "blocks.h"
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -145,25 +147,52 @@ static inline int hidden(const uint8_t *mask) {
     return any == 0;
 }
 
+/* Cache number i at p: float32, or float16 (KV16) */
+static inline float kv_at(const int KV16, const void *p, int64_t i) {
+    return KV16 ? half((const uint8_t *)p + 2 * i) : ((const float *)p)[i];
+}
+
+static inline vf load_kv(const int KV16, const void *p, int64_t i) {
+    if (!KV16) return loadv((const float *)p + i);
+#if VW == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+#else
+    vf x;
+    for (int j = 0; j < VW; j++) x[j] = kv_at(1, p, i + j);
+    return x;
+#endif
+}
+
+static inline float dot_kv(const int KV16, const float *restrict a, const void *b, int64_t i, int64_t n) {
+    if (!KV16) return dot(a, (const float *)b + i, n);
+    float t = 0.0f;
+    for (int64_t j = 0; j < n; j++) t += a[j] * kv_at(1, b, i + j);
+    return t;
+}
+
 /* One query token per row: out[b, h] = softmax_s(scale * q[b, h] . k[b, g, s]) v[b, g, s]
  * over the slots s < S that mask[b, s] allows (every slot when mask is NULL), where the query
  * heads h of a group share the K/V head g = h / (H / KVH). q (B, H, D) and out (B, H, Dv) are
- * contiguous; a K (V) row starts at k + b * ks[0] + g * ks[1] + s * ks[2] (floats). The heads
+ * contiguous; a K (V) row starts at k + b * ks[0] + g * ks[1] + s * ks[2] (numbers: float32, or
+ * float16 where kv16 is set). The heads
  * of a group are scored together, so every K and V row is read once per group. A row with no
  * allowed slot gets zeros. Returns nonzero when out of memory.
  *
  * Scores come VW slots at a time, each slot's products in a vector and the VW vectors summed
  * lane-wise together (lane_sums), and their exponentials VW at a time (expv): a dot product's
  * horizontal sum, or an exponential, one at a time would cost more than the products. */
-int tg_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask,
-                        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
-                        const int64_t *ks, const int64_t *vs, float scale, float *out) {
+static inline __attribute__((always_inline)) int
+attend(const int KV16, const float *q, const void *k, const void *v, const uint8_t *mask,
+       int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv, const int64_t *ks,
+       const int64_t *vs, float scale, float *out) {
     const int64_t G = H / KVH, SP = (S + VW - 1) / VW * VW;
     int failed = 0;
 #pragma omp parallel for schedule(static) if (B * H * S * (D + Dv) >= (1 << 18))
     for (int64_t task = 0; task < B * KVH; task++) {
         const int64_t b = task / KVH, g = task % KVH;
-        const float *kb = k + b * ks[0] + g * ks[1], *vb = v + b * vs[0] + g * vs[1];
+        const int64_t kb = b * ks[0] + g * ks[1], vb = b * vs[0] + g * vs[1];  /* (numbers) */
         const float *qg = q + (b * H + g * G) * D;
         float *og = out + (b * H + g * G) * Dv;
         const uint8_t *mb = mask ? mask + b * S : NULL;
@@ -179,14 +208,14 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
                 vf acc[VW] = {{0}};
                 for (int64_t c = 0; c < D; c += VW) {
                     const vf x = loadv(qg + j * D + c);
-                    for (int u = 0; u < VW; u++) acc[u] += x * loadv(kb + (s0 + u) * ks[2] + c);
+                    for (int u = 0; u < VW; u++) acc[u] += x * load_kv(KV16, k, kb + (s0 + u) * ks[2] + c);
                 }
                 const vf e = lane_sums(acc) * scale;
                 memcpy(p + j * SP + s0, &e, sizeof e);
             }
         }
         for (; s0 < S; s0++)
-            for (int64_t j = 0; j < G; j++) p[j * SP + s0] = dot(qg + j * D, kb + s0 * ks[2], D) * scale;
+            for (int64_t j = 0; j < G; j++) p[j * SP + s0] = dot_kv(KV16, qg + j * D, k, kb + s0 * ks[2], D) * scale;
         float total[G];
         for (int64_t j = 0; j < G; j++) {
             float *pj = p + j * SP, best = -INFINITY;
@@ -210,11 +239,12 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
             for (; c + 4 * VW <= Dv; c += 4 * VW) {
                 vf acc[3][4] = {{{0}}};
                 for (int64_t s = 0; s < S; s++) {
-                    for (int u = 0; u < 4 * VW; u += 16) __builtin_prefetch(vb + (s + 8) * vs[2] + c + u);
+                    for (int u = 0; u < 4 * VW; u += 16)
+                        __builtin_prefetch((const char *)v + (vb + (s + 8) * vs[2] + c + u) * (KV16 ? 2 : 4));
                     if (mb && !mb[s]) continue;
-                    const float *vr = vb + s * vs[2] + c;
-                    const vf x0 = loadv(vr), x1 = loadv(vr + VW), x2 = loadv(vr + 2 * VW),
-                             x3 = loadv(vr + 3 * VW);
+                    const int64_t vr = vb + s * vs[2] + c;
+                    const vf x0 = load_kv(KV16, v, vr), x1 = load_kv(KV16, v, vr + VW),
+                             x2 = load_kv(KV16, v, vr + 2 * VW), x3 = load_kv(KV16, v, vr + 3 * VW);
                     for (int64_t j = 0; j < n; j++) {
                         const float e = p[(j0 + j) * SP + s];
                         acc[j][0] += e * x0, acc[j][1] += e * x1;
@@ -233,13 +263,26 @@ int tg_decode_attention(const float *q, const float *k, const float *v, const ui
                 for (int64_t j = j0; j < j0 + n; j++) {
                     float t = 0.0f;
                     for (int64_t s = 0; s < S; s++)
-                        if (!mb || mb[s]) t += p[j * SP + s] * vb[s * vs[2] + c];
+                        if (!mb || mb[s]) t += p[j * SP + s] * kv_at(KV16, v, vb + s * vs[2] + c);
                     og[j * Dv + c] = t * (total[j] > 0.0f ? 1.0f / total[j] : 0.0f);
                 }
         }
         free(p);
     }
     return failed;
+}
+
+int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
+                        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
+                        const int64_t *ks, const int64_t *vs, float scale, int kv16, float *out) {
+    if (kv16) return attend(1, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
+    return attend(0, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
+}
+
+/* n float32 values as float16, rounded to nearest even as torch's .half() rounds: how the
+ * decode layer writes a float16 cache's rows. */
+void tg_to_half(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = to_half(x[i]);
 }
 
 /* out[r] = the first index of row r's largest value (x: rows of n floats); a row holding a

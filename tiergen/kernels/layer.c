@@ -1,5 +1,5 @@
 /* A whole decode layer in one call, for the CPU: one new token per row, packed (GGML block)
- * matrices, float32 activations between them, the KV cache in float32.
+ * matrices, float32 activations between them, the KV cache in float32 or float16.
  *
  * At batch 1 the products of a small model take a few milliseconds a step; the same step
  * run as a layer of torch operations and kernel calls per matrix spends as long again in
@@ -25,9 +25,10 @@ void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t
                  float *out);
 void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T, int64_t D,
              const float *cos, const float *sin, float *out);
-int tg_decode_attention(const float *q, const float *k, const float *v, const uint8_t *mask,
+int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
                         int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
-                        const int64_t *ks, const int64_t *vs, float scale, float *out);
+                        const int64_t *ks, const int64_t *vs, float scale, int kv16, float *out);
+void tg_to_half(const float *x, int64_t n, uint16_t *out);
 void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
                      float *xs4, float *xsum);
 void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, float *out);
@@ -82,14 +83,20 @@ static void norm_rows(const tg_layer *L, const float *w, float *x, int64_t m, in
     if (w) tg_rms_norm(x, w, L->shift, m, n, L->eps, x);
 }
 
+/* n numbers of src into the cache at dst + at (numbers): float32, or float16 (kv16) */
+static void put_kv(int kv16, void *dst, int64_t at, const float *src, int64_t n) {
+    if (kv16) tg_to_half(src, n, (uint16_t *)dst + at);
+    else memcpy((float *)dst + at, src, sizeof(float) * n);
+}
+
 /* h (B, hidden) advances through the layer in place. cos, sin (B, head_dim): this token's
- * rotation per row. The cache: k (v) row of batch row b, head g, slot s at
- * kc + b ks[0] + g ks[1] + s ks[2]; the new token goes to slot `slot`, attention reads
- * slots [0, S) where mask (B, S) allows. Returns 0, 1 for a weight type without a kernel,
- * 2 when out of memory. */
+ * rotation per row. The cache (float32, or float16 where kv16 is set): k (v) row of batch
+ * row b, head g, slot s at kc + b ks[0] + g ks[1] + s ks[2] (numbers); the new token goes to
+ * slot `slot`, attention reads slots [0, S) where mask (B, S) allows. Returns 0, 1 for a
+ * weight type without a kernel, 2 when out of memory. */
 int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, const float *sin,
-                    float *kc, float *vc, const int64_t *ks, const int64_t *vs, int64_t slot,
-                    int64_t S, const uint8_t *mask) {
+                    void *kc, void *vc, const int64_t *ks, const int64_t *vs, int64_t slot,
+                    int64_t S, const uint8_t *mask, int kv16) {
     const int64_t H = L->hidden, D = L->head_dim, NQ = L->heads * D, NKV = L->kv_heads * D;
     const int64_t NQKV = NQ + 2 * NKV, I = L->inter;
     int64_t widest = H > NQ ? H : NQ;
@@ -121,13 +128,11 @@ int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, co
         for (int64_t i = 0; i < B * NQ; i++) q[i] *= L->q_scale;
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < L->kv_heads; g++) {
-            memcpy(kc + b * ks[0] + g * ks[1] + slot * ks[2], kr + (b * L->kv_heads + g) * D,
-                   sizeof(float) * D);
-            memcpy(vc + b * vs[0] + g * vs[1] + slot * vs[2], qkv + b * NQKV + NQ + NKV + g * D,
-                   sizeof(float) * D);
+            put_kv(kv16, kc, b * ks[0] + g * ks[1] + slot * ks[2], kr + (b * L->kv_heads + g) * D, D);
+            put_kv(kv16, vc, b * vs[0] + g * vs[1] + slot * vs[2], qkv + b * NQKV + NQ + NKV + g * D, D);
         }
     if (tg_decode_attention(q, kc, vc, mask, B, L->heads, L->kv_heads, S, D, D, ks, vs,
-                            1.0f / sqrtf((float)D), o)) {
+                            1.0f / sqrtf((float)D), kv16, o)) {
         err = 2;
         goto done;
     }

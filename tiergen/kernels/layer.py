@@ -88,14 +88,14 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
                  mask: torch.Tensor) -> torch.Tensor | None:
     """h (B, 1, hidden) after the layer, the new token's K/V written to the cache k, v
-    (B, KVH, S, D) at ``slot``, attention over the slots ``mask`` (B, 1, 1, S) allows;
+    (B, KVH, S, D; float32 or float16) at ``slot``, attention over the slots ``mask`` (B, 1, 1, S) allows;
     cos, sin (B, 1, 1, D). None where the C layer cannot run it (see the module docstring)."""
     B = h.shape[0]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
+    kv16 = kernels.kv_half(k, v)
     if (B > kernels.ROW_THRESHOLD or not _usable(h) or not _usable(cos) or not _usable(sin)
-            or k.dtype != torch.float32 or k.device.type != "cpu" or k.stride(-1) != 1
-            or v.dtype != torch.float32 or v.stride(-1) != 1 or mask is None or not mask.is_contiguous()
-            or mask.dtype != torch.bool or mask.device.type != "cpu"):
+            or kv16 is None or k.stride(-1) != 1 or v.stride(-1) != 1 or mask is None
+            or not mask.is_contiguous() or mask.dtype != torch.bool or mask.device.type != "cpu"):
         return None
     lib = kernels.library()
     if lib is None:
@@ -111,7 +111,8 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     strides = (ctypes.c_int64 * 6)(*k.stride()[:3], *v.stride()[:3])
     err = lib.tg_decode_layer(ctypes.byref(layer), out.data_ptr(), B, cos.data_ptr(),
                               sin.data_ptr(), k.data_ptr(), v.data_ptr(), strides,
-                              ctypes.byref(strides, 24), slot, k.shape[2], mask.data_ptr())
+                              ctypes.byref(strides, 24), slot, k.shape[2], mask.data_ptr(),
+                              kv16)
     if err:
         raise MemoryError("decode layer: out of memory for its buffers")
     return out

@@ -148,7 +148,7 @@ class DeepseekV2:
         """Decompress the cached latents into per-head keys and values, then attend."""
         rank = self.mla.kv_lora_rank
         rows, _ = cache.update(row.to(cache.k.device), None, meta.to(cache.k.device))
-        rows = rows.to(q_nope.device)[:, 0]  # (B, S, rank + rope)
+        rows = rows.to(q_nope.device, q_nope.dtype)[:, 0]  # (B, S, rank + rope)
         c_kv, k_pe = rows.split([rank, rows.shape[-1] - rank], dim=-1)
         k_nope = torch.einsum("bsr,hdr->bhsd", c_kv, w["w_uk"])
         v = torch.einsum("bsr,hvr->bhsv", c_kv, w["w_uv"])

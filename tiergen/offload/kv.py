@@ -32,6 +32,19 @@ def stored_width(cfg: ModelConfig, dtype: torch.dtype, compress: tuple[int, int]
     return quantized_width(width, bits, cache_group_size(width, group)), torch.uint8
 
 
+def cache_dtype(cfg: ModelConfig, dtype: torch.dtype, device_type: str, integer: bool
+                ) -> torch.dtype:
+    """The dtype a KV cache holds: float16 on the integer path on a CPU (``integer``: packed
+    weights multiplied with 8-bit activations; float32 compute), whose decode steps at large
+    batches read the whole cache each step (half the bytes; the C decode kernels convert as
+    they read, and llama.cpp's cache is float16 too), else the compute dtype: the float path
+    stays exact. gpt-oss's attention sinks run in torch, which would convert the cache at
+    every step: float32 for them."""
+    if integer and device_type == "cpu" and dtype == torch.float32 and not cfg.attention_sinks:
+        return torch.float16
+    return dtype
+
+
 def layer_slots(capacity: int, window: int | None) -> int:
     """Slots a layer keeps: a sliding-window layer never more than its window."""
     return min(capacity, window) if window else capacity
