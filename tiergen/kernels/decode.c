@@ -86,8 +86,9 @@ static inline vf loadv(const float *p) {
 }
 
 /* exp(x) for x <= 0, VW at a time, within a few units in the last place of expf (Cephes'
- * polynomial on x - n ln 2); below -87 it gives exp(-87), where expf gives a denormal: a
- * difference beside the softmax's largest term, 1, that float32 cannot hold. */
+ * polynomial on x - n ln 2); below -87 (and for -inf: a masked slot's score) it gives 0,
+ * where expf gives a denormal: a difference beside the softmax's largest term, 1, that
+ * float32 cannot hold. */
 static inline vf expv(vf x) {
     const vf zero = {0}, big = zero + 12582912.0f;  /* 1.5 x 2^23: adding it rounds */
     const vi low = x < -87.0f;
@@ -104,7 +105,28 @@ static inline vf expv(vf x) {
     const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
     vf two_n;
     memcpy(&two_n, &bits, sizeof two_n);
-    return y * two_n;
+    return (vf)(~low & (vi)(y * two_n));
+}
+
+/* Lane i all ones where m[i] is nonzero (a slot the mask allows). */
+static inline vi seen_lanes(const uint8_t *m) {
+    vi r;
+    for (int i = 0; i < VW; i++) r[i] = -(int32_t)(m[i] != 0);
+    return r;
+}
+
+static inline vf pick(vi c, vf a, vf b) { return (vf)((c & (vi)a) | (~c & (vi)b)); }
+
+static inline float lanes_max(vf a) {
+    float m = a[0];
+    for (int i = 1; i < VW; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+static inline float lanes_sum(vf a) {
+    float t = 0.0f;
+    for (int i = 0; i < VW; i++) t += a[i];
+    return t;
 }
 
 /* r[i] = the sum of a[i]'s lanes, for VW vectors: each level adds pairs of vectors' lanes
@@ -201,35 +223,49 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
             failed = 1;
             continue;
         }
+        /* scores, -inf where the mask hides the slot and past S */
+        const vf none = (vf){0} - INFINITY;
         int64_t s0 = 0;
         for (; D % VW == 0 && s0 + VW <= S; s0 += VW) {
-            if (mb && hidden(mb + s0)) continue;  /* (slots past a row's tokens: not read) */
+            if (mb && hidden(mb + s0)) {  /* (slots past a row's tokens: not read) */
+                for (int64_t j = 0; j < G; j++) memcpy(p + j * SP + s0, &none, sizeof none);
+                continue;
+            }
+            const vi seen = mb ? seen_lanes(mb + s0) : (vi){0} - 1;
             for (int64_t j = 0; j < G; j++) {
                 vf acc[VW] = {{0}};
-                for (int64_t c = 0; c < D; c += VW) {
-                    const vf x = loadv(qg + j * D + c);
-                    for (int u = 0; u < VW; u++) acc[u] += x * load_kv(KV16, k, kb + (s0 + u) * ks[2] + c);
+                const float *qj = qg + j * D;
+                for (int64_t c = 0; c < D; c += VW) {  /* VW independent sums: no chain waits */
+                    const vf x = loadv(qj + c);
+                    int64_t at = kb + s0 * ks[2] + c;
+                    for (int u = 0; u < VW; u++, at += ks[2]) acc[u] += x * load_kv(KV16, k, at);
                 }
-                const vf e = lane_sums(acc) * scale;
+                const vf e = pick(seen, lane_sums(acc) * scale, none);
                 memcpy(p + j * SP + s0, &e, sizeof e);
             }
         }
-        for (; s0 < S; s0++)
-            for (int64_t j = 0; j < G; j++) p[j * SP + s0] = dot_kv(KV16, qg + j * D, k, kb + s0 * ks[2], D) * scale;
+        for (; s0 < SP; s0++)
+            for (int64_t j = 0; j < G; j++)
+                p[j * SP + s0] = s0 < S && (!mb || mb[s0])
+                                     ? dot_kv(KV16, qg + j * D, k, kb + s0 * ks[2], D) * scale
+                                     : -INFINITY;
+        /* their exponentials (0 where -inf) against the largest, and their sum */
         float total[G];
         for (int64_t j = 0; j < G; j++) {
-            float *pj = p + j * SP, best = -INFINITY;
-            for (int64_t s = 0; s < S; s++)
-                if ((!mb || mb[s]) && pj[s] > best) best = pj[s];
-            for (int64_t s = S; s < SP; s++) pj[s] = best;
+            float *pj = p + j * SP;
+            vf top = none, sum = {0};
+            for (int64_t s = 0; s < SP; s += VW) {
+                const vf x = loadv(pj + s);
+                top = pick(x > top, x, top);
+            }
+            const float best = lanes_max(top);
             for (int64_t s = 0; s < SP && best > -INFINITY; s += VW) {
-                if (mb && s + VW <= S && hidden(mb + s)) continue;
+                if (mb && s + VW <= S && hidden(mb + s)) continue;  /* (not read below) */
                 const vf e = expv(loadv(pj + s) - best);
                 memcpy(pj + s, &e, sizeof e);
+                sum += e;
             }
-            total[j] = 0.0f;
-            for (int64_t s = 0; s < S; s++)
-                if (!mb || mb[s]) total[j] += pj[s];
+            total[j] = lanes_sum(sum);
         }
         /* out = sum_s p[s] v[s] / total, in registers: 4 VW outputs of up to 3 heads at a
          * time, so that a V row is read once per 3 heads */
