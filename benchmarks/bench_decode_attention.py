@@ -9,6 +9,7 @@ this tree's kernel against a git revision's instead, taking turns.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import tempfile
 import time
@@ -46,22 +47,47 @@ def inputs(B: int, H: int, KVH: int, S: int, D: int):
     return q, kv[0], kv[1], mask
 
 
+def call(lib, q, k, v, mask) -> torch.Tensor:
+    """``lib``'s kernel (a revision's from before the float16 cache too: no kv16 argument)."""
+    B, H, _, D = q.shape
+    out = torch.empty(B, H, 1, v.shape[-1])
+    strides = (ctypes.c_int64 * 6)(*k.stride()[:3], *v.stride()[:3])
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    args = [ptr(t.data_ptr()) for t in (q, k, v, mask)]
+    args += [i64(n) for n in (B, H, k.shape[1], k.shape[2], D, v.shape[-1])]
+    args += [strides, ctypes.byref(strides, 24), ctypes.c_float(D**-0.5)]
+    kv16 = [ctypes.c_int(k.dtype == torch.float16)] if hasattr(lib, "tg_to_half") else []
+    lib.tg_decode_attention(*args, *kv16, ptr(out.data_ptr()))
+    return out
+
+
 def against(rev: str) -> None:
-    """This tree's kernel against revision ``rev``'s, in turns: each one's best of the turns,
-    and the median of the turns' ratios."""
-    print(f"| shape | batch | slots | {rev} ms | this tree ms | speed-up |")
-    print("|---|---|---|---|---|---|")
+    """This tree's kernel against revision ``rev``'s on a float32 cache, in turns: each one's
+    best of the turns, and the median of the turns' ratios; then this tree's on a float16
+    cache (the integer path's) against ``rev``'s on float32."""
+    print(f"| shape | batch | slots | {rev} ms | this tree ms | speed-up | this tree, float16 "
+          f"cache ms | speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "rev").mkdir()
         libs = {rev: build_at(rev, Path(tmp) / "rev" / "k.so"), "this tree": kernels.library()}
-        libs[rev].tg_decode_attention.argtypes = libs["this tree"].tg_decode_attention.argtypes
+        for lib in libs.values():
+            lib.tg_decode_attention.argtypes = None  # (call gives each its own arguments)
         for name, B, H, KVH, S, D in SHAPES:
             q, k, v, mask = inputs(B, H, KVH, S, D)
+            k16, v16 = k.half(), v.half()
             n = 500 if B == 1 else 50
             best, ratio = in_turns(
-                libs, lambda: per_call(lambda: kernels.decode_attention(q, k, v, mask), n), 10, rev)
+                libs, lambda: per_call(lambda: call(kernels._lib, q, k, v, mask), n), 10, rev)
+            half = {rev: libs[rev], "this tree": libs["this tree"]}
+            # (in turns: rev on float32, this tree on float16)
+            best16, ratio16 = in_turns(
+                half, lambda: per_call(lambda: call(kernels._lib, q, *(
+                    (k16, v16) if kernels._lib is libs["this tree"] else (k, v)), mask), n),
+                10, rev)
             print(f"| {name} | {B} | {S} | {best[rev]:.3f} | {best['this tree']:.3f} | "
-                  f"{ratio:.2f}x |", flush=True)
+                  f"{ratio:.2f}x | {best16['this tree']:.3f} | {ratio16:.2f}x |", flush=True)
+        kernels.bind(libs["this tree"])
 
 
 @torch.inference_mode()
