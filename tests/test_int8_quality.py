@@ -53,3 +53,16 @@ def test_16_bit_activations_are_nearly_the_float_path(float_path):
     model, (ids, ref) = float_path
     stats = kl_stats(ref, run(model, "int16", 32)[1])
     assert stats.mean < 1e-4 and stats.same_top > 0.99, stats
+
+
+def test_only_the_8_bit_integer_path_keeps_a_float16_cache():
+    """The 8-bit integer path's KV cache is float16 (its closeness to the float path above is
+    measured with it); the float path's and the 16-bit path's stay float32, and so do the
+    caches of layers whose weights the integer kernels do not take (FP8: tests/test_fp8.py)."""
+    assert LLM("smollm2", device="cpu").executor.kv_dtype == torch.float16
+    cache = LLM("smollm2", device="cpu").executor.new_cache(2, 8)
+    assert all(layer.dtype == torch.float16 for layer in cache.layers)
+    cache.close()
+    for activations in ("float32", "int16"):
+        llm = LLM("smollm2", device="cpu", activations=activations)
+        assert llm.executor.kv_dtype == torch.float32

@@ -32,6 +32,7 @@ from tiergen.offload.memory import (Budgets, add, available_ram, device_peak, fm
                                     reset_peak_resident_set, resident_set)
 from tiergen.offload.policy import Policy, tiers_for
 from tiergen.offload.weights import TieredWeights, WeightPlan, offload_root
+from tiergen.weights.packed import INTEGER_TYPES
 from tiergen.parallel.stage import Stage
 
 
@@ -143,8 +144,10 @@ class Executor:
         self.budgets = budgets or Budgets()
         self.weight_plan = WeightPlan.make(model, dtype, self.policy, device, source)
         self.weight_plan.size_expert_cache(self.policy, self.budgets.host)
-        self.kv_dtype = cache_dtype(model.cfg, dtype, device.type,
-                                    activations == "int8" and any(self.weight_plan.blocks))
+        integer = activations == "int8" and any(  # (packed matrices the int8 kernels take)
+            t in INTEGER_TYPES for layer in self.weight_plan.blocks
+            for parts in layer.values() for t, _ in parts)
+        self.kv_dtype = cache_dtype(model.cfg, dtype, device.type, integer)
         self.budgets.check(self.weight_plan.needs(), "the model's weights under this policy", {
             "device": "put a smaller share of weights on the device (--percent) or raise "
                       "--device-memory",
