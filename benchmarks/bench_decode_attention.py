@@ -22,7 +22,7 @@ from tiergen.bench import cpu_description
 from tiergen.cache import attention as layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_int8 import build_at, in_turns  # noqa: E402
+from bench_int8 import builds, in_turns  # noqa: E402
 
 SHAPES = [  # (name, batch, query heads, KV heads, slots, head dim)
     ("smollm2", 1, 9, 3, 192, 64), ("smollm2", 32, 9, 3, 192, 64),
@@ -69,8 +69,7 @@ def against(rev: str) -> None:
           f"cache ms | speed-up |")
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "rev").mkdir()
-        libs = {rev: build_at(rev, Path(tmp) / "rev" / "k.so"), "this tree": kernels.library()}
+        libs = builds(rev, Path(tmp))
         for lib in libs.values():
             lib.tg_decode_attention.argtypes = None  # (call gives each its own arguments)
         for name, B, H, KVH, S, D in SHAPES:
@@ -79,10 +78,9 @@ def against(rev: str) -> None:
             n = 500 if B == 1 else 50
             best, ratio = in_turns(
                 libs, lambda: per_call(lambda: call(kernels._lib, q, k, v, mask), n), 10, rev)
-            half = {rev: libs[rev], "this tree": libs["this tree"]}
             # (in turns: rev on float32, this tree on float16)
             best16, ratio16 = in_turns(
-                half, lambda: per_call(lambda: call(kernels._lib, q, *(
+                libs, lambda: per_call(lambda: call(kernels._lib, q, *(
                     (k16, v16) if kernels._lib is libs["this tree"] else (k, v)), mask), n),
                 10, rev)
             print(f"| {name} | {B} | {S} | {best[rev]:.3f} | {best['this tree']:.3f} | "

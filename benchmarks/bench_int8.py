@@ -85,6 +85,15 @@ def build_at(rev: str | None, out: Path, march: str | None = None) -> ctypes.CDL
     return lib
 
 
+def builds(rev: str, tmp: Path, march: str | None = None) -> dict[str, ctypes.CDLL]:
+    """Revision ``rev``'s kernels and this tree's, built under ``tmp`` (this tree's: the loaded
+    library, unless built for another ``march``), keyed by ``rev`` and "this tree"."""
+    (tmp / "rev").mkdir(), (tmp / "tree").mkdir()
+    return {rev: build_at(rev, tmp / "rev" / "k.so", march),
+            "this tree": build_at(None, tmp / "tree" / "k.so", march) if march
+            else kernels.library()}
+
+
 def in_turns(libs: dict[str, ctypes.CDLL], time_ms: Callable[[], float], turns: int,
              rev: str) -> tuple[dict[str, float], float]:
     """``time_ms`` with each of ``libs`` as the C kernels, ``turns`` times in turns (the order
@@ -108,10 +117,7 @@ def against(rev: str, types: list[str], rows: list[int], march: str | None) -> N
     """This tree's int8 products (tiergen's int8 format) against revision ``rev``'s, taking
     turns."""
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "rev").mkdir(), (Path(tmp) / "tree").mkdir()
-        libs = {rev: build_at(rev, Path(tmp) / "rev" / "k.so", march),
-                "this tree": build_at(None, Path(tmp) / "tree" / "k.so", march)
-                if march else kernels.library()}
+        libs = builds(rev, Path(tmp), march)
         block = kernels.ACTIVATION_FORMATS["int8"][0]
         print(f"| type | matrix | rows | {rev} ms | this tree ms | speed-up (median of turns) |")
         print("|---|---|---|---|---|---|")

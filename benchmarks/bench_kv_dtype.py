@@ -1,5 +1,6 @@
 """The integer path's KV cache in float16 against float32, in turns in one process: a batch
-of random prompts generated with each, decode and total tokens/s, the median of the turns.
+of prompts generated with each (``tiergen.bench.run``), decode and total tokens/s, the
+median of the turns.
 
     python benchmarks/bench_kv_dtype.py [--models smollm2 gemma3-270m] [--batch 32]
         [--prompt-len 128] [--gen-len 64] [--turns 3]
@@ -12,8 +13,8 @@ import statistics
 
 import torch
 
-from tiergen import LLM, SamplingParams
-from tiergen.bench import cpu_description
+from tiergen import LLM
+from tiergen.bench import cpu_description, run
 
 
 def main() -> None:
@@ -27,36 +28,26 @@ def main() -> None:
     a = p.parse_args()
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}); batch {a.batch}, prompts of {a.prompt_len} "
-          f"random tokens, {a.gen_len} new")
+          f"tokens, {a.gen_len} new")
     print("| model | KV cache | decode tok/s | total tok/s | float16 / float32 (total, median "
           "of turns) |")
     print("|---|---|---|---|---|")
-    params = SamplingParams(max_tokens=a.gen_len, temperature=0, ignore_eos=True)
     for model in a.models:
         llm = LLM(model)
         assert llm.executor.kv_dtype == torch.float16, "not the integer path on a CPU"
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(100, llm.config.vocab_size, (a.batch, a.prompt_len),
-                            generator=g).tolist()
-        llm.generate(ids, params)  # warm-up
-        runs: dict[torch.dtype, list[tuple[float, float]]] = {torch.float16: [], torch.float32: []}
-        ratios = []
+        run(llm, a.batch, a.prompt_len, a.gen_len)  # warm-up
+        runs: dict[torch.dtype, list[dict]] = {torch.float16: [], torch.float32: []}
         for turn in range(a.turns):
-            took = {}
             for dtype in sorted(runs, key=str, reverse=turn % 2 == 1):
                 llm.executor.kv_dtype = dtype
-                llm.generate(ids, params)
-                s = llm.last_stats
-                total = s.decode_tokens + a.batch  # (the prompt's step gives each row one)
-                took[dtype] = s.prefill_seconds + s.decode_seconds
-                runs[dtype].append((s.decode_tokens / s.decode_seconds, total / took[dtype]))
-            ratios.append(took[torch.float32] / took[torch.float16])
+                runs[dtype].append(run(llm, a.batch, a.prompt_len, a.gen_len))
+        ratio = statistics.median(r32["seconds"] / r16["seconds"]
+                                  for r16, r32 in zip(runs[torch.float16], runs[torch.float32]))
         for dtype, r in runs.items():
-            decode = statistics.median(x for x, _ in r)
-            total = statistics.median(y for _, y in r)
-            ratio = f"{statistics.median(ratios):.2f}x" if dtype == torch.float16 else ""
+            decode = statistics.median(x["decode_tok_s"] for x in r)
+            total = statistics.median(x["total_tok_s"] for x in r)
             print(f"| {model} | {str(dtype).removeprefix('torch.')} | {decode:.1f} | {total:.1f} "
-                  f"| {ratio} |", flush=True)
+                  f"| {f'{ratio:.2f}x' if dtype == torch.float16 else ''} |", flush=True)
 
 
 if __name__ == "__main__":

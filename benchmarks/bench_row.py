@@ -26,7 +26,7 @@ from tiergen.bench import cpu_description
 from tiergen.weights.quant import GGMLType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_int8 import build_at, in_turns, random_packed  # noqa: E402
+from bench_int8 import builds, in_turns, random_packed  # noqa: E402
 from bench_widen import best_ms  # noqa: E402
 
 
@@ -81,10 +81,7 @@ def main() -> None:
 def against(rev: str, types: list[str], march: str | None) -> None:
     """One-row products, this tree's kernels against ``rev``'s, 2 threads, in turns."""
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "rev").mkdir(), (Path(tmp) / "tree").mkdir()
-        libs = {rev: build_at(rev, Path(tmp) / "rev" / "k.so", march),
-                "this tree": build_at(None, Path(tmp) / "tree" / "k.so", march)
-                if march else kernels.library()}
+        libs = builds(rev, Path(tmp), march)
         print(f"| type | matrix | {rev} ms | this tree ms | this tree GB/s | "
               f"speed-up (median of turns) |")
         print("|---|---|---|---|---|---|")

@@ -113,8 +113,7 @@ class RollingKVView(KVView):
                              sinks=sinks)
         key_slots = torch.cat([self._slots(meta.start, q.device),
                                torch.arange(meta.start, meta.end, device=q.device)])
-        out = attention(q, torch.cat([self.k.to(k.dtype), k], dim=2),
-                        torch.cat([self.v.to(v.dtype), v], dim=2),
+        out = attention(q, torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
                         self._mask(key_slots, meta), sinks=sinks)
         self._write(k, v, meta)
         return out

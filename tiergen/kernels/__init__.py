@@ -426,7 +426,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     where the library cannot take them."""
     B, H, T, D = q.shape
     kvh, S = k.shape[1], k.shape[2]
-    if (not _cpu_float32(q) or kv_half(k, v) is None or T != 1 or k.shape[0] != B
+    kv16 = kv_half(k, v)
+    if (not _cpu_float32(q) or kv16 is None or T != 1 or k.shape[0] != B
             or v.shape[:3] != k.shape[:3]
             or k.stride(-1) != 1 or v.stride(-1) != 1 or H % kvh
             or (mask is not None and mask.shape != (B, 1, 1, S))):
@@ -442,6 +443,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if lib.tg_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                None if mask is None else mask.data_ptr(), B, H, kvh, S, D,
                                v.shape[-1], strides, ctypes.byref(strides, 24), D**-0.5,
-                               kv_half(k, v), out.data_ptr()):
+                               kv16, out.data_ptr()):
         raise MemoryError("decode attention: out of memory for its score buffer")
     return out

@@ -39,8 +39,9 @@ class Experts:
         self.gate_up, self.down = gate_up, down
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
 
-    def announce(self, ids: list[int]) -> None:
-        """Experts ``ids`` will be fetched soon (a store may start reading them)."""
+    def announce(self, ids: torch.Tensor, local: range) -> None:
+        """The experts chosen in ``ids`` (global ids; this store holds ``local``) will be
+        fetched soon: a store may start reading them."""
 
     def fetch(self, ids: list[int]) -> None:
         """Experts ``ids`` are about to run (the others will not be asked for)."""
@@ -167,9 +168,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     ids, weights = route(cfg, x, w["router"], w.get("router_bias"), w.get("router_logit_bias"))
     if not cfg.shared_intermediate_size:
         return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
-    # the shared experts run while the routed ones are read
-    local = cfg.local_experts
-    w["experts"].announce([e - local.start for e in ids.unique().tolist() if e in local])
+    w["experts"].announce(ids, cfg.local_experts)  # read while the shared experts run
     shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
     if cfg.shared_gate:
         shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared

@@ -118,9 +118,14 @@ class OffloadedExperts(Experts):
         self._reading: dict[int, list[Future]] = {}  # experts whose reads are under way
         super().__init__(*(self.tensors.get(n) for n in NAMES))
 
-    def announce(self, ids: list[int]) -> None:
-        """Start reading the experts ``ids`` that are neither at hand nor in the cache (into
-        the cache where it has room, else into the buffers); :meth:`fetch` waits for them."""
+    def announce(self, ids: torch.Tensor, local: range) -> None:
+        if self.on_disk:
+            self._start([e - local.start for e in ids.unique().tolist() if e in local])
+
+    def _start(self, ids: list[int]) -> None:
+        """Start reading this layer's experts ``ids`` that are neither at hand nor in the
+        cache (into the cache where it has room, else into the buffers); :meth:`fetch` waits
+        for them."""
         for e in ids:
             if e in self.rows or not self.on_disk:
                 continue
@@ -144,7 +149,7 @@ class OffloadedExperts(Experts):
     def fetch(self, ids: list[int]) -> None:
         """Have the chosen experts at hand for this layer (micro-batches of a block share the
         reads): from the cache, else from disk."""
-        self.announce(ids)
+        self._start(ids)
         reading, self._reading = self._reading, {}
         failed = None
         for e, reads in reading.items():
