@@ -239,3 +239,40 @@ def test_expert_cache_defaults_to_half_the_host_budget_left(tmp_path):
     assert llm.executor.weight_plan.expert_cache == 32 * 2**20
     with pytest.raises(TiergenError, match="memory size"):
         Policy(experts="disk", expert_cache="lots")
+
+
+@pytest.mark.parametrize("shared_gate", [False, True], ids=["shared", "gated-shared"])
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_one_tokens_shared_expert_runs_in_the_routed_experts_call(shared_gate, kind,
+                                                                monkeypatch):
+    """At batch 1 the shared expert (here wider than the routed ones) runs last in the routed
+    experts' native call: the same numbers, to the bit, as the experts run one by one and
+    the shared expert apart, gated or not."""
+    from tiergen import kernels
+    from tiergen.config import MoEConfig
+    from tiergen.weights.packed import stack
+    from tiergen.weights.quant import GGMLType
+    from test_packed import random_packed
+
+    hidden, inter, shared, n = 128, 64, 96, 4
+    cfg = MoEConfig(num_experts=n, top_k=2, intermediate_size=inter,
+                    shared_intermediate_size=shared, shared_gate=shared_gate)
+    q4 = GGMLType.Q4_0
+    w = {"router": torch.randn(n, hidden, generator=torch.Generator().manual_seed(0)),
+         "experts": moe.Experts(
+             stack([random_packed(q4, 2 * inter, hidden, seed=e) for e in range(n)]),
+             stack([random_packed(q4, hidden, inter, seed=n + e) for e in range(n)])),
+         "shared_gate_up": random_packed(q4, 2 * shared, hidden, seed=2 * n),
+         "shared_down": random_packed(q4, hidden, shared, seed=2 * n + 1)}
+    if shared_gate:
+        w["shared_gate"] = torch.randn(1, hidden, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(2))
+    calls = []
+    one_call = moe.experts_row
+    monkeypatch.setattr(moe, "experts_row", lambda *a: calls.append(len(a[1])) or one_call(*a))
+    with kernels.activations_set(kind):
+        fused = moe.moe_mlp(cfg, w, x)
+        assert calls == [cfg.top_k + 1]
+        monkeypatch.setattr(moe, "_one_token", lambda *a: None)
+        apart = moe.moe_mlp(cfg, w, x)
+    assert torch.equal(fused, apart)

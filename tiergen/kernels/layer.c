@@ -152,16 +152,20 @@ done:
     return err;
 }
 
-/* One token's routed experts in one call: out (hidden) = the sum over e < E, in order, of
+/* One token's experts in one call: out (hidden) = the sum over e < E, in order, of
  * mix[e] * down_e(act(gate_up_e(x))) for the row x (hidden), with the products and the GLU of
- * the layer above (L gives hidden, inter, gelu, qa and wide; mats holds gate_up_0, down_0,
- * gate_up_1, down_1, ...). At batch 1 a mixture of experts runs two products per chosen
- * expert, and calling them one by one from Python costs about as much as the products of a
- * small expert. Returns as tg_decode_layer. */
+ * the layer above (L gives hidden, gelu, qa and wide; mats holds gate_up_0, down_0,
+ * gate_up_1, down_1, ...; each expert's intermediate size is its down matrix's width, so a
+ * wider shared expert can come last). At batch 1 a mixture of experts runs two products per
+ * chosen expert, and calling them one by one from Python costs about as much as the products
+ * of a small expert. Returns as tg_decode_layer. */
 __attribute__((optimize("fp-contract=off")))  /* each term rounded before it is added */
 int tg_experts_row(const tg_layer *L, const int64_t *const *mats, int64_t E, const float *mix,
                    const float *x, float *out) {
-    const int64_t H = L->hidden, I = L->inter, widest = H > I ? H : I;
+    int64_t I = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (mats[2 * e + 1][1] > I) I = mats[2 * e + 1][1];
+    const int64_t H = L->hidden, widest = H > I ? H : I;
     float *buf = malloc(sizeof(float) * (3 * I + H + widest / 4 + widest / 16) + 2 * widest + 64);
     if (buf == NULL) return 2;
     float *gu = buf, *act = gu + 2 * I, *y = act + I;
@@ -173,7 +177,7 @@ int tg_experts_row(const tg_layer *L, const int64_t *const *mats, int64_t E, con
     memset(out, 0, sizeof(float) * H);
     for (int64_t e = 0; e < E; e++) {
         if ((err = product(L, mats[2 * e], x, 1, gu, NULL, &a))) break;
-        tg_glu(gu, 1, I, L->gelu, act);
+        tg_glu(gu, 1, mats[2 * e + 1][1], L->gelu, act);
         if ((err = product(L, mats[2 * e + 1], act, 1, y, NULL, &a))) break;
         for (int64_t i = 0; i < H; i++) {
             out[i] += mix[e] * y[i];

@@ -120,10 +120,11 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
 
 def experts_row(x: torch.Tensor, experts: list[tuple[Packed, Packed]], mix: list[float]
                 ) -> torch.Tensor | None:
-    """One token's routed experts in one native call (``tg_experts_row``): the sum of
+    """One token's experts in one native call (``tg_experts_row``): the sum, in order, of
     ``mix[e]`` times expert e's SwiGLU MLP of x (1, hidden), each expert a (gate_up, down)
-    pair of packed matrices on the CPU. None where the C kernels cannot take them; then the
-    experts run one by one, which computes the same numbers."""
+    pair of packed matrices on the CPU (of any intermediate size: a shared expert can be one).
+    None where the C kernels cannot take them; then the experts run one by one, which
+    computes the same numbers."""
     if not (_usable(x) and x.shape[0] == 1):
         return None
     mats = [m for pair in experts for m in pair]
@@ -133,8 +134,8 @@ def experts_row(x: torch.Tensor, experts: list[tuple[Packed, Packed]], mix: list
     if lib is None:
         return None
     qa, wide = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or (0, False)
-    hidden, inter = x.shape[1], experts[0][1].shape[1]
-    layer = _Layer(hidden=hidden, inter=inter, qa=qa, wide=int(wide))
+    hidden = x.shape[1]
+    layer = _Layer(hidden=hidden, qa=qa, wide=int(wide))
     arrays = [kernels.matrix_descriptor(m) for m in mats]
     table = (ctypes.c_void_p * len(arrays))(*(ctypes.addressof(a) for a in arrays))
     weights = (ctypes.c_float * len(mix))(*mix)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergen.config import ModelConfig, MoEConfig
+from tiergen.kernels import integer_kernels_take
 from tiergen.kernels.layer import experts_row
 from tiergen.models.layers import cat_rows, linear, swiglu_mlp
 from tiergen.weights.moe_names import checkpoint_names
@@ -136,10 +137,11 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 def _one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
-               cfg: MoEConfig) -> torch.Tensor | None:
+               cfg: MoEConfig, shared: tuple[torch.Tensor, ...] = ()) -> torch.Tensor | None:
     """:func:`routed_experts` for one token whose experts the C kernels take (packed, on the
     CPU, SwiGLU without biases) in one native call, experts in the order the general path
-    adds them; None for any other."""
+    adds them, then the ``shared`` expert (gate_up, down, its weight: (1, 1)) if given;
+    None for any other."""
     if cfg.expert_act != "silu" or x.device.type != "cpu":
         return None
     local = cfg.local_experts
@@ -153,7 +155,11 @@ def _one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
         if gate_up_bias is not None or down_bias is not None:
             return None
         pairs.append((gate_up, down))
-    out = experts_row(x, pairs, [m for _, m in chosen])
+    mix = [m for _, m in chosen]
+    if shared:
+        pairs.append(shared[:2])
+        mix.append(shared[2].item())
+    out = experts_row(x, pairs, mix)
     return None if out is None else out.to(x.dtype)
 
 
@@ -168,10 +174,17 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     ids, weights = route(cfg, x, w["router"], w.get("router_bias"), w.get("router_logit_bias"))
     if not cfg.shared_intermediate_size:
         return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
+    gate = torch.sigmoid(linear(x, w["shared_gate"])) if cfg.shared_gate else torch.ones(1, 1)
+    if len(x) == 1 and all(map(integer_kernels_take, (w["shared_gate_up"], w["shared_down"]))):
+        # one token: the shared expert in the routed experts' native call, after them
+        out = _one_token(x, ids, weights, w["experts"], cfg,
+                         (w["shared_gate_up"], w["shared_down"], gate))
+        if out is not None:
+            return out.view(shape)
     w["experts"].announce(ids, cfg.local_experts)  # read while the shared experts run
     shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
     if cfg.shared_gate:
-        shared = torch.sigmoid(linear(x, w["shared_gate"])) * shared
+        shared = gate * shared
     return (routed_experts(x, ids, weights, w["experts"], cfg) + shared).view(shape)
 
 
