@@ -17,7 +17,7 @@ built once in --dir.
 
 With --repeat N every engine runs N times, the engines in turns (this machine's speed drifts
 between runs; turns see the same drift), and the table gives each one's median run by step
-time.
+time, then the ratio of each turn and their median.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -300,8 +301,8 @@ def main() -> None:
     # llama.cpp by default copies Q4_0 weights into its repacked CPU layout (anonymous memory,
     # so the whole model must fit the budget); --no-repack multiplies them in the map
     runs: dict[str, list[dict]] = {e: [] for e in a.engines}
-    for _ in range(a.repeat):
-        for e in a.engines:
+    for turn in range(a.repeat):  # the order alternating, so that neither always goes first
+        for e in a.engines[::-1] if turn % 2 else a.engines:
             runs[e].append(run(a, e, group))
     results = {e: median_run(r) for e, r in runs.items()}
     print("| engine | decode tok/s | s per step | GB read per step | GB routed per step | "
@@ -325,6 +326,11 @@ def main() -> None:
             if all(e in results and "error" not in results[e] for e in (ours, peer)):
                 print(f"{ours} / {peer} decode: "
                       f"{results[peer]['step_s'] / results[ours]['step_s']:.2f}x")
+                turns = [p["step_s"] / o["step_s"] for o, p in zip(runs[ours], runs[peer])
+                         if "error" not in o and "error" not in p]
+                if len(turns) > 1:
+                    print(f"  turn by turn: {', '.join(f'{r:.2f}x' for r in turns)}; median "
+                          f"{statistics.median(turns):.2f}x")
 
 
 if __name__ == "__main__":
