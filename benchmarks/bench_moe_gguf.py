@@ -7,7 +7,8 @@ experts from disk only when routed (``Policy(experts="disk")``, packed Q4_0), ke
 read in its expert cache (half of what the budget leaves; also run without it); llama.cpp maps
 the file (``use_mmap``), with its default repacking of Q4_0 weights into anonymous memory
 and without it (``--no-repack``). Reported: decode tokens/s of one prompt, bytes read per
-decode step, and for tiergen the bytes of the experts its tokens routed to and its cache's
+decode step, minor page faults per step (memory touched for the first time, or a mapped
+file's pages), and for tiergen the bytes of the experts its tokens routed to and its cache's
 hits. The file (random weights, a placeholder vocabulary, llama.cpp's deepseek2 layout) is
 built once in --dir.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -170,7 +172,7 @@ def child_tiergen(a: argparse.Namespace) -> dict:
     marks, forward = [], llm.executor.forward_block
 
     def marking(*args, **kwargs):
-        marks.append((read_bytes(), routed[0]))
+        marks.append((read_bytes(), routed[0], minor_faults()))
         return forward(*args, **kwargs)
 
     llm.executor.forward_block = marking
@@ -179,10 +181,11 @@ def child_tiergen(a: argparse.Namespace) -> dict:
     steps = a.gen_len - 1
     read = (read_bytes() - marks[1][0]) / steps
     routed_per_step = (routed[0] - marks[1][1]) / steps
+    faults = (minor_faults() - marks[1][2]) / steps
     step_s = llm.last_stats.decode_seconds / steps
     cache = llm.executor.weights.expert_cache
     return dict(load_s=load, step_s=step_s, read_per_step=read, routed_per_step=routed_per_step,
-                rss=rss_peak(), tokens=out[0].token_ids, cache_gb=cache.capacity / 1e9,
+                faults_per_step=faults, rss=rss_peak(), tokens=out[0].token_ids, cache_gb=cache.capacity / 1e9,
                 hit_rate=cache.hits / max(cache.hits + cache.misses, 1))
 
 
@@ -206,13 +209,20 @@ def child_llamacpp(a: argparse.Namespace) -> dict:
     load = time.perf_counter() - t
     llm.eval(prompts(1, a.prompt_len, VOCAB)[0])
     tokens = [int(llm.scores[llm.n_tokens - 1].argmax())]
-    before, t = read_bytes(), time.perf_counter()
+    before, faults, t = read_bytes(), minor_faults(), time.perf_counter()
     for _ in range(a.gen_len - 1):
         llm.eval([tokens[-1]])
         tokens.append(int(llm.scores[llm.n_tokens - 1].argmax()))
     steps = a.gen_len - 1
     return dict(load_s=load, step_s=(time.perf_counter() - t) / steps,
-                read_per_step=(read_bytes() - before) / steps, rss=rss_peak(), tokens=tokens)
+                read_per_step=(read_bytes() - before) / steps,
+                faults_per_step=(minor_faults() - faults) / steps, rss=rss_peak(), tokens=tokens)
+
+
+def minor_faults() -> int:
+    """Page faults of this process served without reading storage: memory first touched,
+    or a file's pages mapped from the page cache."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def in_cgroup(limit: str) -> str | None:
@@ -306,17 +316,18 @@ def main() -> None:
             runs[e].append(run(a, e, group))
     results = {e: median_run(r) for e, r in runs.items()}
     print("| engine | decode tok/s | s per step | GB read per step | GB routed per step | "
-          "expert cache | peak RSS GB |")
-    print("|---|---|---|---|---|---|---|")
+          "expert cache | minor faults per step | peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|")
     for engine, r in results.items():
         if "error" in r:
-            print(f"| {engine} | failed: {r['error']} | | | | | |")
+            print(f"| {engine} | failed: {r['error']} | | | | | | |")
             continue
         routed = f"{r['routed_per_step'] / 1e9:.3f}" if "routed_per_step" in r else "-"
         cache = (f"{r['cache_gb']:.2f} GB, {100 * r['hit_rate']:.0f} % hits in the run"
                  if "cache_gb" in r else "-")
         print(f"| {engine} | {1 / r['step_s']:.2f} | {r['step_s']:.3f} | "
-              f"{r['read_per_step'] / 1e9:.3f} | {routed} | {cache} | {r['rss'] / 1e9:.2f} |")
+              f"{r['read_per_step'] / 1e9:.3f} | {routed} | {cache} | "
+              f"{r['faults_per_step']:,.0f} | {r['rss'] / 1e9:.2f} |")
     if a.repeat > 1:
         for engine, r in results.items():
             if "step_times" in r:
