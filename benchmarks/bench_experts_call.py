@@ -1,7 +1,8 @@
-"""A token's routed experts in one native call against the same experts run one by one, on
-the DeepSeek-V3-shaped Q4_0 GGUF of ``bench_moe_gguf.py`` built with --experts experts (all
-resident): decode milliseconds a step of one prompt, each way --turns times in turns in one
-process, and the medians. --against REV adds the one call of a git revision's kernels (built
+"""A token's experts in one native call against the same experts run one by one, on the
+DeepSeek-V3-shaped Q4_0 GGUF of ``bench_moe_gguf.py`` built with --experts experts (all
+resident), and against the routed experts in one call with the shared expert computed apart:
+decode milliseconds a step of one prompt, each way --turns times in turns in one process,
+and the medians. --against REV adds the one call of a git revision's kernels (built
 here; its packed-matrix descriptors must be this tree's) as a third way.
 
     python benchmarks/bench_experts_call.py [--experts 16] [--dir /var/tmp/tiergen-moe16] [--turns 4]
@@ -40,7 +41,8 @@ def main() -> None:
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     llm.generate(prompt, params)  # warm-up
     one_call, this = moe._one_token, kernels.library()
-    ways = {"one call": (one_call, this), "one by one": (lambda *a: None, this)}
+    ways = {"one call": (one_call, this), "one by one": (lambda *a, **k: None, this),
+            "shared expert apart": (lambda *a, shared=(): None if shared else one_call(*a), this)}
     if args.against:
         built = tempfile.TemporaryDirectory()  # (removed at exit)
         tmp = Path(built.name) / "rev"  # (build_at writes its sources beside it)
@@ -57,7 +59,9 @@ def main() -> None:
     for name, ms in took.items():
         print(f"{name}: ms a decode step {[round(t, 1) for t in ms]}, median "
               f"{statistics.median(ms):.1f}")
-    print(f"one call: {statistics.median(took['one by one']) / statistics.median(took['one call']):.2f}x")
+    for other in ("one by one", "shared expert apart"):
+        print(f"one call against {other}: "
+              f"{statistics.median(took[other]) / statistics.median(took['one call']):.2f}x")
     if args.against:
         rev = statistics.median(took[f"one call at {args.against}"])
         print(f"this tree against {args.against}: {rev / statistics.median(took['one call']):.2f}x")

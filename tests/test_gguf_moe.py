@@ -254,7 +254,7 @@ def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activat
                   policy=Policy(**policy, offload_dir=tmp_path))
         fused = llm.generate([PROMPTS[1]], params)[0]
         with monkeypatch.context() as m:
-            m.setattr(moe, "_one_token", lambda *a: None)
+            m.setattr(moe, "_one_token", lambda *a, **k: None)
             alone = llm.generate([PROMPTS[1]], params)[0]
         assert fused.token_ids == alone.token_ids
         assert [{t: p.logprob for t, p in e.items()} for e in fused.logprobs] == \

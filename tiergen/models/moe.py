@@ -142,7 +142,8 @@ def _one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     CPU, SwiGLU without biases) in one native call, experts in the order the general path
     adds them, then the ``shared`` expert (gate_up, down, its weight: (1, 1)) if given;
     None for any other."""
-    if cfg.expert_act != "silu" or x.device.type != "cpu":
+    if (cfg.expert_act != "silu" or x.device.type != "cpu"
+            or not all(map(integer_kernels_take, shared[:2]))):
         return None
     local = cfg.local_experts
     chosen = sorted((e, m) for e, m in zip(ids[0].tolist(), weights[0].tolist()) if e in local)
@@ -175,12 +176,10 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     if not cfg.shared_intermediate_size:
         return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
     gate = torch.sigmoid(linear(x, w["shared_gate"])) if cfg.shared_gate else torch.ones(1, 1)
-    if len(x) == 1 and all(map(integer_kernels_take, (w["shared_gate_up"], w["shared_down"]))):
-        # one token: the shared expert in the routed experts' native call, after them
-        out = _one_token(x, ids, weights, w["experts"], cfg,
-                         (w["shared_gate_up"], w["shared_down"], gate))
-        if out is not None:
-            return out.view(shape)
+    # one token: the shared expert in the routed experts' native call, after them
+    if len(x) == 1 and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
+            w["shared_gate_up"], w["shared_down"], gate))) is not None:
+        return out.view(shape)
     w["experts"].announce(ids, cfg.local_experts)  # read while the shared experts run
     shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
     if cfg.shared_gate:
