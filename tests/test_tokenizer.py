@@ -270,6 +270,26 @@ def test_spm_flags_and_ids(spm: Tokenizer, spm_meta: dict) -> None:
     assert no_bos.encode("the fox") == [*spm.encode("the fox")[1:], 2]
 
 
+def test_spm_merges_are_kept_for_the_next_load(spm_meta: dict, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """SentencePiece merges, found once, are read back from the cache directory at the next
+    load (the same tokens); a damaged file there is found again and replaced."""
+    import numpy as np
+
+    monkeypatch.setenv("TIERGEN_CACHE", str(tmp_path))
+    want = [_tokenizer(spm_meta).encode(t) for t in SPM_TEXTS]
+    [kept] = (tmp_path / "tokenizers").glob("merges-*.npy")
+    merges = np.load(kept)
+    assert len(merges) > 0
+    assert [_tokenizer(spm_meta).encode(t) for t in SPM_TEXTS] == want
+    np.save(kept, merges[:0])  # no merges at all: a load that reads the file shows it
+    assert [_tokenizer(spm_meta).encode(t) for t in SPM_TEXTS] != want
+    kept.write_bytes(b"not an array")
+    assert [_tokenizer(spm_meta).encode(t) for t in SPM_TEXTS] == want
+    assert np.array_equal(np.load(kept), merges)
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # nothing half-written
+
+
 def test_gguf_metadata_without_tokenizer() -> None:
     assert Tokenizer.from_gguf_metadata({"general.architecture": "llama"}) is None
 

@@ -9,6 +9,7 @@ incremental decoding for streaming.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -21,11 +22,13 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tiergen.errors import TiergenError
+from tiergen.paths import cache_dir, written_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -507,8 +510,22 @@ def _sentencepiece_merges(tokens: Sequence[str], types: Sequence[int],
     """BPE merges equivalent to SentencePiece's rule "merge the pair whose union scores best".
 
     Every normal token that splits into two normal tokens yields a merge, ranked by the score of
-    the merged token (ties: longer left part first, as transformers orders them).
+    the merged token (ties: longer left part first, as transformers orders them). Finding them
+    takes seconds in Python for a vocabulary of 262k (Gemma 3), so they are kept in the cache
+    directory under a hash of the vocabulary, as token ids, for the next load.
     """
+    key = hashlib.sha256(b"sentencepiece-merges 1\0")
+    key.update("\0".join(tokens).encode("utf-8", "surrogatepass"))
+    key.update(np.asarray(types, dtype=np.int32).tobytes())
+    key.update(np.asarray(scores, dtype=np.float32).tobytes())
+    path = cache_dir() / "tokenizers" / f"merges-{key.hexdigest()[:32]}.npy"
+    try:
+        ids = np.load(path)
+        if ids.ndim == 2 and ids.shape[1] == 2:
+            return list(zip(map(tokens.__getitem__, ids[:, 0].tolist()),
+                            map(tokens.__getitem__, ids[:, 1].tolist())))
+    except (OSError, ValueError, IndexError):
+        pass  # not there yet (or unreadable): found below, and kept
     normal = {t: i for t, i in _vocab_dict(tokens).items() if types[i] == _NORMAL}
     ranked = []
     for token, index in normal.items():
@@ -518,7 +535,14 @@ def _sentencepiece_merges(tokens: Sequence[str], types: Sequence[int],
         ranked.extend((-float(scores[index]), -len(left), -len(right), left, right)
                       for left, right in pieces)
     ranked.sort(key=lambda r: r[:3])
-    return [(left, right) for *_, left, right in ranked]
+    merges = [(left, right) for *_, left, right in ranked]
+    try:
+        with written_atomically(path, "the tokenizer's merges") as out:
+            np.save(out, np.array([(normal[a], normal[b]) for a, b in merges],
+                                  dtype=np.int32).reshape(-1, 2))
+    except TiergenError as e:  # a cache that cannot be written costs the next load time only
+        logger.debug("%s", e)
+    return merges
 
 
 def _sentencepiece_bpe(tokens: Sequence[str], types: Sequence[int],
