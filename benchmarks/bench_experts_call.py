@@ -3,7 +3,7 @@ DeepSeek-V3-shaped Q4_0 GGUF of ``bench_moe_gguf.py`` built with --experts exper
 resident), and against the routed experts in one call with the shared expert computed apart:
 decode milliseconds a step of one prompt, each way --turns times in turns in one process,
 and the medians. --against REV adds the one call of a git revision's kernels (built
-here; its packed-matrix descriptors must be this tree's) as a third way.
+here; its packed-matrix descriptors must be this tree's) as a fourth way.
 
     python benchmarks/bench_experts_call.py [--experts 16] [--dir /var/tmp/tiergen-moe16] [--turns 4]
         [--against REV]
@@ -42,7 +42,8 @@ def main() -> None:
     llm.generate(prompt, params)  # warm-up
     one_call, this = moe._one_token, kernels.library()
     ways = {"one call": (one_call, this), "one by one": (lambda *a, **k: None, this),
-            "shared expert apart": (lambda *a, shared=(): None if shared else one_call(*a), this)}
+            "shared expert apart": (lambda *a, shared=None: None if shared else one_call(*a),
+                                    this)}
     if args.against:
         built = tempfile.TemporaryDirectory()  # (removed at exit)
         tmp = Path(built.name) / "rev"  # (build_at writes its sources beside it)

@@ -137,13 +137,15 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 def _one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts,
-               cfg: MoEConfig, shared: tuple[torch.Tensor, ...] = ()) -> torch.Tensor | None:
+               cfg: MoEConfig, shared: tuple[Packed, Packed, float] | None = None
+               ) -> torch.Tensor | None:
     """:func:`routed_experts` for one token whose experts the C kernels take (packed, on the
     CPU, SwiGLU without biases) in one native call, experts in the order the general path
-    adds them, then the ``shared`` expert (gate_up, down, its weight: (1, 1)) if given;
+    adds them, then the ``shared`` expert (gate_up, down, its weight) if given (checked
+    first: where it cannot join, the caller reads the routed experts while it computes);
     None for any other."""
     if (cfg.expert_act != "silu" or x.device.type != "cpu"
-            or not all(map(integer_kernels_take, shared[:2]))):
+            or (shared and not all(map(integer_kernels_take, shared[:2])))):
         return None
     local = cfg.local_experts
     chosen = sorted((e, m) for e, m in zip(ids[0].tolist(), weights[0].tolist()) if e in local)
@@ -159,7 +161,7 @@ def _one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     mix = [m for _, m in chosen]
     if shared:
         pairs.append(shared[:2])
-        mix.append(shared[2].item())
+        mix.append(shared[2])
     out = experts_row(x, pairs, mix)
     return None if out is None else out.to(x.dtype)
 
@@ -175,14 +177,15 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     ids, weights = route(cfg, x, w["router"], w.get("router_bias"), w.get("router_logit_bias"))
     if not cfg.shared_intermediate_size:
         return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
-    gate = torch.sigmoid(linear(x, w["shared_gate"])) if cfg.shared_gate else torch.ones(1, 1)
+    gate = torch.sigmoid(linear(x, w["shared_gate"])) if cfg.shared_gate else None
     # one token: the shared expert in the routed experts' native call, after them
     if len(x) == 1 and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
-            w["shared_gate_up"], w["shared_down"], gate))) is not None:
+            w["shared_gate_up"], w["shared_down"], 1.0 if gate is None else gate.item()))
+            ) is not None:
         return out.view(shape)
     w["experts"].announce(ids, cfg.local_experts)  # read while the shared experts run
     shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
-    if cfg.shared_gate:
+    if gate is not None:
         shared = gate * shared
     return (routed_experts(x, ids, weights, w["experts"], cfg) + shared).view(shape)
 
