@@ -877,9 +877,6 @@ int64_t tg_tile_bytes(int64_t n, int64_t k) { return tile_at((n + TR - 1) / TR *
                     if (kept) {                                                               \
                         tile[j] = kept + tile_at(rj, k0, k);                                  \
                         as[j] = (const float *)(tile[j] + len * TR), cs[j] = as[j] + len / SB * TR; \
-                        /* the next tile on its way to the cache while this one is in use */ \
-                        for (int64_t b = 0; b < len * TR / 2 * 3; b += 64)                    \
-                            __builtin_prefetch(tile[j] + len * TR / 2 * 3 + b, 0, 2);         \
                     } else {                                                                  \
                         NAME##_tile(w, n, k / QK, rj, k0, len, built[j], bas[j], bcs[j], rows); \
                         tile[j] = built[j], as[j] = bas[j], cs[j] = bcs[j];                   \
