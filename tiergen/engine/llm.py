@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen import calibration
+from tiergen._platform import release_freed_memory
 from tiergen.devices import resolve_activations, resolve_device, resolve_dtype
 from tiergen.engine.executor import Executor, MicroBatch, RunStats
 from tiergen.engine.generate import (DEFAULT_PREFILL_CHUNK, Sequence, StepEvent, chunks,
@@ -194,6 +195,7 @@ class LLM:
         self._replica: Replica | None = None  # a server's micro-batches, on other ranks
         if self.group is None:
             self.executor = executor()
+            release_freed_memory()
         else:
             try:
                 self.executor = self.group.agree(executor, patient=True)

@@ -283,6 +283,10 @@ class TieredWeights:
                 layer = produce(j)
             self.resident.append({n: (t.to(device) if tiers[n] == "device" else
                                       t.pin_memory() if pin else t) for n, t in layer.items()})
+        # what loading read from a mapped file only to make other tensors of goes back
+        page_out = getattr(source, "page_out_unused", None)
+        if page_out is not None:
+            page_out([t for ws in (self.globals, *self.resident) for t in ws.values()])
         # Two buffer sets stream disk tensors; routed experts read from disk share one set.
         self.streamed = [[n for n, t in tiers.items() if t == "disk" and not is_expert(n)]
                          for tiers in self.tiers]

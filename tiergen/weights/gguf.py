@@ -181,6 +181,11 @@ class GGUFFile:
             self._whole: torch.Tensor | None = None  # the map as one tensor, made on first use
         self._check_tensor_ranges(size)
 
+    @property
+    def data(self) -> np.memmap | None:
+        """The map over the whole file (None once closed)."""
+        return self._data
+
     def drop_vocabulary(self) -> None:
         """Forget the tokenizer's arrays once a Tokenizer holds them: as Python strings they
         take about 10 MB of resident memory for a 49k-token vocabulary."""

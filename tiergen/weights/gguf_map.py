@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from tiergen.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf import GGUFFile, GGUFTensorInfo
+from tiergen.weights.mapped import page_out_unused
 from tiergen.weights.moe_names import checkpoint_names
 from tiergen.weights.packed import PACKED_TYPES, Packed, narrow, packed_like
 from tiergen.weights.quant import FLOAT_TYPES, GGMLType, dequantize, tensor_nbytes
@@ -446,3 +447,8 @@ class GGUFSource:
         """Rows or columns ``rows`` of :meth:`get`'s tensor (packed rows: a view of the
         mapped file)."""
         return narrow(self.get(name), dim, rows)
+
+    def page_out_unused(self, live: Iterable[object]) -> int:
+        """Hand back the file's pages that no tensor of ``live`` reads
+        (:func:`tiergen.weights.mapped.page_out_unused`)."""
+        return page_out_unused(self.file.data, live) if self.file.data is not None else 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from tiergen.errors import TiergenError
 from tiergen.paths import cache_dir, written_atomically
+from tiergen.weights.mapped import page_out_unused
 from tiergen.weights.packed import Packed, narrow, packed_like
 from tiergen.weights.quant import QK_K, GGMLType, ggml_type_sizes, tensor_nbytes
 
@@ -295,6 +297,13 @@ class QuantizedSource:
         if name not in self._entries:
             return self.source.get_slice(name, dim, rows)
         return narrow(self.get(name), dim, rows)
+
+    def page_out_unused(self, live: Iterable[object]) -> int:
+        """Hand back this file's pages, and the checkpoint's, that no tensor of ``live``
+        reads (:func:`tiergen.weights.mapped.page_out_unused`)."""
+        live = list(live)
+        inner = getattr(self.source, "page_out_unused", None)
+        return page_out_unused(self._data, live) + (inner(live) if inner else 0)
 
     def meta(self, name: str) -> Packed | None:
         entry = self._entries.get(name)
