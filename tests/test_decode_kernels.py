@@ -51,6 +51,28 @@ def test_rope(B, H, T, D, torch_path):
     close(layers.apply_rope(x, cos, sin), torch_path(layers.apply_rope, x, cos, sin))
 
 
+@pytest.mark.parametrize("B,H,T,D", [(1, 9, 1, 64), (2, 3, 5, 64), (3, 2, 4, 6)])
+def test_rope_in_pairs_is_the_half_split_rope_in_llama_cpp_order(B, H, T, D, torch_path):
+    """Q/K rows as llama.cpp stores Llama's (each head's rotary pairs side by side), rotated
+    in pairs, give the half-split rotation of the same rows in Hugging Face's order, to the
+    bit, on the C path and on torch's."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    cos, sin = layers.rope_cos_sin(inv_freq, torch.randint(0, 500, (B, T), generator=g),
+                                   torch.float32)
+
+    def in_pairs(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack((t[..., :D // 2], t[..., D // 2:]), dim=-1).flatten(-2)
+
+    stored = in_pairs(x)
+    assert kernels.rope(stored, cos, sin, pairs=True) is not None
+    assert torch.equal(layers.apply_rope(stored, cos, sin, pairs=True),
+                       in_pairs(layers.apply_rope(x, cos, sin)))
+    assert torch.equal(torch_path(layers.apply_rope, stored, cos, sin, pairs=True),
+                       in_pairs(torch_path(layers.apply_rope, x, cos, sin)))
+
+
 @pytest.mark.parametrize("H,KVH,D,Dv", [(9, 3, 64, 64), (4, 1, 72, 40), (2, 2, 16, 16),
                                         (8, 2, 128, 128), (4, 1, 256, 256)],
                          ids=["gqa", "mqa-latent-like", "mha", "gqa-128", "mqa-256"])

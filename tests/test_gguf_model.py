@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
 from tiergen import LLM, SamplingParams
-from tiergen.weights.gguf_map import GLOBAL_NAMES, LAYER_NAMES, unpermute_qk
+from tiergen.weights.gguf_map import GLOBAL_NAMES, LAYER_NAMES
 from gguf_writer import write_gguf
 from tiny_models import build
 
@@ -34,10 +36,16 @@ def write_model_gguf(hf, arch: str, path, qtype: gguf.GGMLQuantizationType) -> N
     write_gguf(hf, arch, path, HF_TO_GGUF, c.rope_parameters["rope_theta"], qtype, permute_qk)
 
 
-def test_unpermute_inverts_llama_cpp():
-    w = np.arange(4 * 6 * 8 * 3, dtype=np.float32).reshape(4 * 6 * 2, 12)[:48]
-    back = unpermute_qk(torch.from_numpy(llama_cpp_permute(w, 4).copy()), 4)
-    assert torch.equal(back, torch.from_numpy(w))
+def as_stored(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
+    """A fused layer tensor of the Hugging Face model with its Q and K rows in llama.cpp's
+    order, as tiergen multiplies them from a Llama GGUF (``RopeConfig.pairs``)."""
+    if not cfg.rope.pairs or name not in ("qkv", "qkv_bias"):
+        return t
+    q, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    w = t.numpy()
+    return torch.from_numpy(np.concatenate([llama_cpp_permute(w[:q], cfg.num_heads),
+                                            llama_cpp_permute(w[q:q + k], cfg.num_kv_heads),
+                                            w[q + k:]]))
 
 
 @pytest.mark.parametrize("case", sorted(GGUF_ARCH))
@@ -49,11 +57,12 @@ def test_gguf_loads_same_weights(case, qtype, tmp_path):
     from_dir = LLM(tmp_path / "hf", dtype="float32").executor
     from_gguf = LLM(path, dtype="float32", packed=False).executor  # weights decoded at load
     assert _same_shape_config(from_gguf.cfg, from_dir.cfg)
+    assert from_gguf.cfg.rope.pairs == (GGUF_ARCH[case] == "llama") and not from_dir.cfg.rope.pairs
     # F32 is exact; F16 and Q8_0 are within their rounding of the original weights.
     atol = {"F32": 0.0, "F16": 1e-3, "Q8_0": 5e-3}[qtype]
     for a, b in zip(from_gguf.weights.resident, from_dir.weights.resident):
         for k in b:
-            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0)
+            torch.testing.assert_close(a[k], as_stored(k, b[k], from_gguf.cfg), atol=atol, rtol=0)
     for k in from_dir.globals:
         torch.testing.assert_close(from_gguf.globals[k], from_dir.globals[k], atol=atol, rtol=0)
     if qtype == "F32":
@@ -67,7 +76,8 @@ def _same_shape_config(a, b) -> bool:
     """GGUF carries no EOS/BOS for these token-less files and stores eps as float32;
     everything else must agree."""
     fields = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-              "num_heads", "num_kv_heads", "head_dim", "max_position", "rope",
+              "num_heads", "num_kv_heads", "head_dim", "max_position",
               "tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm")
     return (all(getattr(a, f) == getattr(b, f) for f in fields)
+            and replace(a.rope, pairs=False) == replace(b.rope, pairs=False)
             and a.rms_norm_eps == pytest.approx(b.rms_norm_eps, rel=1e-6))

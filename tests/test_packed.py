@@ -106,14 +106,11 @@ def test_mixed_types_fuse_into_parts(kernel_path):
     torch.testing.assert_close(x @ dense.T, want, rtol=1e-5, atol=1e-5)
 
 
-def test_embedding_rows_and_permutation():
+def test_embedding_rows():
     w = cat_rows([random_packed(GGMLType.Q8_0, 10, 64, 4), random_packed(GGMLType.Q4_1, 6, 64, 5)])
     dense = w.dequantize()
     ids = torch.tensor([[15, 0, 9], [10, 10, 3]])
     torch.testing.assert_close(w.rows(ids, torch.float32), dense[ids], rtol=0, atol=0)
-    single = random_packed(GGMLType.Q5_0, 8, 64, 6)
-    perm = torch.tensor([3, 1, 0, 2, 7, 6, 5, 4])
-    assert torch.equal(single.permute_rows(perm).dequantize(), single.dequantize()[perm])
 
 
 def test_experts_stack_into_one_packed_tensor():
@@ -203,17 +200,15 @@ def test_integer_path_is_the_same_through_every_tier(packed_gguf, policy, tmp_pa
 
 
 def test_packed_weights_on_disk_are_read_from_the_gguf(packed_gguf, tmp_path):
-    """On the disk tier a GGUF's blocks are read where they lie in the file; only the fused
-    q/k/v, whose Q and K rows llama.cpp permuted, is converted."""
+    """On the disk tier a GGUF's blocks are read where they lie in the file, nothing converted:
+    Q and K rows too, multiplied in llama.cpp's order (RopeConfig.pairs)."""
     path, tokens, _ = packed_gguf
     llm = LLM(path, dtype="float32", activations="float32",
               policy=Policy(weights=(0, 0), offload_dir=tmp_path))
     disk = llm.executor.weights.disk
-    assert {k.split("/")[1] for k in disk.converted.entries} == {"qkv"}
-    assert {k.split("/")[1] for k in disk.entries} == {"input_norm", "post_norm", "o", "gate_up",
-                                                      "down"}
-    converted = sum(f.stat().st_size for f in tmp_path.rglob("*.bin"))
-    assert converted == sum(e["nbytes"] for e in disk.converted.entries.values())
+    assert disk.converted is None and not list(tmp_path.rglob("*.bin"))
+    assert {k.split("/")[1] for k in disk.entries} == {"input_norm", "post_norm", "qkv", "o",
+                                                      "gate_up", "down"}
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
     resident = LLM(path, dtype="float32", device="cpu").executor.weights.resident
     for j, layer in enumerate(resident):

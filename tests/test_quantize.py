@@ -320,10 +320,14 @@ def test_bad_values_and_quantised_ggufs_are_refused(model, tmp_path):
     write_model_gguf(hf, "llama", tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     with pytest.raises(TiergenError, match="already quantised"):
         LLM(tmp_path / "q8.gguf", quantize="q8_0")
-    # a float GGUF is quantised like a safetensors checkpoint (Q/K rows unpermuted first)
+    # a float GGUF is quantised like a safetensors checkpoint (its Q/K rows in llama.cpp's
+    # order: the same blocks, in another order). On the float path the logits agree to float
+    # rounding; the integer path would move them by whole steps of its 8-bit activations.
     write_model_gguf(hf, "llama", tmp_path / "f32.gguf", gguf.GGMLQuantizationType.F32)
-    from_gguf = LLM(tmp_path / "f32.gguf", dtype="float32", device="cpu", quantize="q8_0")
-    from_hf = LLM(tmp_path / "hf", dtype="float32", device="cpu", quantize="q8_0")
+    from_gguf = LLM(tmp_path / "f32.gguf", dtype="float32", device="cpu", quantize="q8_0",
+                    activations="float32")
+    from_hf = LLM(tmp_path / "hf", dtype="float32", device="cpu", quantize="q8_0",
+                  activations="float32")
     for a, b in zip(prefill_and_decode_logits(from_gguf), prefill_and_decode_logits(from_hf)):
         torch.testing.assert_close(a, b)
 

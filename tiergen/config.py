@@ -44,6 +44,9 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # Each rotated pair adjacent, (2i, 2i + 1), where Hugging Face splits the head in halves
+    # (i, i + D/2): Q/K rows as llama.cpp's converter permutes Llama's, multiplied as stored.
+    pairs: bool = False
 
 
 @dataclass

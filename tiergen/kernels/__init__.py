@@ -141,7 +141,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.tg_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, f32, ptr]
     lib.tg_rms_norm.restype = None
-    lib.tg_rope.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.tg_rope.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ptr]
     lib.tg_rope.restype = None
     lib.tg_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                         ptr, ptr, f32, ctypes.c_int, ptr]
@@ -401,9 +401,11 @@ def glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
     return out
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """Rotary embedding of x (B, H, T, D) in the half-split layout, cos and sin (B, 1, T, D),
-    in one call for float32 CPU tensors; None where the library cannot take them."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False
+         ) -> torch.Tensor | None:
+    """Rotary embedding of x (B, H, T, D) in the half-split layout (``pairs``: each rotated
+    pair adjacent), cos and sin (B, 1, T, D), in one call for float32 CPU tensors; None where
+    the library cannot take them."""
     B, H, T, D = x.shape
     if (not _cpu_float32(x, cos, sin) or x.stride(-1) != 1 or D % 2
             or cos.shape != (B, 1, T, D) or sin.shape != cos.shape):
@@ -414,7 +416,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(B, H, T, D)
     strides = (ctypes.c_int64 * 3)(*x.stride()[:3])
-    lib.tg_rope(x.data_ptr(), strides, B, H, T, D, cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    lib.tg_rope(x.data_ptr(), strides, B, H, T, D, cos.data_ptr(), sin.data_ptr(), int(pairs),
+                 out.data_ptr())
     return out
 
 

@@ -24,7 +24,7 @@
 void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t n, float eps,
                  float *out);
 void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T, int64_t D,
-             const float *cos, const float *sin, float *out);
+             const float *cos, const float *sin, int pairs, float *out);
 int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
                         int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
                         const int64_t *ks, const int64_t *vs, float scale, int kv16, float *out);
@@ -46,6 +46,7 @@ typedef struct {
     float eps, shift, q_scale;
     int32_t gelu;        /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
     int32_t qa, wide;    /* activations: qa = 0 float32, else int8 blocks of qa (wide: 16-bit) */
+    int32_t pairs;       /* rotary pairs adjacent (tg_rope) */
     const float *attn_norm, *q_norm, *k_norm, *attn_out_norm, *ffn_norm, *ffn_out_norm;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     matrix qkv, o, gate_up, down;
@@ -122,8 +123,8 @@ int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, co
         norm_rows(L, L->k_norm, qkv + b * NQKV + NQ, L->kv_heads, D);
     }
     const int64_t strides[3] = {NQKV, D, 0};
-    tg_rope(qkv, strides, B, L->heads, 1, D, cos, sin, q);
-    tg_rope(qkv + NQ, strides, B, L->kv_heads, 1, D, cos, sin, kr);
+    tg_rope(qkv, strides, B, L->heads, 1, D, cos, sin, L->pairs, q);
+    tg_rope(qkv + NQ, strides, B, L->kv_heads, 1, D, cos, sin, L->pairs, kr);
     if (L->q_scale != 1.0f)
         for (int64_t i = 0; i < B * NQ; i++) q[i] *= L->q_scale;
     for (int64_t b = 0; b < B; b++)

@@ -26,7 +26,7 @@ _ptr = ctypes.c_void_p
 class _Layer(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
                 + [(n, ctypes.c_float) for n in ("eps", "shift", "q_scale")]
-                + [(n, ctypes.c_int32) for n in ("gelu", "qa", "wide")]
+                + [(n, ctypes.c_int32) for n in ("gelu", "qa", "wide", "pairs")]
                 + [(n, _ptr) for n in NORMS + BIASES + MATRICES])
 
 
@@ -41,6 +41,7 @@ class LayerKind:
     shift: float = 0.0  # norms multiply by (w + shift): 1 for Gemma
     q_scale: float = 1.0  # q is multiplied by it after the rotation
     gelu: bool = False  # the MLP's activation: GELU (tanh) instead of SiLU
+    pairs: bool = False  # rotary pairs adjacent (RopeConfig.pairs)
 
 
 _built: dict[tuple, tuple[_Layer, list]] = {}  # by the addresses (and layouts) they point to
@@ -73,7 +74,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     qa, wide = fmt or (0, False)
     layer = _Layer(w["o"].shape[0], kind.heads, kind.kv_heads, kind.head_dim,
                    w["down"].shape[1], kind.eps, kind.shift, kind.q_scale, int(kind.gelu),
-                   qa, int(wide), *(None if v is None else v.data_ptr() for v in vecs),
+                   qa, int(wide), int(kind.pairs), *(None if v is None else v.data_ptr() for v in vecs),
                    *(ctypes.addressof(a) for a in arrays))
     if len(_built) > 4096:  # weights streamed from disk come at new addresses every step
         _built.clear()

@@ -205,11 +205,18 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, D) in the half-split layout Hugging Face uses."""
-    out = kernels.rope(x, cos, sin)  # float32 on a CPU: one call
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False
+               ) -> torch.Tensor:
+    """Rotate x (B, heads, T, D) in the half-split layout Hugging Face uses, or (``pairs``)
+    with each rotated pair adjacent, (x[2i], x[2i + 1]) turned by the angle of i: Q/K rows in
+    llama.cpp's order (``RopeConfig.pairs``). Both take rope_cos_sin's tables."""
+    out = kernels.rope(x, cos, sin, pairs)  # float32 on a CPU: one call
     if out is not None:
         return out
+    if pairs:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        c, s = cos[..., :x.shape[-1] // 2], sin[..., :x.shape[-1] // 2]
+        return torch.stack((x1 * c + -x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

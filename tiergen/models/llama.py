@@ -32,7 +32,8 @@ class Llama:
         self.cfg, self.reduce = cfg, no_reduce
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
         self.rope_factor = rope_attention_factor(cfg.rope)  # YaRN scales cos and sin
-        self.kind = LayerKind(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.kind = LayerKind(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                              pairs=cfg.rope.pairs)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
         return causal_lm_global_specs(self.cfg)
@@ -130,8 +131,8 @@ class Llama:
             q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
         cos, sin = shared
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KVH, T, D)
+        q = apply_rope(q.transpose(1, 2), cos, sin, c.rope.pairs)  # (B, H, T, D)
+        k = apply_rope(k.transpose(1, 2), cos, sin, c.rope.pairs)  # (B, KVH, T, D)
         v = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         o = cache.attend(q, k, v, meta, w.get("sinks")).transpose(1, 2).reshape(B, T, -1)
         h = h + self.reduce(linear(o, w["o"], w.get("o_bias")))

@@ -36,7 +36,7 @@ from tiergen.errors import TiergenError
 from tiergen.weights import WeightSource
 from tiergen.weights.quant import tensor_nbytes
 
-FORMAT = 2
+FORMAT = 3
 MANIFEST = "manifest.json"
 
 

@@ -33,7 +33,8 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
-# llama.cpp RoPE is interleaved for these: their converter permuted q/k rows.
+# llama.cpp's converter permuted these architectures' Q/K rows so that each head's rotary
+# pairs lie side by side; they are multiplied as stored and rotated in pairs (RopeConfig.pairs).
 PERMUTED_QK = {"llama", "mistral"}
 _PLAIN = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 
@@ -150,20 +151,6 @@ def hf_expert_names(gguf_name: str, names: dict[str, str], num_experts: int
     return out
 
 
-def unpermute_qk(w: torch.Tensor | Packed, n_heads: int) -> torch.Tensor | Packed:
-    """Undo llama.cpp's convert-time permutation of Q or K rows (weight or bias; packed
-    matrices have their rows, each a run of whole blocks, reordered the same way).
-
-    llama.cpp stores each head's rotary pairs interleaved (x0, x_{d/2}, x1, ...); Hugging Face
-    keeps the two halves apart. The converter did reshape(heads, 2, d/2).swapaxes(1, 2).
-    """
-    rows = w.shape[0]
-    if isinstance(w, Packed):
-        order = unpermute_qk(torch.arange(rows), n_heads)
-        return w.permute_rows(order)
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -196,6 +183,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
                           beta_fast=float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
                           beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
                           mscale=mscale, mscale_all_dim=mscale)
+    rope.pairs = arch in PERMUTED_QK
     layers = int(key("block_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     architecture, extra = GGUF_ARCHITECTURES[arch], {}  # MoE, MLA, gpt-oss fields
@@ -408,10 +396,6 @@ class GGUFSource:
         when it gives them as they are."""
         if self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
             return lambda t: t - 1
-        if self._arch in PERMUTED_QK and ".self_attn.q_proj." in name:
-            return lambda t: unpermute_qk(t, self.config.num_heads)
-        if self._arch in PERMUTED_QK and ".self_attn.k_proj." in name:
-            return lambda t: unpermute_qk(t, self.config.num_kv_heads)
         return None
 
     def locate(self, name: str) -> tuple[Path, int, torch.dtype | int, tuple[int, ...]] | None:

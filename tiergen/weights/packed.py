@@ -141,12 +141,6 @@ class Packed:
             pieces.append(blocks[:, start // block:-(-stop // block)].reshape(-1))
         return Packed(_cat(pieces), (self.shape[0], stop - start), self.parts)
 
-    def permute_rows(self, perm: torch.Tensor) -> Packed:
-        """Rows reordered (``perm[i]`` is the old row of new row i), within one part."""
-        if len(self.parts) != 1:
-            raise TiergenError("only a single-type packed matrix can have its rows permuted")
-        return Packed(self.data.view(self.shape[0], -1)[perm].reshape(-1), self.shape, self.parts)
-
 
 def narrow(t: torch.Tensor | Packed, dim: int, rows: range) -> torch.Tensor | Packed:
     """Rows (dim 0) or columns (dim 1) ``rows`` of a matrix; a packed one stays packed
