@@ -1,8 +1,10 @@
 """Whole generations with this tree's C kernels against a git revision's, both built here and
 loaded in one process with one model, taking turns (this machine's speed drifts between runs;
 turns see the same drift): each one's median total, prefill and decode tokens/s, and the
-median over the turns of the ratio of their total times. Where a kernel change shows in
-`bench_int8.py` but a whole step is what counts (kept tiles, the decode layer, attention).
+median over the turns of the ratio of their total times (and their spread). Where a kernel
+change shows in `bench_int8.py` but a whole step is what counts (kept tiles, the decode layer,
+attention). The revision's kernels must take the arguments this tree passes them (the same
+functions and layer description).
 
     python benchmarks/bench_kernels_against.py --against HEAD~1 [--models smollm2 gemma3-270m]
         [--batch 32] [--prompt-len 128] [--gen-len 64] [--turns 5]

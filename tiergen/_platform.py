@@ -69,10 +69,10 @@ keep_freed_buffers()
 
 
 def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``). Loading a
-    model frees about 10 MB of Python strings (a GGUF's vocabulary and merges, once the
-    tokenizer holds them) that the heap would otherwise keep for good: keep_freed_buffers
-    raised its trim threshold far above them."""
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``). A load frees
+    what it only needed for a while (a GGUF's vocabulary as Python strings, once the tokenizer
+    holds it; decoded tensors), which the heap would otherwise keep for good, since
+    keep_freed_buffers raised its trim threshold far above it: 2-3 MB of SmolLM2's peak."""
     if platform.system() != "Linux":
         return
     try:

@@ -74,7 +74,8 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     qa, wide = fmt or (0, False)
     layer = _Layer(w["o"].shape[0], kind.heads, kind.kv_heads, kind.head_dim,
                    w["down"].shape[1], kind.eps, kind.shift, kind.q_scale, int(kind.gelu),
-                   qa, int(wide), int(kind.pairs), *(None if v is None else v.data_ptr() for v in vecs),
+                   qa, int(wide), int(kind.pairs),
+                   *(None if v is None else v.data_ptr() for v in vecs),
                    *(ctypes.addressof(a) for a in arrays))
     if len(_built) > 4096:  # weights streamed from disk come at new addresses every step
         _built.clear()
