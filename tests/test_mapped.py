@@ -12,7 +12,12 @@ from tiergen.weights.mapped import PAGE, page_out_unused
 from tiergen.weights.packed import Packed
 from tiergen.weights.quant import GGMLType
 
-linux = pytest.mark.skipif(platform.system() != "Linux", reason="MADV_PAGEOUT is Linux's")
+def _kernel() -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", platform.release())[:2])
+
+
+linux = pytest.mark.skipif(platform.system() != "Linux" or _kernel() < (5, 4),
+                           reason="MADV_PAGEOUT is Linux's, from 5.4")
 
 
 def resident_kb(path, address: int | None = None) -> int:
