@@ -15,6 +15,7 @@ from tiergen.weights.mapped import PAGE, page_out_unused
 from tiergen.weights.packed import Packed
 from tiergen.weights.quant import GGMLType
 
+
 def _kernel() -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", platform.release())[:2])
 
@@ -82,7 +83,6 @@ def test_nothing_goes_back_where_tensors_read_every_page(tmp_path):
 
 
 _LOADS = """
-import sys
 import tiergen.weights.gguf_map as gguf_map
 from tiergen import LLM
 from tiergen.weights import open_model

@@ -4,13 +4,15 @@ that loading read but no weight uses.
 A model's load reads some tensors only to make new ones from them: Q/K/V or gate/up joined
 into one matrix where they do not lie back to back in the file, norms shifted, blocks decoded.
 The copies are what compute reads; the file pages they were read from stay resident (10 MB of
-SmolLM2's 98 MB file, 45 MB of Gemma 3 270M's) until the kernel needs the memory. ``MADV_PAGEOUT`` reclaims them at once, and loses nothing: a page
-changed through the copy-on-write map stays as it is (there is no swap to write it to, or it
-goes to swap), and a clean one is read from the file again if anything touches it later.
+SmolLM2's 98 MB file, 45 MB of Gemma 3 270M's) until the kernel needs the memory.
+``MADV_PAGEOUT`` reclaims them at once, and loses nothing: a page changed through the
+copy-on-write map stays as it is (there is no swap to write it to, or it goes to swap), and a
+clean one is read from the file again if anything touches it later.
 """
 
 from __future__ import annotations
 
+import mmap
 import platform
 from collections.abc import Iterable
 
@@ -20,7 +22,7 @@ import torch
 from tiergen.weights.packed import Packed
 
 MADV_PAGEOUT = 21  # Linux 5.4 and later (Python's mmap module does not name it)
-PAGE = 4096
+PAGE = mmap.PAGESIZE  # madvise takes whole pages (4 KiB on x86, up to 64 KiB on ARM)
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
