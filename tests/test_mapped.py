@@ -83,12 +83,16 @@ def test_nothing_goes_back_where_tensors_read_every_page(tmp_path):
 
 
 _LOADS = """
+import os
 import tiergen.weights.gguf_map as gguf_map
 from tiergen import LLM
 from tiergen.weights import open_model
 from test_mapped import resident_kb
 
 path = open_model("smollm2").source.file.path
+# a fresh install may not be written back yet, and a page waiting to be written cannot go back
+with open(path, "rb") as f:
+    os.fsync(f.fileno())
 
 
 def resident_after_load():
