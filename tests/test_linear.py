@@ -28,3 +28,45 @@ def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
         assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], 48)
         want = real(x.float(), w.float(), b.float())
         torch.testing.assert_close(y.float(), want, atol=1e-6, rtol=2**-8)  # one bf16 rounding
+
+
+def _mlp_passes(monkeypatch, x, gate_up, down, gelu=False):
+    """The MLP on x in passes of layers.MLP_ROWS rows (the rows of each pass recorded), and
+    on all of x at once."""
+    passes, linear = [], layers.linear
+
+    def recorded(x, w, bias=None):
+        if w is gate_up:
+            passes.append(x.shape[:-1].numel())
+        return linear(x, w, bias)
+
+    mlp = layers.gelu_tanh_mlp if gelu else layers.swiglu_mlp
+    monkeypatch.setattr(layers, "linear", recorded)
+    got, in_passes = mlp(x, gate_up, down), list(passes)
+    monkeypatch.setattr(layers, "MLP_ROWS", 1 << 30)
+    return got, mlp(x, gate_up, down), in_passes
+
+
+def test_a_prefill_mlp_runs_over_many_rows_in_passes_with_the_same_integer_products(monkeypatch):
+    from test_packed import random_packed
+    from tiergen import kernels
+    from tiergen.weights.quant import GGMLType
+
+    gate_up, down = random_packed(GGMLType.Q4_1, 2 * 96, 64), random_packed(GGMLType.Q4_0, 64, 96)
+    x = torch.randn(3, 700, 64)  # 2,100 rows: passes of 512, the last taking the remainder
+    with kernels.activations_set("int8"):
+        for gelu in (False, True):
+            got, whole, passes = _mlp_passes(monkeypatch, x, gate_up, down, gelu)
+            monkeypatch.undo()
+            assert passes == [512, 512, 512, 564]
+            assert got.shape == (3, 700, 64)
+            assert torch.equal(got, whole)  # each row's numbers do not depend on the rows beside it
+
+
+def test_a_float_mlp_over_many_rows_in_passes_equals_it_at_once(monkeypatch):
+    gate_up, down = torch.randn(2 * 96, 64), torch.randn(64, 96)
+    got, whole, passes = _mlp_passes(monkeypatch, torch.randn(1100, 64), gate_up, down)
+    assert passes == [512, 588]
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
+    _, _, passes = _mlp_passes(monkeypatch, torch.randn(2, 500, 64), gate_up, down)
+    assert passes == [1000]  # fewer than two passes' worth: at once
