@@ -7,7 +7,7 @@ model's layers do, instead of from a cache warmed by the run before.
 
     python benchmarks/bench_int8.py [--threads 2] [--types Q4_1,Q4_K,Q6_K,Q8_0] [--rows 1,2,32,512] [--cold]
 
---against REV times this tree's int8 products (tiergen's int8 format: a scale per 4 values)
+--against REV times this tree's int8 products (tiergen's int8 format: a scale per 8 values)
 against those of a git revision,
 both built here and loaded in this process, taking turns: the best time of each and the median
 of their ratios over the turns (this machine's speed drifts between runs; turns see the same

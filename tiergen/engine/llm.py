@@ -99,8 +99,8 @@ class LLM:
     copies its cache into each row (False: every row computes its whole prompt). ``packed=False`` decodes a GGUF's
     quantised matrices at load (by default they stay in their blocks and are multiplied
     packed). ``activations`` says how those products treat their inputs: "auto" (int8 on a
-    CPU, float32 elsewhere), "int8" (quantised to 8 bits, a scale per 4 values, and
-    multiplied by the integer kernels: the fast path, a KL divergence below 1e-3 from the
+    CPU, float32 elsewhere), "int8" (quantised to 8 bits, a scale per 8 values, and
+    multiplied by the integer kernels: the fast path, a KL divergence below 2e-3 from the
     float path on the packaged models), "int16" (16 bits as two int8 halves: slower, below
     5e-6) or
     "float32" (the float path: products equal decode-then-multiply). ``quantize`` ("q8_0",

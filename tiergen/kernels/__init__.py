@@ -54,11 +54,13 @@ _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailabl
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
 _arith = threading.local()  # .kind: this thread's activations (set_activations)
-# The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 4
-# values: free in the row kernel, whose lanes are 4 values each, and about 4x closer to the
-# float path than blocks of 16 (KL divergence: benchmarks/bench_kld.py --int8-block; speed:
-# benchmarks/bench_int8.py). 16-bit ones, two int8 halves dotted apart, land below 5e-6.
-ACTIVATION_FORMATS = {"int8": (4, False), "int16": (16, True)}
+# The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 8
+# values: about 2x closer to the float path than blocks of 16, where a scale per 4 is 2x
+# closer again but costs the tiles a multiply-add per integer product, 1.1x the time of a
+# batch-32 generation (KL divergence: benchmarks/bench_kld.py --int8-block; speed:
+# benchmarks/bench_int8.py; docs/BENCHMARKS.md). 16-bit ones, two int8 halves dotted apart,
+# land below 5e-6.
+ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 TILE_ROWS = 3  # integer products of this many rows or more read tiles (fewer: one row at a time)
 
