@@ -486,3 +486,18 @@ def test_a_loaded_gguf_model_keeps_its_vocabulary_once(smollm_gguf: Path) -> Non
     assert meta["tokenizer.ggml.model"] == "gpt2"
     ids = files.tokenizer.encode("The capital of France is Paris.")
     assert files.tokenizer.decode(ids) == "The capital of France is Paris."
+
+
+def test_jinja2_loads_only_with_a_chat_template():
+    """A generation from raw text never compiles a template: jinja2 stays out of the process
+    (about 2 MB of resident memory)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tiergen import LLM, SamplingParams; llm = LLM('smollm2'); "
+            "llm.generate(['Hi'], SamplingParams(max_tokens=1)); print('jinja2' in sys.modules); "
+            "llm.tokenizer.apply_chat_template([{'role': 'user', 'content': 'Hi'}]); "
+            "print('jinja2' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"]

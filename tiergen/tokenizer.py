@@ -18,17 +18,17 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tiergen.errors import TiergenError
 from tiergen.paths import cache_dir, written_atomically
+
+if TYPE_CHECKING:  # jinja2 loads with the first chat template (2 MB a process without one)
+    import jinja2
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,8 @@ class Tokenizer:
             text = self.token_text(token_id)
             if text is not None:
                 variables[name] = text
+        import jinja2
+
         try:
             return _compile_template(source).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables)
@@ -294,6 +296,8 @@ def _check_messages(messages: object) -> None:
 
 
 def _raise_exception(message: str) -> None:
+    import jinja2
+
     raise jinja2.TemplateError(message)
 
 
@@ -311,6 +315,9 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     """Compile a chat template in the environment Hugging Face's `apply_chat_template` uses."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
