@@ -133,6 +133,8 @@ def embedding(weight: torch.Tensor | Packed, ids: torch.Tensor, dtype: torch.dty
 # (SmolLM2's is 50 MB at 32 x 128 rows). A batch-32 prefill ran at 1.1x (SmolLM2) and 1.2x
 # (Gemma 3) on a Zen 5 EPYC (docs/BENCHMARKS-HISTORY.md). Every row still goes through the same
 # kernels (the last pass takes the remainder, so none has fewer than MLP_ROWS // 2 rows).
+# The cost is heap: the passes' temporaries fragment it around the prompt's large tensors,
+# and a SmolLM2 batch-32 generation peaked about 130 MB higher (the history again).
 MLP_ROWS = 512
 
 
