@@ -56,11 +56,21 @@ def test_a_finished_build_is_reused_and_a_partial_one_is_not_trusted(built):
     assert not list(built["hf"].parent.glob(".*partial"))
 
 
-@pytest.mark.parametrize("fmt", ["hf", "Q4_0"])
-def test_greedy_tokens_do_not_depend_on_the_policy(built, fmt, tmp_path):
+@pytest.mark.parametrize("fmt,activations", [("hf", "auto"), ("Q4_0", "float32"),
+                                             ("Q4_0", "int8")])
+def test_greedy_tokens_do_not_depend_on_the_policy(built, fmt, activations, tmp_path):
+    """Every policy on the float paths. The integer path gives a row the same numbers only
+    where the kernel is the same: a micro-batch of one or two rows goes row by row, three or
+    more through the tiles, which agree within float rounding, and on a random model a float
+    rounding can move an 8-bit activation by a whole step and a near-tied token with it. So
+    there it covers the policies that keep the batch whole."""
     dtype = "bfloat16" if fmt == "hf" else "float32"
-    want = [r.token_ids for r in LLM(built[fmt], dtype=dtype).generate(PROMPTS, PARAMS)]
+    want = [r.token_ids for r in LLM(built[fmt], dtype=dtype, activations=activations
+                                     ).generate(PROMPTS, PARAMS)]
     assert len({tuple(t) for t in want}) > 1  # the prompts lead to different continuations
     for name, kw in POLICIES.items():
-        llm = LLM(built[fmt], dtype=dtype, policy=Policy(**kw, offload_dir=tmp_path / name))
+        if activations == "int8" and "gpu_batch_size" in kw:
+            continue
+        llm = LLM(built[fmt], dtype=dtype, activations=activations,
+                  policy=Policy(**kw, offload_dir=tmp_path / name))
         assert [r.token_ids for r in llm.generate(PROMPTS, PARAMS)] == want, name
