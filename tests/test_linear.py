@@ -31,17 +31,22 @@ def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
 
 
 def _mlp_passes(monkeypatch, x, gate_up, down, gelu=False):
-    """The MLP on x in passes of layers.MLP_ROWS rows (the rows of each pass recorded), and
-    on all of x at once."""
-    passes, linear = [], layers.linear
+    """The MLP on x in passes of layers.MLP_ROWS rows (the rows of each pass through gate_up
+    recorded), and on all of x at once."""
+    from tiergen import kernels
 
-    def recorded(x, w, bias=None):
-        if w is gate_up:
-            passes.append(x.shape[:-1].numel())
-        return linear(x, w, bias)
+    passes, linear, integer_linear = [], layers.linear, kernels.integer_linear
+
+    def recorded(f):
+        def call(x, w, *args, **kw):
+            if w is gate_up:
+                passes.append(x.shape[:-1].numel())
+            return f(x, w, *args, **kw)
+        return call
 
     mlp = layers.gelu_tanh_mlp if gelu else layers.swiglu_mlp
-    monkeypatch.setattr(layers, "linear", recorded)
+    monkeypatch.setattr(layers, "linear", recorded(linear))
+    monkeypatch.setattr(kernels, "integer_linear", recorded(integer_linear))
     got, in_passes = mlp(x, gate_up, down), list(passes)
     monkeypatch.setattr(layers, "MLP_ROWS", 1 << 30)
     return got, mlp(x, gate_up, down), in_passes
@@ -54,6 +59,7 @@ def test_a_prefill_mlp_runs_over_many_rows_in_passes_with_the_same_integer_produ
 
     gate_up, down = random_packed(GGMLType.Q4_1, 2 * 96, 64), random_packed(GGMLType.Q4_0, 64, 96)
     x = torch.randn(3, 700, 64)  # 2,100 rows: passes of 512, the last taking the remainder
+    gate_up.may_keep_tiles = down.may_keep_tiles = True  # as resident weights may
     with kernels.activations_set("int8"):
         for gelu in (False, True):
             got, whole, passes = _mlp_passes(monkeypatch, x, gate_up, down, gelu)
@@ -61,6 +67,7 @@ def test_a_prefill_mlp_runs_over_many_rows_in_passes_with_the_same_integer_produ
             assert passes == [512, 512, 512, 564]
             assert got.shape == (3, 700, 64)
             assert torch.equal(got, whole)  # each row's numbers do not depend on the rows beside it
+    assert gate_up.tiles is None and down.tiles is None  # a prompt's rows keep no tiles
 
 
 def test_a_float_mlp_over_many_rows_in_passes_equals_it_at_once(monkeypatch):

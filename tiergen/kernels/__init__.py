@@ -294,9 +294,11 @@ def keep_tiles(w: Packed) -> bool:
 
 
 def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
-                   block: int = 4, wide: bool = False) -> torch.Tensor:
+                   block: int = 4, wide: bool = False, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """``x @ w.T + bias`` by the integer kernels, ``x`` quantised as
-    :func:`quantize_activations` does (CPU, ``w.shape[1]`` a multiple of 32)."""
+    :func:`quantize_activations` does (CPU, ``w.shape[1]`` a multiple of 32); into ``out``
+    (contiguous float32, ``x``'s rows by ``w``'s) if given."""
     lib = library()
     if lib is None:
         raise RuntimeError("the C kernels are unavailable")
@@ -304,7 +306,7 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     if rows >= TILE_ROWS and (x.dim() == 2 or x.shape[-2] == 1):  # a token of each sequence
         keep_tiles(w)
     a = quantize_activations(x.reshape(rows, x.shape[-1]), block, wide)
-    y = torch.empty(rows, w.shape[0], dtype=torch.float32)
+    y = torch.empty(rows, w.shape[0], dtype=torch.float32) if out is None else out
     err = lib.tg_qmatmul(matrix_descriptor(w), a.q.data_ptr(),
                          None if a.low is None else a.low.data_ptr(), a.scales.data_ptr(),
                          a.sums.data_ptr(), a.block, rows, y.data_ptr())
@@ -388,7 +390,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+def glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None
+        ) -> torch.Tensor | None:
     """``act(gate) * up`` for ``gate_up`` (..., 2 I) = [gate | up]: act SiLU, or GELU's tanh
     form with ``gelu``, in one call for a contiguous float32 CPU tensor; None where the library
     cannot take it."""
@@ -398,7 +401,8 @@ def glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
     if lib is None:
         return None
     I = gate_up.shape[-1] // 2
-    out = torch.empty(*gate_up.shape[:-1], I)
+    if out is None:
+        out = torch.empty(*gate_up.shape[:-1], I)
     lib.tg_glu(gate_up.data_ptr(), gate_up.numel() // (2 * I), I, int(gelu), out.data_ptr())
     return out
 

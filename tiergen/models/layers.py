@@ -133,23 +133,39 @@ def embedding(weight: torch.Tensor | Packed, ids: torch.Tensor, dtype: torch.dty
 # (SmolLM2's is 50 MB at 32 x 128 rows). A batch-32 prefill ran at 1.1x (SmolLM2) and 1.2x
 # (Gemma 3) on a Zen 5 EPYC (docs/BENCHMARKS-HISTORY.md). Every row still goes through the same
 # kernels (the last pass takes the remainder, so none has fewer than MLP_ROWS // 2 rows).
-# The cost is heap: the passes' temporaries fragment it around the prompt's large tensors,
-# and a SmolLM2 batch-32 generation peaked about 130 MB higher (the history again).
 MLP_ROWS = 512
 
 
-def by_rows(x: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """f(x) for a row-wise f, MLP_ROWS rows of x at a time on a CPU."""
+def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor | Packed,
+             gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, gelu: bool
+             ) -> torch.Tensor:
+    """down(act(gate) * up) with gate and up fused into one (2 I, H) matrix; MLP_ROWS rows at a
+    time on a CPU (above). On the integer path the passes write into buffers taken once for
+    all of them: each pass's own temporaries took pieces of the holes that a prompt's large
+    tensors leave in the heap, which then grew by 10-20 MB a layer."""
     rows = x.shape[:-1].numel()
     if rows < 2 * MLP_ROWS or x.device.type != "cpu":
-        return f(x)
-    flat = x.reshape(rows, x.shape[-1])
+        return linear(_glu(linear(x, gate_up, gate_up_bias), gelu), down, down_bias)
+    # one sequence of all the rows: a product keeps its tiles only for a token of each of
+    # several sequences (kernels.integer_linear), and these are a prompt's
+    seq = x.reshape(1, rows, x.shape[-1])
     cuts = list(range(0, rows - MLP_ROWS // 2, MLP_ROWS)) + [rows]
-    first = f(flat[:cuts[1]])
-    out = torch.empty(rows, first.shape[-1], dtype=first.dtype)
-    out[:cuts[1]] = first
-    for a, b in zip(cuts[1:-1], cuts[2:]):
-        out[a:b] = f(flat[a:b])
+    out = torch.empty(rows, down.shape[0], dtype=x.dtype)
+    fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
+    if fmt is None or x.dtype != torch.float32 or kernels.library() is None or not all(
+            isinstance(w, Packed) and kernels.integer_kernels_take(w) for w in (gate_up, down)):
+        for a, b in zip(cuts, cuts[1:]):
+            out[a:b] = linear(_glu(linear(seq[:, a:b], gate_up, gate_up_bias), gelu), down,
+                              down_bias)[0]
+        return out.view(*x.shape[:-1], -1)
+    most = max(b - a for a, b in zip(cuts, cuts[1:]))
+    both = torch.empty(most, gate_up.shape[0])
+    act = torch.empty(most, gate_up.shape[0] // 2)
+    for a, b in zip(cuts, cuts[1:]):
+        n = b - a
+        kernels.integer_linear(seq[:, a:b], gate_up, gate_up_bias, *fmt, out=both[:n])
+        kernels.glu(both[:n], gelu, out=act[:n])
+        kernels.integer_linear(act[None, :n], down, down_bias, *fmt, out=out[a:b])
     return out.view(*x.shape[:-1], -1)
 
 
@@ -157,13 +173,12 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None
                ) -> torch.Tensor:
     """SwiGLU MLP with gate and up projections fused into one (2*I, H) matrix."""
-    return by_rows(x, lambda x: linear(_glu(linear(x, gate_up, gate_up_bias), gelu=False),
-                                       down, down_bias))
+    return _glu_mlp(x, gate_up, down, gate_up_bias, down_bias, gelu=False)
 
 
 def gelu_tanh_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """GeGLU MLP (Gemma): down(gelu_tanh(gate(x)) * up(x)), gate and up fused as in swiglu_mlp."""
-    return by_rows(x, lambda x: linear(_glu(linear(x, gate_up), gelu=True), down))
+    return _glu_mlp(x, gate_up, down, None, None, gelu=True)
 
 
 def _glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
