@@ -33,20 +33,15 @@ def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
 def _mlp_passes(monkeypatch, x, gate_up, down, gelu=False):
     """The MLP on x in passes of layers.MLP_ROWS rows (the rows of each pass through gate_up
     recorded), and on all of x at once."""
-    from tiergen import kernels
+    passes, linear = [], layers.linear
 
-    passes, linear, integer_linear = [], layers.linear, kernels.integer_linear
-
-    def recorded(f):
-        def call(x, w, *args, **kw):
-            if w is gate_up:
-                passes.append(x.shape[:-1].numel())
-            return f(x, w, *args, **kw)
-        return call
+    def recorded(x, w, *args, **kw):
+        if w is gate_up:
+            passes.append(x.shape[:-1].numel())
+        return linear(x, w, *args, **kw)
 
     mlp = layers.gelu_tanh_mlp if gelu else layers.swiglu_mlp
-    monkeypatch.setattr(layers, "linear", recorded(linear))
-    monkeypatch.setattr(kernels, "integer_linear", recorded(integer_linear))
+    monkeypatch.setattr(layers, "linear", recorded)
     got, in_passes = mlp(x, gate_up, down), list(passes)
     monkeypatch.setattr(layers, "MLP_ROWS", 1 << 30)
     return got, mlp(x, gate_up, down), in_passes

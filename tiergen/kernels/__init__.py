@@ -319,13 +319,15 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
-def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w.dequantize(), bias)`` without inflating ``w`` when few rows multiply it;
-    with integer activations set (:func:`set_activations`), the integer kernels' product."""
+    with integer activations set (:func:`set_activations`), the integer kernels' product
+    (written into ``out`` if given; other paths may leave it alone, see layers.linear)."""
     rows = x.shape[:-1].numel()
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     if fmt is not None and x.device.type == "cpu" and integer_kernels_take(w) and library():
-        return integer_linear(x, w, bias, *fmt)
+        return integer_linear(x, w, bias, *fmt, out=out)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
         if x.device.type == "cpu":  # the C decoder writes float32; the BLAS multiplies it best

@@ -92,19 +92,21 @@ def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.view(*x.shape[:-1], -1).to(x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    if isinstance(weight, Packed):
-        from tiergen.kernels import packed_linear
-
-        return packed_linear(x, weight, bias)
-    if _compiled_gemv is not None and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
+def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias; into ``out`` (contiguous, x's rows by weight's) if given."""
+    if isinstance(weight, Packed):  # the integer kernels write float32 straight into out
+        y = kernels.packed_linear(x, weight, bias, out=out if out is not None
+                                  and out.dtype == torch.float32 else None)
+    elif _compiled_gemv is not None and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
         y = _compiled_gemv(x.reshape(-1), weight).view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
-    if (weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+        y = y if bias is None else y + bias
+    elif (weight.dtype == torch.bfloat16 and x.device.type == "cpu"
             and x.shape[:-1].numel() >= UPCAST_ROWS and not cpu_has_fast_bfloat16()):
-        return _widened_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+        y = _widened_linear(x, weight, bias)
+    else:
+        y = F.linear(x, weight, bias)
+    return y if out is None or y.data_ptr() == out.data_ptr() else out.copy_(y.reshape(out.shape))
 
 
 def fused_decode(kind: LayerKind, names: dict[str, str], w: dict, h: torch.Tensor,
@@ -140,8 +142,8 @@ def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor
              gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, gelu: bool
              ) -> torch.Tensor:
     """down(act(gate) * up) with gate and up fused into one (2 I, H) matrix; MLP_ROWS rows at a
-    time on a CPU (above). On the integer path the passes write into buffers taken once for
-    all of them: each pass's own temporaries took pieces of the holes that a prompt's large
+    time on a CPU (above). The passes write into buffers taken once for all of them (copied
+    there where a product cannot write into them): each pass's own temporaries took pieces of the holes that a prompt's large
     tensors leave in the heap, which then grew by 10-20 MB a layer."""
     rows = x.shape[:-1].numel()
     if rows < 2 * MLP_ROWS or x.device.type != "cpu":
@@ -150,22 +152,14 @@ def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor
     # several sequences (kernels.integer_linear), and these are a prompt's
     seq = x.reshape(1, rows, x.shape[-1])
     cuts = list(range(0, rows - MLP_ROWS // 2, MLP_ROWS)) + [rows]
-    out = torch.empty(rows, down.shape[0], dtype=x.dtype)
-    fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
-    if fmt is None or x.dtype != torch.float32 or kernels.library() is None or not all(
-            isinstance(w, Packed) and kernels.integer_kernels_take(w) for w in (gate_up, down)):
-        for a, b in zip(cuts, cuts[1:]):
-            out[a:b] = linear(_glu(linear(seq[:, a:b], gate_up, gate_up_bias), gelu), down,
-                              down_bias)[0]
-        return out.view(*x.shape[:-1], -1)
     most = max(b - a for a, b in zip(cuts, cuts[1:]))
-    both = torch.empty(most, gate_up.shape[0])
-    act = torch.empty(most, gate_up.shape[0] // 2)
+    out = torch.empty(rows, down.shape[0], dtype=x.dtype)
+    both = torch.empty(most, gate_up.shape[0], dtype=x.dtype)
+    act = torch.empty(most, gate_up.shape[0] // 2, dtype=x.dtype)
     for a, b in zip(cuts, cuts[1:]):
         n = b - a
-        kernels.integer_linear(seq[:, a:b], gate_up, gate_up_bias, *fmt, out=both[:n])
-        kernels.glu(both[:n], gelu, out=act[:n])
-        kernels.integer_linear(act[None, :n], down, down_bias, *fmt, out=out[a:b])
+        g = linear(seq[:, a:b], gate_up, gate_up_bias, out=both[:n])
+        linear(_glu(g, gelu, out=act[:n])[None], down, down_bias, out=out[a:b])
     return out.view(*x.shape[:-1], -1)
 
 
@@ -181,13 +175,14 @@ def gelu_tanh_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
     return _glu_mlp(x, gate_up, down, None, None, gelu=True)
 
 
-def _glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
-    """act(gate) * up, act SiLU or GELU's tanh form: in one native call on a CPU."""
-    out = kernels.glu(gate_up, gelu)
-    if out is not None:
-        return out
-    gate, up = gate_up.chunk(2, dim=-1)
-    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+def _glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(gate) * up, act SiLU or GELU's tanh form: in one native call on a CPU; into ``out``
+    (contiguous, gate_up's rows) if given."""
+    y = kernels.glu(gate_up, gelu, out)
+    if y is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+    return y if out is None or y.data_ptr() == out.data_ptr() else out.copy_(y.reshape(out.shape))
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
