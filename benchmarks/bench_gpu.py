@@ -98,6 +98,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64])
     p.add_argument("--engines", default="hf,tiergen,tiergen-host,accelerate")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each, in turns; the median is shown")
     p.add_argument("--dir", default="/tmp/tiergen-gpu-bench")
     p.add_argument("--child", nargs=3)
     args = p.parse_args()
@@ -110,21 +111,29 @@ def main() -> None:
     build(model)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; Llama-3.2-1B shape, "
           f"random bfloat16 weights; prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens", flush=True)
-    print("| batch | engine | tok/s | peak GPU MB | tokens equal to transformers' |")
+    print("| batch | engine | tok/s, median (each run) | peak GPU MB | tokens equal to transformers' |")
     print("|---|---|---|---|---|", flush=True)
+    engines = args.engines.split(",")
     for n in args.batches:
-        ref = None
-        for engine in args.engines.split(","):
-            out = subprocess.run([sys.executable, __file__, "--child", engine, str(model), str(n)],
-                                 capture_output=True, text=True)
-            if out.returncode:
-                print(f"| {n} | {engine} | failed: {out.stderr.strip()[-1500:]} |", flush=True)
+        runs: dict[str, list[dict]] = {e: [] for e in engines}
+        for _ in range(args.repeat):
+            for engine in engines:
+                out = subprocess.run([sys.executable, __file__, "--child", engine, str(model), str(n)],
+                                     capture_output=True, text=True)
+                if out.returncode:
+                    print(f"| {n} | {engine} | failed: {out.stderr.strip()[-1500:]} |", flush=True)
+                else:
+                    runs[engine].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        ref = runs["hf"][0]["tokens"] if runs.get("hf") else None
+        for engine, rs in runs.items():
+            if not rs:
                 continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            ref = ref if ref is not None or engine != "hf" else r["tokens"]
+            r = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
             same = ("-" if ref is None else
                     f"{100 * sum(a == b for x, y in zip(r['tokens'], ref) for a, b in zip(x, y)) / (n * NEW_TOKENS):.1f} %")
-            print(f"| {n} | {engine} | {r['tok_s']:.1f} | {r['peak_gpu_mb']:.0f} | {same} |", flush=True)
+            each = ", ".join(f"{x['tok_s']:.0f}" for x in rs)
+            print(f"| {n} | {engine} | {r['tok_s']:.1f} ({each}) "
+                  f"| {r['peak_gpu_mb']:.0f} | {same} |", flush=True)
 
 
 if __name__ == "__main__":

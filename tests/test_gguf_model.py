@@ -42,10 +42,10 @@ def as_stored(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
     if not cfg.rope.pairs or name not in ("qkv", "qkv_bias"):
         return t
     q, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    w = t.numpy()
+    w = t.cpu().numpy()
     return torch.from_numpy(np.concatenate([llama_cpp_permute(w[:q], cfg.num_heads),
                                             llama_cpp_permute(w[q:q + k], cfg.num_kv_heads),
-                                            w[q + k:]]))
+                                            w[q + k:]])).to(t.device)
 
 
 @pytest.mark.parametrize("case", sorted(GGUF_ARCH))

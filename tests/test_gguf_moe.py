@@ -237,7 +237,7 @@ def test_experts_on_disk_are_read_from_the_gguf(moe_model, tmp_path):
 def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activations, tmp_path,
                                                              monkeypatch):
     """A decode step of one row runs its routed experts in one native call where it can
-    (packed, SwiGLU without biases): the same tokens and log-probabilities, to the bit, as the
+    (packed, on the CPU, SwiGLU without biases): the same tokens and log-probabilities, to the bit, as the
     experts run one by one, with the experts resident and read from disk."""
     import tiergen.models.moe as moe
 
@@ -250,7 +250,7 @@ def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activat
     monkeypatch.setattr(moe, "experts_row", lambda *a: calls.append(1) or one_call(*a))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
     for policy in ({}, dict(experts="disk")):
-        llm = LLM(path, dtype="float32", activations=activations,
+        llm = LLM(path, dtype="float32", activations=activations, device="cpu",
                   policy=Policy(**policy, offload_dir=tmp_path))
         fused = llm.generate([PROMPTS[1]], params)[0]
         with monkeypatch.context() as m:
