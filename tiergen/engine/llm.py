@@ -375,9 +375,13 @@ class LLM:
                params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[StreamEvent]:
         """Yield text as it is produced, for every prompt (events of a batch interleave)."""
         _, seqs = self.prepare(prompts, params)
-        for ev in self._run(seqs):
-            yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason,
-                              ev.logprobs)
+        run = self._run(seqs)
+        try:
+            for ev in run:
+                yield StreamEvent(ev.seq.index, ev.token_id, ev.delta, ev.seq.finish_reason,
+                                  ev.logprobs)
+        finally:  # a stream closed early ends its run now, not when the run is collected
+            run.close()  # (a pipeline's ranks finish the run together, see _run_pipelined)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None,
