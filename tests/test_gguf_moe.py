@@ -237,8 +237,8 @@ def test_experts_on_disk_are_read_from_the_gguf(moe_model, tmp_path):
 def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activations, tmp_path,
                                                              monkeypatch):
     """A decode step of one row runs its routed experts in one native call where it can
-    (packed, on the CPU, SwiGLU without biases): the same tokens and log-probabilities, to the bit, as the
-    experts run one by one, with the experts resident and read from disk."""
+    (packed, on the CPU, SwiGLU without biases): the same tokens and log-probabilities, to
+    the bit, as the experts run one by one, with the experts resident and read from disk."""
     import tiergen.models.moe as moe
 
     case, hf, directory = moe_model

@@ -159,11 +159,14 @@ def test_a_rank_that_cannot_load_stops_all_with_its_reason(llama, tmp_path):
 def test_a_stream_left_early_keeps_the_ranks_in_step(llama, held, monkeypatch):
     """Closing the stream finishes its run on every rank at once, also where something
     still holds the run (on CUDA something did, and the ranks fell out of step)."""
-    held_runs = []
+    held_runs, run = [], LLM._run
+
+    def held_run(self, seqs):
+        held_runs.append(run(self, seqs))
+        return held_runs[-1]
+
     if held:
-        run = LLM._run
-        monkeypatch.setattr(LLM, "_run", lambda self, seqs: held_runs.append(
-            run(self, seqs)) or held_runs[-1])
+        monkeypatch.setattr(LLM, "_run", held_run)
     with LLM(llama, **OPTIONS, pipeline_parallel=2, parallel_timeout=20) as llm:
         expected = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
         stream = llm.stream(PROMPTS, GREEDY)
