@@ -64,12 +64,13 @@ def run(engine: str, model: str, n: int) -> tuple[float, list[list[int]]]:
               dict(device_map="auto", max_memory={0: "1GiB", "cpu": "100GiB"}))
         hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, **kw)
         ids = torch.tensor(ps, device="cuda")
-        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+        mask, greedy = torch.ones_like(ids), dict(do_sample=False, pad_token_id=0)
         with torch.inference_mode():
-            hf.generate(input_ids=ids[:2], max_new_tokens=2, **{**kw, "attention_mask": kw["attention_mask"][:2]})
+            hf.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=2, **greedy)
             torch.cuda.synchronize()
             t = time.perf_counter()
-            out = hf.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, **kw)
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=NEW_TOKENS, **greedy)
             torch.cuda.synchronize()
         return time.perf_counter() - t, out[:, PROMPT_LEN:].tolist()
 
@@ -95,7 +96,8 @@ def child(engine: str, model: str, n: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64])
     p.add_argument("--engines", default="hf,tiergen,tiergen-host,accelerate")
     p.add_argument("--repeat", type=int, default=1, help="runs of each, in turns; the median is shown")
@@ -118,8 +120,8 @@ def main() -> None:
         runs: dict[str, list[dict]] = {e: [] for e in engines}
         for _ in range(args.repeat):
             for engine in engines:
-                out = subprocess.run([sys.executable, __file__, "--child", engine, str(model), str(n)],
-                                     capture_output=True, text=True)
+                out = subprocess.run([sys.executable, __file__, "--child", engine, str(model),
+                                      str(n)], capture_output=True, text=True)
                 if out.returncode:
                     print(f"| {n} | {engine} | failed: {out.stderr.strip()[-1500:]} |", flush=True)
                 else:
@@ -129,8 +131,9 @@ def main() -> None:
             if not rs:
                 continue
             r = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
-            same = ("-" if ref is None else
-                    f"{100 * sum(a == b for x, y in zip(r['tokens'], ref) for a, b in zip(x, y)) / (n * NEW_TOKENS):.1f} %")
+            equal = None if ref is None else sum(
+                a == b for x, y in zip(r["tokens"], ref) for a, b in zip(x, y))
+            same = "-" if equal is None else f"{100 * equal / (n * NEW_TOKENS):.1f} %"
             each = ", ".join(f"{x['tok_s']:.0f}" for x in rs)
             print(f"| {n} | {engine} | {r['tok_s']:.1f} ({each}) "
                   f"| {r['peak_gpu_mb']:.0f} | {same} |", flush=True)
