@@ -100,9 +100,10 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64])
     p.add_argument("--engines", default="hf,tiergen,tiergen-host,accelerate")
-    p.add_argument("--repeat", type=int, default=1, help="runs of each, in turns; the median is shown")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each, in turns; the median is shown")
     p.add_argument("--dir", default="/tmp/tiergen-gpu-bench")
-    p.add_argument("--child", nargs=3)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]))
@@ -113,7 +114,8 @@ def main() -> None:
     build(model)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; Llama-3.2-1B shape, "
           f"random bfloat16 weights; prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens", flush=True)
-    print("| batch | engine | tok/s, median (each run) | peak GPU MB | tokens equal to transformers' |")
+    print("| batch | engine | tok/s, median (each run) | peak GPU MB "
+          "| tokens equal to transformers' |")
     print("|---|---|---|---|---|", flush=True)
     engines = args.engines.split(",")
     for n in args.batches:
