@@ -106,6 +106,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | 
         y = _widened_linear(x, weight, bias)
     else:
         y = F.linear(x, weight, bias)
+    return _into(y, out)
+
+
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """y, or y copied into ``out`` where it was asked for and y is not already there."""
     return y if out is None or y.data_ptr() == out.data_ptr() else out.copy_(y.reshape(out.shape))
 
 
@@ -143,8 +148,9 @@ def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor
              ) -> torch.Tensor:
     """down(act(gate) * up) with gate and up fused into one (2 I, H) matrix; MLP_ROWS rows at a
     time on a CPU (above). The passes write into buffers taken once for all of them (copied
-    there where a product cannot write into them): each pass's own temporaries took pieces of the holes that a prompt's large
-    tensors leave in the heap, which then grew by 10-20 MB a layer."""
+    there where a product cannot write into them): each pass's own temporaries took pieces of
+    the holes that a prompt's large tensors leave in the heap, which then grew by 10-20 MB a
+    layer."""
     rows = x.shape[:-1].numel()
     if rows < 2 * MLP_ROWS or x.device.type != "cpu":
         return linear(_glu(linear(x, gate_up, gate_up_bias), gelu), down, down_bias)
@@ -182,7 +188,7 @@ def _glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None) -> 
     if y is None:
         gate, up = gate_up.chunk(2, dim=-1)
         y = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
-    return y if out is None or y.data_ptr() == out.data_ptr() else out.copy_(y.reshape(out.shape))
+    return _into(y, out)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
