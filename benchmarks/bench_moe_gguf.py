@@ -46,35 +46,41 @@ DENSE, EXPERT, EXPERTS, USED, SHARED = 5632, 1408, 192, 6, 2
 Q_RANK, KV_RANK, NOPE, ROPE, V = 768, 512, 128, 64, 128
 
 
-def tensors() -> list[tuple[str, tuple[int, ...], bool]]:
-    """(GGUF name, torch shape, quantised) in file order."""
-    out = [("token_embd.weight", (VOCAB, H), True)]
+# The file's name: the attention's k_b and v_b are Q8_0 in it (as those who quantise these
+# models keep them: the absorbed attention multiplies them at every token), the rest Q4_0.
+FILE = "model-kb-q8_0.gguf"
+Q4, Q8 = "Q4_0", "Q8_0"
+
+
+def tensors() -> list[tuple[str, tuple[int, ...], str | None]]:
+    """(GGUF name, torch shape, block type or None for float32) in file order."""
+    out = [("token_embd.weight", (VOCAB, H), Q4)]
     for j in range(LAYERS):
         b = f"blk.{j}."
-        out += [(b + "attn_norm.weight", (H,), False), (b + "attn_q_a.weight", (Q_RANK, H), True),
-                (b + "attn_q_a_norm.weight", (Q_RANK,), False),
-                (b + "attn_q_b.weight", (HEADS * (NOPE + ROPE), Q_RANK), True),
-                (b + "attn_kv_a_mqa.weight", (KV_RANK + ROPE, H), True),
-                (b + "attn_kv_a_norm.weight", (KV_RANK,), False),
-                (b + "attn_k_b.weight", (HEADS, KV_RANK, NOPE), False),
-                (b + "attn_v_b.weight", (HEADS, V, KV_RANK), False),
-                (b + "attn_output.weight", (H, HEADS * V), True),
-                (b + "ffn_norm.weight", (H,), False)]
+        out += [(b + "attn_norm.weight", (H,), None), (b + "attn_q_a.weight", (Q_RANK, H), Q4),
+                (b + "attn_q_a_norm.weight", (Q_RANK,), None),
+                (b + "attn_q_b.weight", (HEADS * (NOPE + ROPE), Q_RANK), Q4),
+                (b + "attn_kv_a_mqa.weight", (KV_RANK + ROPE, H), Q4),
+                (b + "attn_kv_a_norm.weight", (KV_RANK,), None),
+                (b + "attn_k_b.weight", (HEADS, KV_RANK, NOPE), Q8),
+                (b + "attn_v_b.weight", (HEADS, V, KV_RANK), Q8),
+                (b + "attn_output.weight", (H, HEADS * V), Q4),
+                (b + "ffn_norm.weight", (H,), None)]
         if j == 0:
-            out += [(b + "ffn_gate.weight", (DENSE, H), True),
-                    (b + "ffn_up.weight", (DENSE, H), True),
-                    (b + "ffn_down.weight", (H, DENSE), True)]
+            out += [(b + "ffn_gate.weight", (DENSE, H), Q4),
+                    (b + "ffn_up.weight", (DENSE, H), Q4),
+                    (b + "ffn_down.weight", (H, DENSE), Q4)]
             continue
         s = SHARED * EXPERT
-        out += [(b + "ffn_gate_inp.weight", (EXPERTS, H), False),
-                (b + "exp_probs_b.bias", (EXPERTS,), False),
-                (b + "ffn_gate_exps.weight", (EXPERTS, EXPERT, H), True),
-                (b + "ffn_up_exps.weight", (EXPERTS, EXPERT, H), True),
-                (b + "ffn_down_exps.weight", (EXPERTS, H, EXPERT), True),
-                (b + "ffn_gate_shexp.weight", (s, H), True),
-                (b + "ffn_up_shexp.weight", (s, H), True),
-                (b + "ffn_down_shexp.weight", (H, s), True)]
-    return out + [("output_norm.weight", (H,), False), ("output.weight", (VOCAB, H), True)]
+        out += [(b + "ffn_gate_inp.weight", (EXPERTS, H), None),
+                (b + "exp_probs_b.bias", (EXPERTS,), None),
+                (b + "ffn_gate_exps.weight", (EXPERTS, EXPERT, H), Q4),
+                (b + "ffn_up_exps.weight", (EXPERTS, EXPERT, H), Q4),
+                (b + "ffn_down_exps.weight", (EXPERTS, H, EXPERT), Q4),
+                (b + "ffn_gate_shexp.weight", (s, H), Q4),
+                (b + "ffn_up_shexp.weight", (s, H), Q4),
+                (b + "ffn_down_shexp.weight", (H, s), Q4)]
+    return out + [("output_norm.weight", (H,), None), ("output.weight", (VOCAB, H), Q4)]
 
 
 def random_q4_0(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -85,6 +91,16 @@ def random_q4_0(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     out[:, :2] = scale.view(np.uint8).reshape(-1, 2)
     out[:, 2:] = np.frombuffer(rng.bytes(blocks * 16), dtype=np.uint8).reshape(-1, 16)
     return out.reshape(*shape[:-1], shape[-1] // 32 * 18)
+
+
+def random_q8_0(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random Q8_0 blocks (as bytes), values of a std of about 1/sqrt(row length)."""
+    blocks = int(np.prod(shape)) // 32
+    out = np.empty((blocks, 34), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 1.5, blocks) / (73 * shape[-1] ** 0.5)).astype(np.float16)
+    out[:, :2] = scale.view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = rng.integers(-127, 128, (blocks, 32), dtype=np.int8).view(np.uint8)
+    return out.reshape(*shape[:-1], shape[-1] // 32 * 34)
 
 
 def build(path: Path) -> Path:
@@ -127,20 +143,20 @@ def build(path: Path) -> Path:
     w.add_expert_group_used_count(4)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     _write_vocab(w, VOCAB)
-    q4_0 = gguf.GGMLQuantizationType.Q4_0
-    for name, shape, quantised in tensors():
-        if quantised:
-            nbytes = gguf.quant_shape_to_byte_shape(shape, q4_0)
-            w.add_tensor_info(name, nbytes, np.uint8, int(np.prod(nbytes)), raw_dtype=q4_0)
+    for name, shape, qtype in tensors():
+        if qtype:
+            t = gguf.GGMLQuantizationType[qtype]
+            nbytes = gguf.quant_shape_to_byte_shape(shape, t)
+            w.add_tensor_info(name, nbytes, np.uint8, int(np.prod(nbytes)), raw_dtype=t)
         else:
             w.add_tensor_info(name, shape, np.float32, 4 * int(np.prod(shape)))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
-    for name, shape, quantised in tqdm(tensors(), desc="writing the GGUF", unit="tensor"):
-        if quantised:
-            data = random_q4_0(shape, rng)
+    for name, shape, qtype in tqdm(tensors(), desc="writing the GGUF", unit="tensor"):
+        if qtype:
+            data = (random_q4_0 if qtype == Q4 else random_q8_0)(shape, rng)
         elif name.endswith("norm.weight"):
             data = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
@@ -289,7 +305,7 @@ def main() -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.dir = str(Path(a.dir).resolve())
-    a.gguf = str(Path(a.dir) / "model.gguf")
+    a.gguf = str(Path(a.dir) / FILE)
     if a.child:
         fn = child_llamacpp if a.child.startswith("llamacpp") else child_tiergen
         print(json.dumps(fn(a)))

@@ -12,7 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from tiergen import LLM, Policy, SamplingParams
+from tiergen import LLM, Policy, SamplingParams, kernels
 from tiergen.weights.moe_names import CHECKPOINT_NAMES
 from tiergen.weights.gguf_map import DEEPSEEK2_LAYER_NAMES, MOE_NAMES
 from tiergen.weights.packed import Packed
@@ -183,8 +183,10 @@ def test_moe_gguf_loads_the_same_model(moe_model):
     a, b = from_gguf.executor.cfg, from_dir.executor.cfg
     # (the GGUF keeps gpt-oss's gate and up rows apart, its checkpoint interleaves them)
     assert replace(a.moe, gate_up_interleaved=b.moe.gate_up_interleaved) == b.moe
-    for field in ("architecture", "mla", "layer_types", "sliding_window", "attention_sinks"):
+    for field in ("architecture", "layer_types", "sliding_window", "attention_sinks"):
         assert getattr(a, field) == getattr(b, field)
+    # (llama.cpp's converter splits DeepSeek's kv_b into k_b and v_b)
+    assert a.mla == (b.mla and replace(b.mla, kv_b_split=True))
     for x, y in zip(prefill_and_decode_logits(from_gguf), prefill_and_decode_logits(from_dir)):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     assert ([r.token_ids for r in from_gguf.generate(PROMPTS, GREEDY)]
@@ -261,3 +263,78 @@ def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activat
             [{t: p.logprob for t, p in e.items()} for e in alone.logprobs]
     # gpt-oss's experts have biases and a clamped SwiGLU: they run one by one
     assert bool(calls) == (not case.startswith("gpt-oss"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_ggufs(tmp_path_factory):
+    """A DeepSeek-V3 GGUF in Q8_0 and in Q4_0 whose k_b rows (qk_nope_head_dim) are whole
+    blocks, by type name."""
+    directory = tmp_path_factory.mktemp("deepseek-blocks")
+    hf = build("deepseek-v3", directory / "hf", rope_interleave=True, qk_nope_head_dim=32)
+    paths = {}
+    for qtype in ("Q8_0", "Q4_0"):
+        paths[qtype] = directory / f"{qtype}.gguf"
+        write_moe_gguf(hf, directory / "hf", "deepseek-v3", paths[qtype],
+                       gguf.GGMLQuantizationType[qtype])
+    return paths
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_deepseek_k_b_and_v_b_stay_packed(deepseek_ggufs, qtype, tmp_path, monkeypatch):
+    """llama.cpp's k_b and v_b of a quantised DeepSeek GGUF (rows of whole blocks) are the
+    absorbed attention's own matrices: they stay packed, on every tier, and are read from the
+    file in place on disk. With float32 activations the logits equal the same blocks decoded
+    at load; with int8 ones, each head's product in one grouped call gives what it gives
+    alone."""
+    path = deepseek_ggufs[qtype]
+    decoded = LLM(path, dtype="float32", packed=False)
+    want = prefill_and_decode_logits(decoded)
+    tokens = [r.token_ids for r in decoded.generate(PROMPTS, GREEDY)]
+    for policy in ({}, dict(weights=(0, 0), experts="disk")):
+        llm = LLM(path, dtype="float32", activations="float32",
+                  policy=Policy(**policy, offload_dir=tmp_path / "offload"))
+        layer = llm.executor.weights.take(0)
+        assert all(isinstance(layer[n], Packed) and layer[n].type_names == qtype
+                   for n in ("k_b", "v_b"))
+        llm.executor.weights.release(0)
+        for x, y in zip(prefill_and_decode_logits(llm), want):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+        llm.executor.model.absorb = False  # naive attention, k_b and v_b decoded
+        for x, y in zip(prefill_and_decode_logits(llm), want):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+        if policy:  # nothing of the attention converted into the offload directory
+            disk = llm.executor.weights.disk
+            assert disk.converted is None or not any("_b" in k for k in disk.converted.entries)
+    # int8: every head's product in one grouped call, as each alone
+    import tiergen.models.deepseek_v2 as deepseek
+
+    calls = []
+
+    def one_by_one(x, w):
+        calls.append(w.type_names)
+        rows = w.data.view(len(x), -1)
+        return torch.stack([kernels.integer_linear(x[g], Packed(rows[g], (w.shape[0] // len(x),
+                            w.shape[1]), ((w.parts[0][0], w.shape[0] // len(x)),)), None,
+                            *kernels.ACTIVATION_FORMATS["int8"]) for g in range(len(x))])
+
+    int8 = LLM(path, dtype="float32", activations="int8")
+    grouped = prefill_and_decode_logits(int8)
+    monkeypatch.setattr(deepseek, "grouped_linear", one_by_one)
+    for x, y in zip(grouped, prefill_and_decode_logits(int8)):
+        assert torch.equal(x, y)
+    assert calls and set(calls) == {qtype}
+
+
+def test_deepseek_k_b_and_v_b_are_cut_by_heads_over_ranks(deepseek_ggufs):
+    """Two tensor-parallel ranks take two heads each of the packed k_b and v_b."""
+    path = deepseek_ggufs["Q8_0"]
+    one = LLM(path, dtype="float32", activations="float32")
+    with LLM(path, dtype="float32", activations="float32", tensor_parallel=2) as llm:
+        assert ([r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+                == [r.token_ids for r in one.generate(PROMPTS, GREEDY)])
+        torch.testing.assert_close(llm.logits(PROMPTS[1]), one.logits(PROMPTS[1]),
+                                   rtol=1e-4, atol=1e-4)
+        layer = llm.executor.weights.take(0)
+        llm.executor.weights.release(0)
+        assert isinstance(layer["k_b"], Packed) and layer["k_b"].shape == (2 * 32, 32)

@@ -175,6 +175,28 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind):
         kernels.set_activations("int4")
 
 
+@pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
+# rows a group: one (a decode step's query per head), the row-by-row kernel's two, the tiles
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("kind", ["int8", "int16"])
+def test_a_grouped_product_is_each_groups_own_product(ggml_type, rows, kind):
+    """kernels.grouped_linear: group g's activation rows times the g-th block of weight
+    rows, as integer_linear computes each alone, in one call; the float path decodes."""
+    qk = ggml_type_sizes(ggml_type)[0]
+    groups, n, k = 5, 24, qk * (4 if qk == 32 else 2)
+    w = random_packed(ggml_type, groups * n, k, seed=ggml_type)
+    x = torch.randn(groups, rows, k, generator=torch.Generator().manual_seed(rows))
+    fmt = kernels.ACTIVATION_FORMATS[kind]
+    with kernels.activations_set(kind):
+        got = kernels.grouped_linear(x, w)
+    assert got.shape == (groups, rows, n)
+    for g in range(groups):
+        block = Packed(w.data.view(groups, -1)[g], (n, k), ((ggml_type, n),))
+        assert torch.equal(got[g], kernels.integer_linear(x[g], block, None, *fmt))
+    dense = w.dequantize().view(groups, n, k)
+    torch.testing.assert_close(kernels.grouped_linear(x, w), x @ dense.mT)
+
+
 # Builds for other instruction sets than -march=native picks here: AVX2 without VNNI
 # (`maddubs` + `madd`, as on an AMD EPYC), AVX-512 VNNI without AVX-VNNI (Ice Lake; run
 # where the CPU has it), and no AVX2 at all (the portable C loops, as on other CPUs).

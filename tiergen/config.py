@@ -109,6 +109,7 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool = True  # rotation pairs are adjacent elements (DeepSeek's layout)
+    kv_b_split: bool = False  # kv_b stored as k_b and v_b, per head (llama.cpp's GGUF)
 
 
 @dataclass

@@ -140,6 +140,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
     lib.tg_quantize_act.restype = None
     lib.tg_qmatmul.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr]
+    lib.tg_qmatmul_grouped.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
+                                       ctypes.c_int, i64, ptr]
     f32 = ctypes.c_float
     lib.tg_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, f32, ptr]
     lib.tg_rms_norm.restype = None
@@ -317,6 +319,30 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def grouped_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
+    """``x`` (G, M, K) times each of the G row blocks of ``w`` (G * N, K): (G, M, N), block g
+    transposed times ``x[g]``. With integer activations set, by the integer kernels in one
+    call (DeepSeek's absorbed attention: a query row per head); else decoded."""
+    G, M, K = x.shape
+    fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
+    if (fmt is None or x.device.type != "cpu" or len(w.parts) != 1
+            or not integer_kernels_take(w) or not library()):
+        dtype = torch.float32 if x.device.type == "cpu" else x.dtype  # (as packed_linear)
+        dense = dequantize_into(w, _scratch_buffer(w.shape, dtype, x.device))
+        return torch.matmul(x.to(dtype), dense.view(G, -1, K).mT).to(x.dtype)
+    N = w.shape[0] // G
+    a = quantize_activations(x.reshape(G * M, K), *fmt)
+    y = torch.empty(G, M, N)
+    ggml_type = w.parts[0][0]
+    if library().tg_qmatmul_grouped(ggml_type, w.data.data_ptr(), G, N, K,
+                                    w.data.numel() // G, a.q.data_ptr(),
+                                    None if a.low is None else a.low.data_ptr(),
+                                    a.scales.data_ptr(), a.sums.data_ptr(), a.block, M,
+                                    y.data_ptr()):
+        raise MemoryError(f"grouped integer product of {G} x {M} rows: out of memory")
+    return y.to(x.dtype)
 
 
 def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,

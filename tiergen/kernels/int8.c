@@ -990,6 +990,31 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
     return err;
 }
 
+/* groups products of one packed matrix's consecutive row blocks with their own activations,
+ * as tg_qmatmul computes each: group g multiplies activation rows g * m .. (g + 1) * m - 1
+ * by weight rows g * n .. (g + 1) * n - 1 (one GGML type, ``stride`` bytes from one block of
+ * rows to the next, no kept tiles) into y[g] (m rows of n). DeepSeek's absorbed attention:
+ * one query or output row per head. Few rows: the groups shared among the threads; more:
+ * one group after another, each product parallel (their panels share one buffer). */
+int tg_qmatmul_grouped(int type, const uint8_t *w, int64_t groups, int64_t n, int64_t k,
+                       int64_t stride, const int8_t *xq, const int8_t *xl, const float *xs4,
+                       const float *xsum, int qa, int64_t m, float *y) {
+    int err = 0;
+    if (m <= FEWI) {
+        _Pragma("omp parallel for schedule(static) reduction(|:err)")
+        for (int64_t g = 0; g < groups; g++)
+            err |= few(type, w + g * stride, n, k, xq + g * m * k, xl ? xl + g * m * k : NULL,
+                       xs4 + g * m * (k / 4), xsum + g * m * (k / SB), m, y + g * m * n, n);
+        return err ? -1 : 0;
+    }
+    for (int64_t g = 0; g < groups && !err; g++) {
+        const int64_t d[7] = {n, k, 1, type, n, (int64_t)(intptr_t)(w + g * stride), 0};
+        err = tg_qmatmul(d, xq + g * m * k, xl ? xl + g * m * k : NULL, xs4 + g * m * (k / 4),
+                         xsum + g * m * (k / SB), qa, m, y + g * m * n);
+    }
+    return err;
+}
+
 /* Every part's tiles (as a descriptor of tg_qmatmul gives them, its kept tiles' addresses
  * ignored) into out, one part after another, tg_tile_bytes(rows, k) each: what a product of
  * many rows otherwise decodes at every call. -1 for a type without a kernel. */

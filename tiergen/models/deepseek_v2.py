@@ -23,6 +23,7 @@ from tiergen.cache.attention import attention
 from tiergen.cache.kv import KVView
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
+from tiergen.kernels import grouped_linear
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
 from tiergen.models.layers import (apply_rope_interleaved, cat_rows, embedding, linear,
@@ -53,8 +54,12 @@ class DeepseekV2:
         specs = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                  a + "kv_a_proj_with_mqa.weight": (rank + m.qk_rope_head_dim, h),
                  a + "kv_a_layernorm.weight": (rank,),
-                 a + "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), rank),
                  a + "o_proj.weight": (h, heads * m.v_head_dim)}
+        if m.kv_b_split:
+            specs |= {a + "k_b_proj.weight": (heads * rank, m.qk_nope_head_dim),
+                      a + "v_b_proj.weight": (heads * m.v_head_dim, rank)}
+        else:
+            specs[a + "kv_b_proj.weight"] = (heads * (m.qk_nope_head_dim + m.v_head_dim), rank)
         if m.q_lora_rank:
             specs |= {a + "q_a_proj.weight": (m.q_lora_rank, h),
                       a + "q_a_layernorm.weight": (m.q_lora_rank,),
@@ -65,14 +70,17 @@ class DeepseekV2:
 
     def fused_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The projections reading x fused into "qkv_a": [q_a | kv_a] with q_lora_rank, else
-        [q | kv_a]; kv_b split into W_UK (H, nope, rank) and W_UV (H, v, rank)."""
+        [q | kv_a]; kv_b split into W_UK (H, nope, rank) and W_UV (H, v, rank), or where the
+        checkpoint holds them so, llama.cpp's "k_b" (each head's W_UK transposed) and "v_b",
+        their heads' rows one after the other (packed, if stored so)."""
         c, m = self.cfg, self.mla
         h, heads, rank = c.hidden_size, c.num_heads, m.kv_lora_rank
         q_out = m.q_lora_rank or heads * self.qk_dim
+        kv = ({"k_b": (heads * rank, m.qk_nope_head_dim), "v_b": (heads * m.v_head_dim, rank)}
+              if m.kv_b_split else {"w_uk": (heads, m.qk_nope_head_dim, rank),
+                                    "w_uv": (heads, m.v_head_dim, rank)})
         specs = {"input_norm": (h,), "qkv_a": (q_out + rank + m.qk_rope_head_dim, h),
-                 "kv_norm": (rank,), "w_uk": (heads, m.qk_nope_head_dim, rank),
-                 "w_uv": (heads, m.v_head_dim, rank), "o": (h, heads * m.v_head_dim),
-                 "post_norm": (h,)}
+                 "kv_norm": (rank,), **kv, "o": (h, heads * m.v_head_dim), "post_norm": (h,)}
         if m.q_lora_rank:
             specs |= {"q_norm": (m.q_lora_rank,), "q_b": (heads * self.qk_dim, m.q_lora_rank)}
         return specs | ffn_fused_specs(c, layer)
@@ -85,15 +93,18 @@ class DeepseekV2:
         r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
         a = "self_attn."
         q = r[a + "q_a_proj.weight"] if m.q_lora_rank else r[a + "q_proj.weight"]
-        kv_b = r[a + "kv_b_proj.weight"]
-        if isinstance(kv_b, Packed):  # (FP8) absorbed into the attention as float tensors
-            kv_b = kv_b.dequantize(r["input_layernorm.weight"].dtype)
-        kv_b = kv_b.view(c.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+        if m.kv_b_split:
+            kv = {"k_b": r[a + "k_b_proj.weight"], "v_b": r[a + "v_b_proj.weight"]}
+        else:
+            kv_b = r[a + "kv_b_proj.weight"]
+            if isinstance(kv_b, Packed):  # (FP8) absorbed into the attention as float tensors
+                kv_b = kv_b.dequantize(r["input_layernorm.weight"].dtype)
+            kv_b = kv_b.view(c.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+            kv = {"w_uk": kv_b[:, :m.qk_nope_head_dim].contiguous(),
+                  "w_uv": kv_b[:, m.qk_nope_head_dim:].contiguous()}
         w = {"input_norm": r["input_layernorm.weight"],
              "qkv_a": cat_rows([q, r[a + "kv_a_proj_with_mqa.weight"]]),
-             "kv_norm": r[a + "kv_a_layernorm.weight"],
-             "w_uk": kv_b[:, :m.qk_nope_head_dim].contiguous(),
-             "w_uv": kv_b[:, m.qk_nope_head_dim:].contiguous(),
+             "kv_norm": r[a + "kv_a_layernorm.weight"], **kv,
              "o": r[a + "o_proj.weight"], "post_norm": r["post_attention_layernorm.weight"]}
         if m.q_lora_rank:
             w["q_norm"], w["q_b"] = r[a + "q_a_layernorm.weight"], r[a + "q_b_proj.weight"]
@@ -125,11 +136,13 @@ class DeepseekV2:
         row = torch.cat([rms_norm(c_kv, w["kv_norm"], c.rms_norm_eps),
                          self._rope(k_pe[:, None], cos, sin)[:, 0]], dim=-1)[:, None]
         if self.absorb:
-            q_lat = torch.matmul(q_nope, w["w_uk"])  # (B, H, T, rank); einsum costs 1.5x
+            # (B, H, T, rank)
+            q_lat = _per_head(q_nope, w["k_b"]) if "k_b" in w else torch.matmul(q_nope, w["w_uk"])
             # attention scales by (rank + rope)**-0.5; MLA wants self.scale
             qa = torch.cat([q_lat, q_pe], dim=-1) * (self.scale * (rank + rope) ** 0.5)
             o_lat = cache.attend(qa, row, None, meta)  # (B, H, T, rank)
-            o = torch.matmul(o_lat, w["w_uv"].mT)  # (B, H, T, v)
+            # (B, H, T, v)
+            o = _per_head(o_lat, w["v_b"] if "v_b" in w else w["w_uv"])
         else:
             o = self._naive_attention(w, q_nope, q_pe, row, cache, meta)
         h = h + self.reduce(linear(o.transpose(1, 2).reshape(B, T, -1), w["o"]))
@@ -150,11 +163,30 @@ class DeepseekV2:
         rows, _ = cache.update(row.to(cache.k.device), None, meta.to(cache.k.device))
         rows = rows.to(q_nope.device, q_nope.dtype)[:, 0]  # (B, S, rank + rope)
         c_kv, k_pe = rows.split([rank, rows.shape[-1] - rank], dim=-1)
-        k_nope = torch.einsum("bsr,hdr->bhsd", c_kv, w["w_uk"])
-        v = torch.einsum("bsr,hvr->bhsv", c_kv, w["w_uv"])
+        w_uk, w_uv = w.get("w_uk"), w.get("w_uv")
+        if w_uk is None:  # from llama.cpp's k_b and v_b
+            heads = q_nope.shape[1]
+            w_uk = _dense(w["k_b"], c_kv.dtype).view(heads, rank, -1).mT
+            w_uv = _dense(w["v_b"], c_kv.dtype).view(heads, -1, rank)
+        k_nope = torch.einsum("bsr,hdr->bhsd", c_kv, w_uk)
+        v = torch.einsum("bsr,hvr->bhsv", c_kv, w_uv)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1) * (self.scale * self.qk_dim**0.5)
         return attention(q, k, v, meta.mask, key_valid=meta.valid[:, :meta.end])
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])
+
+
+def _dense(w: torch.Tensor | Packed, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype) if isinstance(w, Packed) else w
+
+
+def _per_head(x: torch.Tensor, w: torch.Tensor | Packed) -> torch.Tensor:
+    """x (B, H, T, K) times each head's block of rows of w (H * N, K), transposed: (B, H, T,
+    N). Packed blocks in one call of the integer kernels (where integer activations are set);
+    float ones as (W x^T)^T, which reads W twice as fast as x W^T here."""
+    B, H, T, K = x.shape
+    xh = x.transpose(0, 1).reshape(H, B * T, K)
+    y = grouped_linear(xh, w) if isinstance(w, Packed) else torch.matmul(w.view(H, -1, K), xh.mT).mT
+    return y.reshape(H, B, T, -1).transpose(0, 1)

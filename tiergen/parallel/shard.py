@@ -122,6 +122,8 @@ class ShardPlan:
         if m:
             rules["self_attn.kv_b_proj.weight"] = (0, _scaled(self.heads,
                                                                m.qk_nope_head_dim + m.v_head_dim))
+            rules["self_attn.k_b_proj.weight"] = (0, _scaled(self.heads, m.kv_lora_rank))
+            rules["self_attn.v_b_proj.weight"] = (0, _scaled(self.heads, m.v_head_dim))
         for p in "kv":
             rules |= {f"self_attn.{p}_proj.weight": (0, kv), f"self_attn.{p}_proj.bias": (0, kv)}
         for mlp, cols in (("mlp", self.columns), ("mlp.shared_expert", self.shared_columns),

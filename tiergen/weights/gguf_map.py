@@ -59,7 +59,8 @@ LAYER_NAMES = {
 }
 
 # DeepSeek's latent attention. Newer converters split kv_b into k_b (heads, rank, nope),
-# transposed, and v_b (heads, v, rank); tiergen joins them back (GGUFSource).
+# transposed, and v_b (heads, v, rank): the absorbed attention's own matrices, kept as they
+# are (flattened to (heads * rank, nope) and (heads * v, rank), packed where quantised).
 DEEPSEEK2_LAYER_NAMES = LAYER_NAMES | {
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
@@ -67,6 +68,8 @@ DEEPSEEK2_LAYER_NAMES = LAYER_NAMES | {
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
     "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
 }
 
 # A MoE layer's tensors (GGUF name less "blk.N."), by the keys of their checkpoint names in
@@ -188,7 +191,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     architecture, extra = GGUF_ARCHITECTURES[arch], {}  # MoE, MLA, gpt-oss fields
     if arch == "deepseek2":
-        extra = _deepseek2_from_gguf(meta, arch, layers)
+        extra = _deepseek2_from_gguf(meta, arch, layers, tensor_names)
         mla = extra["mla"]
         head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         kv_heads = heads  # llama.cpp writes one latent KV head
@@ -230,7 +233,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
     )
 
 
-def _deepseek2_from_gguf(meta: dict, arch: str, layers: int) -> dict:
+def _deepseek2_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[str]) -> dict:
     """DeepSeek-V2/V3's experts and latent attention (V3: sigmoid gating)."""
     def get(name: str, default: object = None) -> object:
         return meta.get(f"{arch}.{name}", default)
@@ -253,7 +256,8 @@ def _deepseek2_from_gguf(meta: dict, arch: str, layers: int) -> dict:
                     kv_lora_rank=int(get("attention.kv_lora_rank")),
                     qk_nope_head_dim=qk_dim - rope_dim, qk_rope_head_dim=rope_dim,
                     v_head_dim=int(get("attention.value_length_mla")
-                                   or get("attention.value_length")))
+                                   or get("attention.value_length")),
+                    kv_b_split="blk.0.attn_k_b.weight" in tensor_names)
     return dict(moe=moe, mla=mla)
 
 
@@ -321,10 +325,6 @@ class GGUFSource:
             elif self.config.moe:
                 self._names |= {n: (g, *where) for n, where in hf_expert_names(
                     g, moe_names, self.config.moe.num_experts).items()}
-        # DeepSeek's kv_b, joined from the k_b and v_b that newer converters split it into
-        self._kv_b = {f"model.layers.{j}.self_attn.kv_b_proj.weight": j
-                      for j in range(self.config.num_layers)
-                      if f"blk.{j}.attn_k_b.weight" in self.file.tensors}
         unpacked = sorted({info.type_name for info in self.file.tensors.values()
                            if packed and len(info.shape) >= 2
                            and info.ggml_type not in PACKED_TYPES | FLOAT_TYPES})
@@ -334,23 +334,11 @@ class GGUFSource:
                 "at load (more memory)", path.name, ", ".join(unpacked))
 
     def has(self, name: str) -> bool:
-        return name in self._names or name in self._kv_b
+        return name in self._names
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape (torch order), by its Hugging Face name."""
-        shapes = {name: self._info(name)[1] for name in self._names}
-        for name, j in self._kv_b.items():
-            heads, rank, nope = self.file.tensors[f"blk.{j}.attn_k_b.weight"].shape
-            v = self.file.tensors[f"blk.{j}.attn_v_b.weight"].shape[1]
-            shapes[name] = (heads * (nope + v), rank)
-        return shapes
-
-    def _joined_kv_b(self, j: int) -> torch.Tensor:
-        """kv_b (heads * (nope + v), rank) from k_b (heads, rank, nope) and v_b (heads, v,
-        rank), decoded (the absorbed attention takes them as float tensors)."""
-        k_b = self.file.read(f"blk.{j}.attn_k_b.weight")
-        v_b = self.file.read(f"blk.{j}.attn_v_b.weight")
-        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+        return {name: self._info(name)[1] for name in self._names}
 
     def _info(self, name: str) -> tuple[GGUFTensorInfo, tuple[int, ...], int]:
         """The GGUF tensor holding ``name``, ``name``'s shape, and the offset of its bytes
@@ -367,9 +355,13 @@ class GGUFSource:
 
     @staticmethod
     def _plain_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """llama.cpp keeps Qwen2-MoE's shared-expert gate (1, H) as a vector."""
-        return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 \
-            else shape
+        """llama.cpp keeps Qwen2-MoE's shared-expert gate (1, H) as a vector; DeepSeek's
+        k_b and v_b, a matrix per head, are taken as one of the heads' rows."""
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            return (1, *shape)
+        if name.endswith(("k_b_proj.weight", "v_b_proj.weight")):
+            return (shape[0] * shape[1], shape[2])
+        return shape
 
     def quantized_types(self) -> list[str]:
         """The block types of the file's matrices that are not float (F32, F16, BF16)."""
@@ -410,8 +402,6 @@ class GGUFSource:
         return None if stored is None else (self.file.path, info.offset + offset, stored, shape)
 
     def get(self, name: str) -> torch.Tensor | Packed:
-        if name in self._kv_b:
-            return self._joined_kv_b(self._kv_b[name])
         if name not in self._names:
             raise TiergenError(f"the GGUF file has no tensor for {name!r}; it may be incomplete")
         info, shape, offset = self._info(name)
