@@ -36,7 +36,7 @@ def main() -> None:
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
     bench_moe_gguf.EXPERTS = args.experts
-    llm = LLM(str(bench_moe_gguf.build(Path(args.dir) / bench_moe_gguf.FILE)))
+    llm = LLM(str(bench_moe_gguf.build(Path(args.dir) / bench_moe_gguf.file_name())))
     prompt, steps = [list(range(100, 116))], 32
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     llm.generate(prompt, params)  # warm-up

@@ -10,11 +10,11 @@ and without it (``--no-repack``). Reported: decode tokens/s of one prompt, bytes
 decode step, minor page faults per step (memory touched for the first time, or a mapped
 file's pages), and for tiergen the bytes of the experts its tokens routed to and its cache's
 hits. The file (random weights, a placeholder vocabulary, llama.cpp's deepseek2 layout) is
-built once in --dir.
+built once in --dir; its attention's k_b and v_b are Q8_0, or float32 with --kb-type F32.
 
     python benchmarks/bench_moe_gguf.py [--dir /var/tmp/tiergen-v3-gguf] [--host-memory 4G]
         [--prompt-len 16] [--gen-len 16] [--repeat 3] [--engines tiergen llamacpp-no-repack]
-        [--llamacpp-python .peers/llamacpp-venv/bin/python]
+        [--kb-type Q8_0|F32] [--llamacpp-python .peers/llamacpp-venv/bin/python]
 
 With --repeat N every engine runs N times, the engines in turns (this machine's speed drifts
 between runs; turns see the same drift), and the table gives each one's median run by step
@@ -46,14 +46,19 @@ DENSE, EXPERT, EXPERTS, USED, SHARED = 5632, 1408, 192, 6, 2
 Q_RANK, KV_RANK, NOPE, ROPE, V = 768, 512, 128, 64, 128
 
 
-# The file's name: the attention's k_b and v_b are Q8_0 in it (as those who quantise these
-# models keep them: the absorbed attention multiplies them at every token), the rest Q4_0.
-FILE = "model-kb-q8_0.gguf"
 Q4, Q8 = "Q4_0", "Q8_0"
 
 
-def tensors() -> list[tuple[str, tuple[int, ...], str | None]]:
+def file_name(kb_type: str = Q8) -> str:
+    """The file whose attention's k_b and v_b are ``kb_type`` (Q8_0 by default, as those who
+    quantise these models keep them: the absorbed attention multiplies them at every token;
+    or F32), the rest Q4_0."""
+    return f"model-kb-{kb_type.lower()}.gguf"
+
+
+def tensors(kb_type: str = Q8) -> list[tuple[str, tuple[int, ...], str | None]]:
     """(GGUF name, torch shape, block type or None for float32) in file order."""
+    kb = None if kb_type == "F32" else kb_type
     out = [("token_embd.weight", (VOCAB, H), Q4)]
     for j in range(LAYERS):
         b = f"blk.{j}."
@@ -62,8 +67,8 @@ def tensors() -> list[tuple[str, tuple[int, ...], str | None]]:
                 (b + "attn_q_b.weight", (HEADS * (NOPE + ROPE), Q_RANK), Q4),
                 (b + "attn_kv_a_mqa.weight", (KV_RANK + ROPE, H), Q4),
                 (b + "attn_kv_a_norm.weight", (KV_RANK,), None),
-                (b + "attn_k_b.weight", (HEADS, KV_RANK, NOPE), Q8),
-                (b + "attn_v_b.weight", (HEADS, V, KV_RANK), Q8),
+                (b + "attn_k_b.weight", (HEADS, KV_RANK, NOPE), kb),
+                (b + "attn_v_b.weight", (HEADS, V, KV_RANK), kb),
                 (b + "attn_output.weight", (H, HEADS * V), Q4),
                 (b + "ffn_norm.weight", (H,), None)]
         if j == 0:
@@ -103,7 +108,7 @@ def random_q8_0(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     return out.reshape(*shape[:-1], shape[-1] // 32 * 34)
 
 
-def build(path: Path) -> Path:
+def build(path: Path, kb_type: str = Q8) -> Path:
     """Write the GGUF once (under a temporary name, renamed when complete)."""
     if path.exists():
         return path
@@ -143,7 +148,7 @@ def build(path: Path) -> Path:
     w.add_expert_group_used_count(4)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     _write_vocab(w, VOCAB)
-    for name, shape, qtype in tensors():
+    for name, shape, qtype in tensors(kb_type):
         if qtype:
             t = gguf.GGMLQuantizationType[qtype]
             nbytes = gguf.quant_shape_to_byte_shape(shape, t)
@@ -154,7 +159,7 @@ def build(path: Path) -> Path:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
-    for name, shape, qtype in tqdm(tensors(), desc="writing the GGUF", unit="tensor"):
+    for name, shape, qtype in tqdm(tensors(kb_type), desc="writing the GGUF", unit="tensor"):
         if qtype:
             data = (random_q4_0 if qtype == Q4 else random_q8_0)(shape, rng)
         elif name.endswith("norm.weight"):
@@ -264,7 +269,7 @@ def run(a: argparse.Namespace, engine: str, group: str | None) -> dict:
     python = a.llamacpp_python if engine.startswith("llamacpp") else sys.executable
     cmd = [python, str(HERE / "bench_moe_gguf.py"), "--child", engine, "--dir", a.dir,
            "--host-memory", a.host_memory, "--prompt-len", str(a.prompt_len),
-           "--gen-len", str(a.gen_len)]
+           "--gen-len", str(a.gen_len), "--kb-type", a.kb_type]
 
     def enter_group() -> None:
         if group:
@@ -300,19 +305,21 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--kb-type", default=Q8, choices=(Q8, "F32"),
+                   help="the type of the attention's k_b and v_b in the file")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--llamacpp-python", default=".peers/llamacpp-venv/bin/python")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.dir = str(Path(a.dir).resolve())
-    a.gguf = str(Path(a.dir) / FILE)
+    a.gguf = str(Path(a.dir) / file_name(a.kb_type))
     if a.child:
         fn = child_llamacpp if a.child.startswith("llamacpp") else child_tiergen
         print(json.dumps(fn(a)))
         return
     from bench_scale import machine
 
-    build(Path(a.gguf))
+    build(Path(a.gguf), a.kb_type)
     group = in_cgroup(a.host_memory)
     experts = (LAYERS - 1) * EXPERTS * expert_nbytes()
     print(f"{machine()}; {Path(a.gguf).stat().st_size / 1e9:.1f} GB Q4_0 GGUF, "
