@@ -990,8 +990,8 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
     return err;
 }
 
-/* groups products of one packed matrix's consecutive row blocks with their own activations,
- * as tg_qmatmul computes each: group g multiplies activation rows g * m .. (g + 1) * m - 1
+/* Products of a packed matrix's consecutive row blocks, each with its own activations, as
+ * tg_qmatmul computes each: group g multiplies activation rows g * m .. (g + 1) * m - 1
  * by weight rows g * n .. (g + 1) * n - 1 (one GGML type, ``stride`` bytes from one block of
  * rows to the next, no kept tiles) into y[g] (m rows of n). DeepSeek's absorbed attention:
  * one query or output row per head. Few rows: the groups shared among the threads; more:
