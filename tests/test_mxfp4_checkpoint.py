@@ -61,6 +61,11 @@ def test_mxfp4_checkpoint_matches_transformers_dequantising_it(mxfp4_model, tmp_
     llm.executor.weights.release(0)
     assert isinstance(experts.gate_up, Packed) and experts.gate_up.type_names == "MXFP4"
     assert isinstance(experts.down, Packed) and experts.down.type_names == "MXFP4"
+    if llm.executor.device.type != "cpu":  # on a GPU, first against tiergen's own CPU run
+        on_cpu = LLM(mxfp4_model, dtype="float32", activations="float32", device="cpu")
+        for prompt in [p for p in PROMPTS if len(p) > 1]:
+            torch.testing.assert_close(llm.logits(prompt), on_cpu.logits(prompt),
+                                       atol=1e-4, rtol=1e-4)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         mxfp4_model, dtype=torch.float32,
         quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
