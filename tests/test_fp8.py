@@ -79,11 +79,25 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, 
              num_attention_heads=4, num_key_value_heads=4)
 
 
+# ... and with heads whose nope and v parts of kv_b are whole blocks of 128 rows: served as
+# llama.cpp's k_b and v_b in FP8 blocks (k_b each head's nope rows transposed, block for block)
+SPLIT_SHAPE = SHAPE | dict(qk_nope_head_dim=128, v_head_dim=128, num_attention_heads=2,
+                           num_key_value_heads=2)
+
+
 @pytest.fixture(scope="module")
 def fp8_model(tmp_path_factory):
     """The same random model as an FP8 checkpoint and as that checkpoint dequantised."""
-    root = tmp_path_factory.mktemp("fp8")
-    build("deepseek-v3", root / "float", **SHAPE)
+    return fp8_checkpoints(tmp_path_factory.mktemp("fp8"), SHAPE)
+
+
+@pytest.fixture(scope="module")
+def fp8_split_model(tmp_path_factory):
+    return fp8_checkpoints(tmp_path_factory.mktemp("fp8-split"), SPLIT_SHAPE)
+
+
+def fp8_checkpoints(root, shape: dict):
+    build("deepseek-v3", root / "float", **shape)
     tensors = safetensors.torch.load_file(root / "float" / "model.safetensors")
     fp8, dequantised = {}, {}
     for name, t in tensors.items():
@@ -131,6 +145,51 @@ def test_fp8_checkpoint_matches_transformers_on_it_dequantised(fp8_model, tmp_pa
         assert [r.token_ids for r in offloaded.generate(PROMPTS, GREEDY)] == tokens
         for a, b in zip(prefill_and_decode_logits(offloaded), logits):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_rows,nope,v", [(128, 128, 128), (256, 128, 128), (128, 128, 64),
+                                               (128, 256, 96)])
+def test_kv_b_splits_into_k_b_and_v_b_exactly(block_rows, nope, v):
+    """k_b (each head's nope rows transposed) and v_b from an e4m3 kv_b hold its values
+    exactly wherever splits_by_head allows the split, and it refuses where it does not."""
+    from tiergen.weights.fp8 import fp8_k_b_v_b, splits_by_head
+
+    heads, rank = 3, 256
+    kv_b = torch.randn(heads * (nope + v), rank)
+    q, scale = quantize_fp8(kv_b, (block_rows, 128))
+    if not splits_by_head(block_rows, heads, nope, v, rank):
+        assert (nope + v) % block_rows  # (a head's nope rows cross a row block)
+        return
+    k_b, v_b = fp8_k_b_v_b(q, scale, block_rows, heads, nope)
+    dense = fp8_dequantize(q, scale, block_rows).view(heads, nope + v, rank)
+    assert torch.equal(k_b.dequantize(), dense[:, :nope].transpose(1, 2).reshape(-1, nope))
+    assert torch.equal(v_b.dequantize(), dense[:, nope:].reshape(-1, rank))
+
+
+def test_fp8_kv_b_is_served_as_packed_k_b_and_v_b(fp8_split_model, fp8_model, tmp_path):
+    """Where kv_b's blocks allow it, the absorbed attention takes llama.cpp's k_b and v_b in
+    FP8 blocks (nothing decoded at load), with transformers' logits on the dequantised
+    checkpoint, from memory and from disk, and over two tensor-parallel ranks; where they do
+    not (the other model: heads of 16 + 32 rows), kv_b is decoded as before."""
+    llm = LLM(fp8_split_model / "fp8", dtype="float32")
+    assert llm.executor.cfg.mla.kv_b_split
+    layer = llm.executor.weights.take(1)
+    llm.executor.weights.release(1)
+    assert layer["k_b"].type_names == layer["v_b"].type_names == "FP8"
+    assert layer["k_b"].shape == (2 * 128, 128) and layer["v_b"].shape == (2 * 128, 128)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(fp8_split_model / "dequantised",
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        for prompt in [p for p in PROMPTS if len(p) > 1]:
+            torch.testing.assert_close(llm.logits(prompt), hf(torch.tensor([prompt])).logits[0],
+                                       atol=1e-4, rtol=1e-4)
+    tokens = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+    disk = LLM(fp8_split_model / "fp8", dtype="float32",
+               policy=Policy(weights=(0, 0), offload_dir=tmp_path))
+    assert [r.token_ids for r in disk.generate(PROMPTS, GREEDY)] == tokens
+    with LLM(fp8_split_model / "fp8", dtype="float32", tensor_parallel=2) as ranks:
+        assert [r.token_ids for r in ranks.generate(PROMPTS, GREEDY)] == tokens
+    assert not LLM(fp8_model / "fp8", dtype="float32").executor.cfg.mla.kv_b_split
 
 
 def test_fp8_checkpoints_refuse_what_they_cannot_be(fp8_model, tmp_path):

@@ -182,6 +182,8 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
         from tiergen.weights.fp8 import FP8Source
 
         source = FP8Source(source, fp8_block_rows(quant))
+        if config.mla and source.split_kv_b(config.mla, config.num_heads):
+            config.mla = replace(config.mla, kv_b_split=True)
     files = list(directory.glob("*.safetensors")) + [directory / "config.json"]
     return ModelFiles(directory.name, config, source, Tokenizer.from_hf_dir(directory),
                       config_dtype(raw), fingerprint(files),
