@@ -187,6 +187,10 @@ def test_which_tensors_are_quantised():
     # DeepSeek-V2 joins q_proj with kv_a_proj_with_mqa as plain tensors
     assert kind(layer + "self_attn.q_proj.weight", (512, 512), "DeepseekV2ForCausalLM") is None
     assert kind(layer + "self_attn.o_proj.weight", (512, 512), "DeepseekV2ForCausalLM") == q4_k
+    # its kv_b as the per-head k_b (rows of nope, 128: Q8_0) and v_b (rows of the rank)
+    assert kind(layer + "self_attn.kv_b_proj.weight", (4096, 512), "DeepseekV3ForCausalLM") is None
+    assert kind(layer + "self_attn.k_b_proj.weight", (8192, 128), "DeepseekV3ForCausalLM") == q8_0
+    assert kind(layer + "self_attn.v_b_proj.weight", (2048, 512), "DeepseekV3ForCausalLM") == q4_k
 
 
 # -- the engine on quantised weights -------------------------------------------------------
@@ -272,6 +276,27 @@ def test_families_with_experts_take_quantised_matrices(case, tmp_path):
         assert [r.token_ids for r in offloaded.generate(PROMPTS, GREEDY)] == tokens
         for a, b in zip(prefill_and_decode_logits(offloaded), got):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_deepseeks_kv_b_is_quantised_as_per_head_k_b_and_v_b(tmp_path):
+    """A float DeepSeek checkpoint quantised at load serves its kv_b as llama.cpp's k_b and
+    v_b, packed, which the absorbed attention multiplies a head at a time: on the float path
+    the logits are the float model's within the weights' rounding, and the integer path
+    runs."""
+    build("deepseek-v3", tmp_path / "hf", qk_nope_head_dim=32)
+    llm = LLM(tmp_path / "hf", dtype="float32", device="cpu", quantize="q8_0",
+              activations="float32")
+    assert llm.executor.cfg.mla.kv_b_split
+    layer = llm.executor.weights.take(0)
+    llm.executor.weights.release(0)
+    assert layer["k_b"].type_names == layer["v_b"].type_names == "Q8_0"
+    heads, mla = llm.executor.cfg.num_heads, llm.executor.cfg.mla
+    assert layer["k_b"].shape == (heads * mla.kv_lora_rank, mla.qk_nope_head_dim)
+    want = prefill_and_decode_logits(LLM(tmp_path / "hf", dtype="float32", device="cpu"))
+    for w, g in zip(want, prefill_and_decode_logits(llm)):
+        assert kl_divergence(w, g).mean() < 0.01
+    int8 = LLM(tmp_path / "hf", dtype="float32", device="cpu", quantize="q8_0")
+    assert len(int8.generate(PROMPTS, GREEDY)[1].token_ids) == GREEDY.max_tokens
 
 
 def test_the_quantised_file_is_written_once_and_reused(model, cache, monkeypatch):

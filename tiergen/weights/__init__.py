@@ -215,7 +215,7 @@ def quantized(files: ModelFiles, kind: str) -> ModelFiles:
     """A float checkpoint with its layer matrices quantised to ``kind`` ("q8_0", "q4_0",
     "q4_k"; see :mod:`tiergen.weights.quantize`): once, into the cache directory, and read
     from there on later loads. A checkpoint already quantised (GGUF blocks, FP8) is refused."""
-    from tiergen.weights.quantize import quantize_type, quantized_source
+    from tiergen.weights.quantize import PerHeadKvB, quantize_type, quantized_source
 
     quantize_type(kind)
     kind = kind.lower()
@@ -230,12 +230,16 @@ def quantized(files: ModelFiles, kind: str) -> ModelFiles:
                            "quantize (--quantize) is for float checkpoints (Hugging Face "
                            "safetensors, or an F32/F16/BF16 GGUF): leave it out to run the "
                            "file's own blocks")
+    config = files.config
+    if config.mla and not config.mla.kv_b_split:  # kv_b quantised as the per-head k_b and v_b
+        source = PerHeadKvB(source, config.num_heads, config.mla.qk_nope_head_dim)
+        config = replace(config, mla=replace(config.mla, kv_b_split=True))
     source = quantized_source(source, source.shapes(), files.fingerprint, kind,
-                              files.config.architecture)
+                              config.architecture)
     fp = hashlib.sha256(f"{files.fingerprint}|{kind}".encode()).hexdigest()
     opened_as = None if files.opened_as is None else (*files.opened_as[:2], kind)
-    return replace(files, source=source, fingerprint=fp, packed=files.packed or bool(source.types),
-                   opened_as=opened_as, quantize=kind)
+    return replace(files, config=config, source=source, fingerprint=fp,
+                   packed=files.packed or bool(source.types), opened_as=opened_as, quantize=kind)
 
 
 def open_model(model: str | Path, packed: bool = True, quantize: str | None = None
