@@ -147,6 +147,18 @@ def test_fp8_checkpoint_matches_transformers_on_it_dequantised(fp8_model, tmp_pa
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_fp8_grouped_products_take_the_float_kernels(kind, rows):
+    """FP8 blocks have no integer kernel: a grouped product takes the float kernels a group
+    at a time (few rows) or the decoded matrix (more), whatever activations are set."""
+    w = random_packed(GGMLType.FP8, 3 * 16, 256, seed=5)
+    x = torch.randn(3, rows, 256, generator=torch.Generator().manual_seed(rows))
+    with kernels.activations_set(kind):
+        got = kernels.grouped_linear(x, w)
+    assert_close_relative(got, x @ w.dequantize().view(3, 16, 256).mT)
+
+
 @pytest.mark.parametrize("block_rows,nope,v", [(128, 128, 128), (256, 128, 128), (128, 128, 64),
                                                (128, 256, 96)])
 def test_kv_b_splits_into_k_b_and_v_b_exactly(block_rows, nope, v):

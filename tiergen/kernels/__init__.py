@@ -324,13 +324,15 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
 def grouped_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     """``x`` (G, M, K) times each of the G row blocks of ``w`` (G * N, K): (G, M, N), block g
     transposed times ``x[g]``. With integer activations set, by the integer kernels in one
-    call (DeepSeek's absorbed attention: a query row per head); else, as packed_linear, few
-    rows by the float kernels a block at a time, more by the decoded matrix."""
+    call (DeepSeek's absorbed attention: a query row per head); else (float activations, or
+    a type of the float kernels only, as FP8), as packed_linear: few rows by the float
+    kernels a block at a time, more by the decoded matrix."""
     G, M, K = x.shape
     N = w.shape[0] // G
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     lib = library() if x.device.type == "cpu" and len(w.parts) == 1 else None
-    if lib is not None and fmt is None and M <= ROW_THRESHOLD:  # float: decoded in the kernel
+    integer = fmt is not None and lib is not None and integer_kernels_take(w)
+    if lib is not None and not integer and M <= ROW_THRESHOLD:  # decoded in the float kernels
         xf, y = x.float().contiguous(), torch.empty(G, M, N)
         stride = w.data.numel() // G
         for g in range(G):
@@ -339,18 +341,16 @@ def grouped_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
                 break  # (a type without a packed kernel: decoded below)
         else:
             return y.to(x.dtype)
-    if fmt is None or lib is None or not integer_kernels_take(w):
+    if not integer:
         dtype = torch.float32 if x.device.type == "cpu" else x.dtype  # (as packed_linear)
         dense = dequantize_into(w, _scratch_buffer(w.shape, dtype, x.device))
         return torch.matmul(x.to(dtype), dense.view(G, -1, K).mT).to(x.dtype)
     a = quantize_activations(x.reshape(G * M, K), *fmt)
     y = torch.empty(G, M, N)
     ggml_type = w.parts[0][0]
-    if lib.tg_qmatmul_grouped(ggml_type, w.data.data_ptr(), G, N, K,
-                                    w.data.numel() // G, a.q.data_ptr(),
-                                    None if a.low is None else a.low.data_ptr(),
-                                    a.scales.data_ptr(), a.sums.data_ptr(), a.block, M,
-                                    y.data_ptr()):
+    if lib.tg_qmatmul_grouped(ggml_type, w.data.data_ptr(), G, N, K, w.data.numel() // G,
+                              a.q.data_ptr(), None if a.low is None else a.low.data_ptr(),
+                              a.scales.data_ptr(), a.sums.data_ptr(), a.block, M, y.data_ptr()):
         raise MemoryError(f"grouped integer product of {G} x {M} rows: out of memory")
     return y.to(x.dtype)
 
