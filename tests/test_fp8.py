@@ -162,9 +162,9 @@ def test_fp8_grouped_products_take_the_float_kernels(kind, rows):
 @pytest.mark.parametrize("block_rows,nope,v", [(128, 128, 128), (256, 128, 128), (128, 128, 64),
                                                (128, 256, 96)])
 def test_kv_b_splits_into_k_b_and_v_b_exactly(block_rows, nope, v):
-    """k_b (each head's nope rows transposed) and v_b from an e4m3 kv_b hold its values
+    """k_b (each head's nope rows transposed) and v_b from an FP8 kv_b hold its values
     exactly wherever splits_by_head allows the split, and it refuses where it does not."""
-    from tiergen.weights.fp8 import fp8_k_b_v_b, splits_by_head
+    from tiergen.weights.fp8 import fp8_per_head, splits_by_head
 
     heads, rank = 3, 256
     kv_b = torch.randn(heads * (nope + v), rank)
@@ -172,7 +172,7 @@ def test_kv_b_splits_into_k_b_and_v_b_exactly(block_rows, nope, v):
     if not splits_by_head(block_rows, heads, nope, v, rank):
         assert (nope + v) % block_rows  # (a head's nope rows cross a row block)
         return
-    k_b, v_b = fp8_k_b_v_b(q, scale, block_rows, heads, nope)
+    k_b, v_b = fp8_per_head(fp8_packed(q, scale, block_rows), heads, nope)
     dense = fp8_dequantize(q, scale, block_rows).view(heads, nope + v, rank)
     assert torch.equal(k_b.dequantize(), dense[:, :nope].transpose(1, 2).reshape(-1, nope))
     assert torch.equal(v_b.dequantize(), dense[:, nope:].reshape(-1, rank))

@@ -16,6 +16,7 @@ from tiergen.errors import TiergenError
 from tiergen.paths import cache_dir, written_atomically
 from tiergen.tokenizer import Tokenizer
 from tiergen.weights.packed import Packed
+from tiergen.weights.per_head import PerHeadKvB
 
 
 class WeightSource(Protocol):
@@ -179,11 +180,14 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
 
         source = MXFP4Source(source)
     elif quant:
-        from tiergen.weights.fp8 import FP8Source
+        from tiergen.weights.fp8 import FP8Source, splits_by_head
 
-        source = FP8Source(source, fp8_block_rows(quant))
-        if config.mla and source.split_kv_b(config.mla, config.num_heads):
-            config.mla = replace(config.mla, kv_b_split=True)
+        block_rows, m = fp8_block_rows(quant), config.mla
+        source = FP8Source(source, block_rows)
+        if m and splits_by_head(block_rows, config.num_heads, m.qk_nope_head_dim, m.v_head_dim,
+                                m.kv_lora_rank):  # kv_b's FP8 blocks as the per-head k_b, v_b
+            source = PerHeadKvB(source, config.num_heads, m.qk_nope_head_dim)
+            config.mla = replace(m, kv_b_split=True)
     files = list(directory.glob("*.safetensors")) + [directory / "config.json"]
     return ModelFiles(directory.name, config, source, Tokenizer.from_hf_dir(directory),
                       config_dtype(raw), fingerprint(files),
@@ -215,7 +219,7 @@ def quantized(files: ModelFiles, kind: str) -> ModelFiles:
     """A float checkpoint with its layer matrices quantised to ``kind`` ("q8_0", "q4_0",
     "q4_k"; see :mod:`tiergen.weights.quantize`): once, into the cache directory, and read
     from there on later loads. A checkpoint already quantised (GGUF blocks, FP8) is refused."""
-    from tiergen.weights.quantize import PerHeadKvB, quantize_type, quantized_source
+    from tiergen.weights.quantize import quantize_type, quantized_source
 
     quantize_type(kind)
     kind = kind.lower()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tiergen.config import FP8_BLOCK as BLOCK, MLAConfig
+from tiergen.config import FP8_BLOCK as BLOCK
 from tiergen.weights.packed import Packed, narrow, packed_like
 from tiergen.weights.quant import GGMLType
 
@@ -37,7 +37,7 @@ def fp8_packed(w: torch.Tensor, scale_inv: torch.Tensor, block_rows: int) -> Pac
 
 def splits_by_head(block_rows: int, heads: int, nope: int, v: int, rank: int) -> bool:
     """Whether DeepSeek's kv_b (heads * (nope + v), rank) in blocks of ``block_rows`` rows
-    gives llama.cpp's k_b exactly (:func:`fp8_k_b_v_b`): each 128 rows of a head's nope part
+    gives llama.cpp's k_b exactly (:func:`fp8_per_head`): each 128 rows of a head's nope part
     within one row block, so that transposed they are 128 columns of one scale."""
     if nope % BLOCK or rank % BLOCK:
         return False
@@ -45,21 +45,20 @@ def splits_by_head(block_rows: int, heads: int, nope: int, v: int, rank: int) ->
     return bool((starts // block_rows == (starts + BLOCK - 1) // block_rows).all())
 
 
-def fp8_k_b_v_b(kv_b: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, heads: int,
-                nope: int) -> tuple[Packed, Packed]:
-    """DeepSeek's kv_b in e4m3 with its block scales as the absorbed attention's matrices in
-    FP8 blocks, llama.cpp's k_b (each head's nope rows transposed: heads * rank, nope) and
-    v_b (each head's v rows: heads * v, rank), the same values (see :func:`splits_by_head`)."""
+def fp8_per_head(kv_b: Packed, heads: int, nope: int) -> tuple[Packed, Packed]:
+    """DeepSeek's kv_b in FP8 blocks as the absorbed attention's matrices in FP8 blocks,
+    llama.cpp's k_b (each head's nope rows transposed: heads * rank, nope) and v_b (each
+    head's v rows: heads * v, rank), the same values where :func:`splits_by_head` holds (each
+    128 nope rows share their scales, which the transposed block takes)."""
     rows, rank = kv_b.shape
-    per_head = rows // heads
-    q = kv_b.view(torch.uint8).view(heads, per_head, rank)
+    blocks = kv_b.data.view(rows, rank // BLOCK, 4 + BLOCK)
+    scales = blocks[..., :4].contiguous().view(torch.float32).view(heads, -1, rank // BLOCK)
+    q = blocks[..., 4:].reshape(heads, -1, rank)
     k = q[:, :nope].transpose(1, 2).reshape(-1, nope)
-    first = torch.arange(heads)[:, None] * per_head  # each head's first row
-    k_rows = (first + torch.arange(0, nope, BLOCK)) // block_rows  # (heads, nope / 128)
-    k_scales = scale_inv.float()[k_rows[:, None, :], (torch.arange(rank) // BLOCK)[None, :, None]]
-    v_rows = ((first + torch.arange(nope, per_head)) // block_rows).flatten()
+    # row r of a head's k_b, columns of block c: the scale of its nope rows c, value block r
+    k_scales = scales[:, :nope:BLOCK].transpose(1, 2).repeat_interleave(BLOCK, dim=1)
     return (_pack(k, k_scales.reshape(-1, nope // BLOCK)),
-            _pack(q[:, nope:].reshape(-1, rank), scale_inv.float()[v_rows]))
+            _pack(q[:, nope:].reshape(-1, rank), scales[:, nope:].reshape(-1, rank // BLOCK)))
 
 
 def fp8_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block_rows: int) -> torch.Tensor:
@@ -76,8 +75,6 @@ class FP8Source:
     def __init__(self, source, block_rows: int) -> None:
         self.source, self.block_rows = source, block_rows
         self._shapes = source.shapes()
-        self._split: dict[str, tuple[str, int]] = {}  # k_b/v_b name -> (its kv_b, 0 or 1)
-        self._heads = self._nope = 0
         self._fp8 = {n for n in self._shapes
                      if n.endswith(".weight") and n + "_scale_inv" in self._shapes}
         odd = sorted(n for n in self._fp8 if self._shapes[n][1] % BLOCK)
@@ -86,26 +83,8 @@ class FP8Source:
                 "tiergen: %d FP8 matrices (%s, ...) have rows that are not whole blocks of %d; "
                 "they are decoded to float at load", len(odd), odd[0], BLOCK)
 
-    def split_kv_b(self, mla: MLAConfig, heads: int) -> bool:
-        """Serve DeepSeek's kv_b_proj as llama.cpp's k_b_proj and v_b_proj in FP8 blocks
-        (:func:`fp8_k_b_v_b`), so that the absorbed attention multiplies them packed, where
-        the blocks give them exactly; whether they do."""
-        kv_b = sorted(n for n in self._fp8 if n.endswith("self_attn.kv_b_proj.weight"))
-        if not kv_b or not splits_by_head(self.block_rows, heads, mla.qk_nope_head_dim,
-                                          mla.v_head_dim, self._shapes[kv_b[0]][1]):
-            return False
-        self._heads, self._nope = heads, mla.qk_nope_head_dim
-        for name in kv_b:
-            rank = self._shapes[name][1]
-            for part, (kind, shape) in enumerate((("k_b", (heads * rank, self._nope)),
-                                                  ("v_b", (heads * mla.v_head_dim, rank)))):
-                derived = name.replace("kv_b", kind)
-                self._split[derived], self._shapes[derived] = (name, part), shape
-                self._fp8.add(derived)
-        return True
-
     def has(self, name: str) -> bool:
-        return name in self._split or self.source.has(name)
+        return self.source.has(name)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: s for n, s in self._shapes.items() if not n.endswith("_scale_inv")}
@@ -125,10 +104,6 @@ class FP8Source:
     def get(self, name: str) -> torch.Tensor | Packed:
         if name not in self._fp8:
             return self.source.get(name)
-        if name in self._split:
-            kv_b, part = self._split[name]
-            return fp8_k_b_v_b(self.source.get(kv_b), self.source.get(kv_b + "_scale_inv"),
-                               self.block_rows, self._heads, self._nope)[part]
         w, scale = self.source.get(name), self.source.get(name + "_scale_inv")
         if self._packs(name):
             return fp8_packed(w, scale, self.block_rows)

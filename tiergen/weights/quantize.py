@@ -42,7 +42,7 @@ _MAGIC = "tiergen-quantized"
 # The layer matrices the families take packed (through ``linear``, ``cat_rows`` and
 # ``stack``), routed experts included. DeepSeek's q_a/kv_a are joined as plain tensors, so
 # those stay float, as do routers, norms, biases and embeddings; its kv_b is quantised as the
-# per-head k_b and v_b (:class:`PerHeadKvB`).
+# per-head k_b and v_b (:class:`tiergen.weights.per_head.PerHeadKvB`).
 _LAYER_MATRIX = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|q_b|k_b|v_b)_proj"
                            r"|mlp(\.shared_experts?|\.experts\.\d+)?\.(gate|up|down)_proj"
                            r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight")
@@ -248,51 +248,6 @@ def _write(path: Path, source, plan: dict[str, tuple[int, tuple[int, int]]], kin
         for name, (ggml_type, _) in tqdm(plan.items(), desc=f"quantising to {kind}",
                                          unit="tensor", leave=False):
             out.write(quantize_matrix(source.get(name), ggml_type).numpy().data)
-
-
-class PerHeadKvB:
-    """A float DeepSeek checkpoint whose kv_b_proj (heads * (nope + v), rank) is also served
-    as llama.cpp's k_b_proj (each head's nope rows transposed: heads * rank, nope) and
-    v_b_proj (heads * v, rank): the absorbed attention's own matrices, which quantised it
-    multiplies packed. Everything else as ``source`` has it."""
-
-    def __init__(self, source, heads: int, nope: int) -> None:
-        self.source, self.heads, self.nope = source, heads, nope
-        self._shapes = source.shapes()
-        self._split: dict[str, tuple[str, int]] = {}
-        for name in [n for n in self._shapes if n.endswith("self_attn.kv_b_proj.weight")]:
-            rows, rank = self._shapes[name]
-            for part, kind, shape in ((0, "k_b", (heads * rank, nope)),
-                                      (1, "v_b", (rows - heads * nope, rank))):
-                self._split[name.replace("kv_b", kind)] = (name, part)
-                self._shapes[name.replace("kv_b", kind)] = shape
-
-    def has(self, name: str) -> bool:
-        return name in self._split or self.source.has(name)
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return dict(self._shapes)
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self._split:
-            return self.source.get(name)
-        kv_b, part = self._split[name]
-        w = self.source.get(kv_b)
-        w = w.view(self.heads, -1, w.shape[-1])
-        if part == 0:
-            return w[:, :self.nope].transpose(1, 2).reshape(-1, self.nope)
-        return w[:, self.nope:].reshape(-1, w.shape[-1])
-
-    def get_slice(self, name: str, dim: int, rows: range) -> torch.Tensor:
-        if name not in self._split:
-            return self.source.get_slice(name, dim, rows)
-        return narrow(self.get(name), dim, rows)
-
-    def meta(self, name: str) -> None:
-        return None if name in self._split else self.source.meta(name)
-
-    def locate(self, name: str) -> tuple[Path, int, torch.dtype | int, tuple[int, ...]] | None:
-        return None if name in self._split else self.source.locate(name)
 
 
 class QuantizedSource:
