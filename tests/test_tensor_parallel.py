@@ -200,11 +200,20 @@ def test_the_server_scheduler_runs_over_ranks(pipeline, tensor, tmp_path):
             for p, q in zip(prompts, params):
                 requests.append(sched.submit(p, q))
                 time.sleep(0.01)
-            doomed = sched.submit([9] * 5, LONG)
-            threading.Timer(0.3, doomed.cancel).start()
+            doomed, doomed_events = sched.submit([9] * 5, LONG), []
+
+            def cancel_once_decoding() -> None:  # (a timer lost the race on a fast machine)
+                for ev in doomed.events(timeout=60):
+                    doomed_events.append(ev)
+                    if len(doomed_events) == 1:
+                        doomed.cancel()
+
+            reader = threading.Thread(target=cancel_once_decoding)
+            reader.start()
             for req, want in zip(requests, expected):
                 assert [e.token_id for e in req.events(timeout=60)] == want
-            assert list(doomed.events(timeout=60))[-1].finish_reason == CANCELLED
+            reader.join(60)
+            assert doomed_events[-1].finish_reason == CANCELLED
             assert max(sched.metrics.batch_sizes) > 1
             again = sched.submit(prompts[3], params[3])  # the ranks are still in step
             assert [e.token_id for e in again.events(timeout=60)] == expected[3]
