@@ -195,6 +195,13 @@ def test_admission_keeps_to_the_memory_budget(tmp_path):
         assert [e.token_id for e in first.events(timeout=60)] == want
         assert [e.token_id for e in second.events(timeout=60)] == want
         assert max(sched.snapshot().batch_sizes) == 1  # never both at once
+        forward = llm.executor.forward_block
+
+        def slow_step(*args, **kwargs):  # running outlasts the queue timeout on a fast machine
+            time.sleep(0.005)
+            return forward(*args, **kwargs)
+
+        llm.executor.forward_block = slow_step
         sched.queue_timeout = 0.05
         running = sched.submit(prompt, greedy(n))
         waiting = sched.submit(prompt, greedy(n))
