@@ -10,7 +10,9 @@ cache (so reads come from the disk, as on a machine whose RAM really is the budg
   conversion is timed on a fresh directory, then the run reuses it);
 - tiergen, weights on disk, the Q4_0 GGUF kept packed;
 - tiergen --policy auto on the bfloat16 checkpoint under the same budget (the planner's choice,
-  and its predicted tokens/s next to the measured);
+  and its predicted tokens/s next to the measured), and the same on the Q4_0 GGUF
+  (tiergen-q4-auto): what a user who gives tiergen the budget gets, where the runs above put
+  every weight on disk whatever the budget;
 - accelerate's disk offload (transformers, device_map="auto" with max_memory = the budget);
 - llama.cpp on the Q4_0 GGUF (llama-cpp-python from ../shared/peers/build_llamacpp.sh), which
   maps the whole file and decodes one prompt at a time: it runs one prompt (batch 1).
@@ -37,7 +39,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RUNS = ["tiergen-bf16", "tiergen-q4", "tiergen-auto", "accelerate", "llamacpp"]
+RUNS = ["tiergen-bf16", "tiergen-q4", "tiergen-auto", "tiergen-q4-auto", "accelerate",
+        "llamacpp"]
 
 
 def rss_peak() -> int:
@@ -69,32 +72,36 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 def child_tiergen(a: argparse.Namespace, paths: dict[str, str]) -> dict:
     import tiergen  # noqa: F401  (the CPU guard first)
     from tiergen import LLM, Policy, SamplingParams
+    from tiergen.weights import open_model
 
     offload = Path(a.dir) / f"offload-{a.child}"
-    model = paths["Q4_0"] if a.child == "tiergen-q4" else paths["hf"]
-    dtype = "float32" if a.child == "tiergen-q4" else "bfloat16"
+    packed = a.child.startswith("tiergen-q4")
+    t = time.perf_counter()
+    files = open_model(paths["Q4_0"] if packed else paths["hf"])
+    opened = time.perf_counter() - t
+    dtype = "float32" if packed else "bfloat16"
     result: dict = {}
-    if a.child == "tiergen-auto":
+    if a.child.endswith("-auto"):
+        import torch
+
         from tiergen.offload.memory import Budgets
         from tiergen.offload.policy import parse_size
         from tiergen.planner import calibrate
         from tiergen.planner.cost import Workload
         from tiergen.planner.search import choose_policy, policy_flags
-        from tiergen.weights import open_model
-        import torch
 
-        files = open_model(model)
-        policy, e = choose_policy(files.config, torch.bfloat16,
+        policy, e = choose_policy(files.config, getattr(torch, dtype),
                                   Workload(a.prompt_len, a.gen_len, a.batch),
-                                  calibrate.get("cpu"), "cpu", Budgets(host=parse_size(a.host_memory)))
+                                  calibrate.get("cpu"), "cpu", Budgets(host=parse_size(a.host_memory)),
+                                  source=files.source)
         result.update(plan=policy_flags(policy), predicted_tok_s=e.total_tok_s,
                       predicted_step_s=e.decode_seconds / max(a.gen_len - 1, 1))
     else:
         policy = Policy(weights=(0, 0))
     policy.offload_dir = str(offload)
     t = time.perf_counter()
-    llm = LLM(model, dtype=dtype, policy=policy, host_memory=a.host_memory)
-    result["load_s"] = time.perf_counter() - t
+    llm = LLM(files, dtype=dtype, policy=policy, host_memory=a.host_memory)
+    result["load_s"] = opened + time.perf_counter() - t
     ids = prompts(a.batch, a.prompt_len, llm.config.vocab_size)
     before = read_bytes()
     t = time.perf_counter()
