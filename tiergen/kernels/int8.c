@@ -708,53 +708,61 @@ row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t
 
 #if TILE512 && defined(__AVX512VL__)
 #define ROW2 1
-/* row1_q4 for two weight rows at once, a block of each in one 512-bit vector: its 128-bit
- * lanes hold values 0-15 of row 0, of row 1, then values 16-31 of row 0, of row 1, against
- * the activations' halves broadcast alike, and each lane takes its row's weight scale (and
- * Q4_1's minimum, against xm: each lane's four activations' sum times their scale). Half the
- * instructions per block of row1_q4, whose 256-bit vectors leave the nibbles' work and the
- * scales' conversions the same per block. */
+/* row1_q4 for two weight rows at once. Each 512-bit vector holds two consecutive blocks of
+ * one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
+ * of b + 1, which is the order of the activations (xq), their lanes' offsets (nn), scales
+ * (xs4) and Q4_1 sums (xm) in memory, so they are read as they lie, each read serving both
+ * rows. A block's nibbles are broadcast to two lanes, and the high ones shifted down in the
+ * second. An odd last block is read twice, against activations masked to zero. */
 static inline __attribute__((always_inline)) void
 row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
-        const uint8_t *restrict w1, int64_t nb, const int8_t *restrict xq,
+        const uint8_t *restrict w1, int64_t nb, int64_t ahead, const int8_t *restrict xq,
         const float *restrict xs4, const int32_t *restrict nn, const float *restrict xm,
         float *restrict y) {
     const int at = TYPE == 2 ? 2 : 4;
-    const __m256i low = _mm256_set1_epi8(15);
-    /* from [a0, m0, a0, m0, a1, m1, a1, m1] (a block's scale and minimum, rows 0 and 1) */
-    const __m512i scale_at = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4),
-                  min_at = _mm512_setr_epi32(1, 1, 1, 1, 5, 5, 5, 5, 1, 1, 1, 1, 5, 5, 5, 5);
-    __m512 acc = _mm512_setzero_ps();
-#define HALVES(v) _mm512_shuffle_i64x2(_mm512_castsi256_si512(v), _mm512_castsi256_si512(v), 0x50)
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p0 = w0 + b * BYTES, *p1 = w1 + b * BYTES;
-        PREFETCH(p0);
-        PREFETCH(p1);
-        const __m256i v = _mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p0 + at))),
-            _mm_loadu_si128((const __m128i *)(p1 + at)), 1);
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
-                                             _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
-        const __m512i d = _mm512_dpbusd_epi32(TYPE == 2 ? HALVES(load32(nn + 8 * b)) : _mm512_setzero_si512(),
-                                              w, HALVES(load32(xq + 32 * b)));
-        int32_t u0, u1;  /* (Q4_0: the scale, then two bytes of values that are not used) */
-        memcpy(&u0, p0, 4), memcpy(&u1, p1, 4);
-        const __m512 am = _mm512_castps256_ps512(
-            _mm256_cvtph_ps(_mm_mask_set1_epi32(_mm_set1_epi32(u0), 0xC, u1)));
-        const __m512 s = _mm512_castsi512_ps(HALVES(load32(xs4 + 8 * b)));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),
-                              _mm512_mul_ps(_mm512_permutexvar_ps(scale_at, am), s), acc);
-        if (TYPE == 3)
-            acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(min_at, am),
-                                  _mm512_castsi512_ps(HALVES(load32(xm + 8 * b))), acc);
+    const __m512i low = _mm512_set1_epi8(15);
+    const __mmask32 high = 0xFF00FF00;  /* the 16-bit elements of lanes 1 and 3 */
+    /* from [a0, m0, a0, m0, a1, m1, a1, m1] (blocks b and b + 1's scale and minimum) */
+    const __m512i scale_at = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
+                  min_at = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 5, 5, 5, 5, 5, 5, 5, 5);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+#define NIBBLES(p, q)                                                                            \
+    _mm512_and_si512(low, _mm512_mask_srli_epi16(                                                 \
+        v_ = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(               \
+                 _mm_loadu_si128((const __m128i *)((p) + at)))),                                    \
+             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((q) + at))), 1),         \
+        high, v_, 4))
+/* (Q4_0: the block's scale, then two bytes of values that are not used) */
+#define SCALES(p, q)                                                                             \
+    (memcpy(&u0, (p), 4), memcpy(&u1, (q), 4),                                                    \
+     _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_mask_set1_epi32(_mm_set1_epi32(u0), 0xC, u1))))
+#define ROW(w, acc)                                                                              \
+    do {                                                                                          \
+        const uint8_t *p = (w) + b * BYTES, *q = last ? p : p + BYTES;                            \
+        __builtin_prefetch((const char *)p + ahead, 0, 3);                                        \
+        __m512i v_;                                                                               \
+        const __m512i d = _mm512_dpbusd_epi32(n_, NIBBLES(p, q), x_);                              \
+        int32_t u0, u1;                                                                           \
+        const __m512 am = SCALES(p, q);                                                           \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),                                              \
+                              _mm512_mul_ps(_mm512_permutexvar_ps(scale_at, am), s_), acc);       \
+        if (TYPE == 3) acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(min_at, am), m_, acc);        \
+    } while (0)
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int last = b + 1 == nb;
+        const __mmask16 keep = last ? 0x00FF : 0xFFFF;
+        const __m512i x_ = _mm512_maskz_loadu_epi32(keep, xq + 32 * b),
+                      n_ = TYPE == 2 ? _mm512_maskz_loadu_epi32(keep, nn + 8 * b) : _mm512_setzero_si512();
+        const __m512 s_ = _mm512_maskz_loadu_ps(keep, xs4 + 8 * b),
+                     m_ = TYPE == 3 ? _mm512_maskz_loadu_ps(keep, xm + 8 * b) : _mm512_setzero_ps();
+        ROW(w0, acc0);
+        ROW(w1, acc1);
     }
-#undef HALVES
-    const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(acc),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
-    __m128 r = _mm_hadd_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    r = _mm_hadd_ps(r, r);  /* row 0's sum, row 1's */
-    y[0] = _mm_cvtss_f32(r);
-    y[1] = _mm_cvtss_f32(_mm_shuffle_ps(r, r, 1));
+#undef ROW
+#undef SCALES
+#undef NIBBLES
+    y[0] = _mm512_reduce_add_ps(acc0);
+    y[1] = _mm512_reduce_add_ps(acc1);
 }
 #else
 #define ROW2 0
@@ -765,6 +773,8 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
     static void NAME##_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,         \
                             const float *xs4, const float *xsum, float *y) {                  \
         const int64_t nb = k / 32, pairs = ROW2 ? n / 2 : 0;                                  \
+        /* the same place in the rows of pairs to come, at least AHEAD bytes on */            \
+        const int64_t pair = 2 * nb * BYTES, ahead = (AHEAD + pair - 1) / pair * pair;         \
         float xb[TYPE == 3 ? ROW1_BLOCKS : 1], xm[TYPE == 3 && ROW2 ? ROW1_BLOCKS * 8 : 1];   \
         int32_t nn[TYPE == 2 ? ROW1_BLOCKS * 8 : 1];                                          \
         for (int64_t g = 0; g < k / 4; g++) {                                                 \
@@ -778,7 +788,7 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
             _Pragma("omp for schedule(static) nowait")                                        \
             for (int64_t r = 0; r < pairs; r++)                                               \
                 ROW2_CALL(TYPE, BYTES, w + 2 * r * nb * BYTES, w + (2 * r + 1) * nb * BYTES,  \
-                          nb, xq, xs4, nn, xm, y + 2 * r);                                    \
+                          nb, ahead, xq, xs4, nn, xm, y + 2 * r);                             \
             _Pragma("omp for schedule(static)")                                               \
             for (int64_t r = 2 * pairs; r < n; r++)                                           \
                 y[r] = row1_q4(TYPE, BYTES, w + r * nb * BYTES, nb, xq, xs4, nn, xb);         \
