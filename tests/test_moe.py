@@ -177,7 +177,8 @@ def test_deepseek_v3_skips_its_multi_token_prediction_layer(tmp_path):
 def test_expert_cache_keeps_experts_read_from_disk(tmp_path):
     """Experts read from disk stay in a host cache for reuse: the same tokens and logits as
     without it, and a repeated run reads nothing when every expert fits; a small cache holds
-    no more than its bytes (the layer in use aside) and still gives the same tokens."""
+    no more than its bytes (the layer in use aside) and still gives the same tokens and
+    logits."""
     build("qwen3-moe", tmp_path / "hf")
     plain = LLM(tmp_path / "hf", dtype="float32",
                 policy=Policy(experts="disk", expert_cache=0, offload_dir=tmp_path / "a"))
@@ -198,6 +199,9 @@ def test_expert_cache_keeps_experts_read_from_disk(tmp_path):
                 policy=Policy(experts="disk", expert_cache=3 * expert, offload_dir=tmp_path / "c"))
     assert [r.token_ids for r in small.generate(PROMPTS, GREEDY)] == tokens
     assert small.executor.weights.expert_cache.used <= 3 * expert
+    # experts dropped from a full cache lend their tensors to the next ones read
+    for ours, ref in zip(prefill_and_decode_logits(small), logits):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
 
 
 def test_a_failed_expert_read_leaves_no_half_read_expert_in_the_cache(tmp_path, monkeypatch):
