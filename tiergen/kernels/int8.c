@@ -803,6 +803,91 @@ ROW1(im_q4_0, 2, 18)
 ROW1(im_q4_1, 3, 20)
 #endif
 
+#if ROW2
+/* k_scales' eight scales and offsets as vectors, from the 12 bytes as three 32-bit words:
+ * no stores for a vector load to wait on. */
+static inline void k_scales8(const uint8_t *b, __m256 *a, __m256 *c) {
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    const uint64_t sc = (uint64_t)(u[0] & m6) | (uint64_t)((u[2] & m4) | (((u[0] >> 6) & m2) << 4)) << 32,
+                   mn = (uint64_t)(u[1] & m6) | (uint64_t)(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)) << 32;
+    *a = _mm256_mul_ps(_mm256_set1_ps(half(b)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
+    *c = _mm256_mul_ps(_mm256_set1_ps(-half(b + 2)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
+}
+
+/* One activation row against two weight rows of Q4_K blocks, the nibbles spread into
+ * registers rather than decoded to a copy, as row2_q4 does. A block's 64 values of a
+ * quarter are 32 bytes whose low nibbles are its first sub-block and high nibbles its second:
+ * broadcast to both halves of a vector, the second half's shifted down, they face the
+ * activations as these lie. Each lane takes its sub-block's scale; the minimums multiply the
+ * activations' sums over each sub-block (xb, made once per product). */
+static inline __attribute__((always_inline)) void
+row2_q4k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int64_t ahead,
+         const int8_t *restrict xq, const float *restrict xs4, const float *restrict xb,
+         float *restrict y) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const __mmask32 high = 0xFFFF0000;  /* the 16-bit elements of the upper half */
+    const __m512i at[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+        _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m256 min0 = _mm256_setzero_ps(), min1 = _mm256_setzero_ps();
+#define ROW(w, acc, mins)                                                                        \
+    do {                                                                                          \
+        const uint8_t *p = (w) + b * 144;                                                         \
+        __builtin_prefetch((const char *)p + ahead, 0, 3);                                        \
+        __builtin_prefetch((const char *)p + ahead + 64, 0, 3);                                   \
+        __builtin_prefetch((const char *)p + ahead + 128, 0, 3);                                  \
+        __m256 a8, c8;                                                                            \
+        k_scales8(p, &a8, &c8);                                                                   \
+        const __m512 av = _mm512_castps256_ps512(a8);                                             \
+        for (int h = 0; h < 4; h++) {                                                             \
+            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16 + 32 * h))); \
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(),                         \
+                                                  _mm512_and_si512(low, _mm512_mask_srli_epi16(v, high, v, 4)), x[h]); \
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),                                          \
+                                  _mm512_mul_ps(_mm512_permutexvar_ps(at[h], av), s[h]), acc);    \
+        }                                                                                         \
+        mins = _mm256_fmadd_ps(c8, xbv, mins);                                                    \
+    } while (0)
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i x[4];
+        __m512 s[4];
+        for (int h = 0; h < 4; h++) {
+            x[h] = _mm512_loadu_si512(xq + 256 * b + 64 * h);
+            s[h] = _mm512_loadu_ps(xs4 + 64 * b + 16 * h);
+        }
+        const __m256 xbv = _mm256_loadu_ps(xb + 8 * b);
+        ROW(w0, acc0, min0);
+        ROW(w1, acc1, min1);
+    }
+#undef ROW
+    y[0] = _mm512_reduce_add_ps(acc0) + hsum8(min0);
+    y[1] = _mm512_reduce_add_ps(acc1) + hsum8(min1);
+}
+
+static void im_q4_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+                         const float *xs4, const float *xsum, float *y) {
+    const int64_t nb = k / 256, pairs = n / 2;
+    const int64_t pair = 2 * nb * 144, ahead = (AHEAD + pair - 1) / pair * pair;
+    float xb[ROW1_BLOCKS];
+    for (int64_t s = 0; s < k / 32; s++) xb[s] = xsum[2 * s] + xsum[2 * s + 1];
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t r = 0; r < pairs; r++)
+        row2_q4k(w + 2 * r * nb * 144, w + (2 * r + 1) * nb * 144, nb, ahead, xq, xs4, xb, y + 2 * r);
+    if (n % 2) {  /* the last row, twice */
+        float two[2];
+        row2_q4k(w + (n - 1) * nb * 144, w + (n - 1) * nb * 144, nb, ahead, xq, xs4, xb, two);
+        y[n - 1] = two[0];
+    }
+}
+#endif
+
 /* Kept tiles: a matrix's tiles one after another, TR rows by IKC values (fewer at the end of
  * a row), each its interleaved bytes then its scales and offsets (tile_rows' as, cs): 3/2
  * bytes a value. tile_at: where the tile of rows r0.. and values k0.. starts (a multiple of
@@ -950,6 +1035,12 @@ static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
 #if defined(__AVX2__)
     if (m == 1 && !xl && (type == 2 || type == 3) && k / 32 <= ROW1_BLOCKS) {
         (type == 2 ? im_q4_0_few1 : im_q4_1_few1)(w, n, k, xq, xs4, xsum, y);
+        return 0;
+    }
+#endif
+#if ROW2
+    if (m == 1 && !xl && type == 12 && k / 32 <= ROW1_BLOCKS) {
+        im_q4_k_few1(w, n, k, xq, xs4, xsum, y);
         return 0;
     }
 #endif
