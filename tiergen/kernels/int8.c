@@ -871,6 +871,87 @@ row2_q4k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
     y[1] = _mm512_reduce_add_ps(acc1) + hsum8(min1);
 }
 
+/* One activation row against two weight rows of Q6_K blocks, as row2_q4k. A half block
+ * (128 values) is 64 bytes of low four bits (values 0-63 in their low nibbles, 64-127 in
+ * their high ones) and 32 bytes of high two bits (values l, l + 32, l + 64, l + 96 in bits
+ * 0-1, 2-3, 4-5, 6-7 of byte l): each 64 values' high bits are shifted into place in both
+ * halves of a vector at once. Values are stored plus 32; the -32 enters each lane's integer
+ * sum from the start (nn: -32 times the lane's four activations, made once per product).
+ * Sub-blocks of 16 values are in order, four lanes each. */
+static inline __attribute__((always_inline)) void
+row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int64_t ahead,
+         const int8_t *restrict xq, const float *restrict xs4, const int32_t *restrict nn,
+         float *restrict y) {
+    const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30);
+    /* 16-bit shifts putting bits 0-1 (2-3) of qh at bits 4-5, and bits 4-5 (6-7) there */
+    const __m512i shl = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                          0x0004000400040004, 0x0002000200020002, 0x0002000200020002,
+                                          0x0002000200020002, 0x0002000200020002),
+                  shr = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002,
+                                          0x0002000200020002, 0x0002000200020002);
+    const __m512i at[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+        _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
+        _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+#define ROW(w, acc)                                                                              \
+    do {                                                                                          \
+        const uint8_t *p = (w) + b * 210;                                                         \
+        __builtin_prefetch((const char *)p + ahead, 0, 3);                                        \
+        __builtin_prefetch((const char *)p + ahead + 64, 0, 3);                                   \
+        __builtin_prefetch((const char *)p + ahead + 128, 0, 3);                                  \
+        __builtin_prefetch((const char *)p + ahead + 192, 0, 3);                                  \
+        const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(half(p + 208)), _mm512_cvtepi32_ps(         \
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 192)))));                  \
+        for (int h = 0; h < 2; h++) {                                                             \
+            const __m512i l = _mm512_loadu_si512(p + 64 * h),                                     \
+                          hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * h))); \
+            const __m512i qa = _mm512_or_si512(_mm512_and_si512(l, low),                          \
+                                               _mm512_and_si512(_mm512_sllv_epi16(hb, shl), two)), \
+                          qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),    \
+                                               _mm512_and_si512(_mm512_srlv_epi16(hb, shr), two)); \
+            const __m512i da = _mm512_dpbusd_epi32(n[2 * h], qa, x[2 * h]),                        \
+                          db = _mm512_dpbusd_epi32(n[2 * h + 1], qb, x[2 * h + 1]);                \
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da),                                         \
+                                  _mm512_mul_ps(_mm512_permutexvar_ps(at[2 * h], sv), s[2 * h]), acc); \
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db),                                         \
+                                  _mm512_mul_ps(_mm512_permutexvar_ps(at[2 * h + 1], sv), s[2 * h + 1]), acc); \
+        }                                                                                         \
+    } while (0)
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i x[4], n[4];
+        __m512 s[4];
+        for (int h = 0; h < 4; h++) {
+            x[h] = _mm512_loadu_si512(xq + 256 * b + 64 * h);
+            n[h] = _mm512_loadu_si512(nn + 64 * b + 16 * h);
+            s[h] = _mm512_loadu_ps(xs4 + 64 * b + 16 * h);
+        }
+        ROW(w0, acc0);
+        ROW(w1, acc1);
+    }
+#undef ROW
+    y[0] = _mm512_reduce_add_ps(acc0);
+    y[1] = _mm512_reduce_add_ps(acc1);
+}
+
+static void im_q6_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+                         const float *xs4, float *y) {
+    const int64_t nb = k / 256, pairs = n / 2;
+    const int64_t pair = 2 * nb * 210, ahead = (AHEAD + pair - 1) / pair * pair;
+    int32_t nn[ROW1_BLOCKS * 8];
+    for (int64_t g = 0; g < k / 4; g++)
+        nn[g] = -32 * (xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3]);
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t r = 0; r < pairs; r++)
+        row2_q6k(w + 2 * r * nb * 210, w + (2 * r + 1) * nb * 210, nb, ahead, xq, xs4, nn, y + 2 * r);
+    if (n % 2) {  /* the last row, twice */
+        float two[2];
+        row2_q6k(w + (n - 1) * nb * 210, w + (n - 1) * nb * 210, nb, ahead, xq, xs4, nn, two);
+        y[n - 1] = two[0];
+    }
+}
+
 static void im_q4_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                          const float *xs4, const float *xsum, float *y) {
     const int64_t nb = k / 256, pairs = n / 2;
@@ -1041,6 +1122,10 @@ static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
 #if ROW2
     if (m == 1 && !xl && type == 12 && k / 32 <= ROW1_BLOCKS) {
         im_q4_k_few1(w, n, k, xq, xs4, xsum, y);
+        return 0;
+    }
+    if (m == 1 && !xl && type == 14 && k / 32 <= ROW1_BLOCKS) {
+        im_q6_k_few1(w, n, k, xq, xs4, y);
         return 0;
     }
 #endif
