@@ -708,8 +708,8 @@ row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t
 
 #if TILE512 && defined(__AVX512VL__)
 #define ROW2 1
-/* row1_q4 for two weight rows at once. Each 512-bit vector holds two consecutive blocks of
- * one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
+/* row1_q4 for two weight rows at once, and for Q5_0 and Q5_1 (their fifth bits joined to
+ * the nibbles). Each 512-bit vector holds two consecutive blocks of one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
  * of b + 1, which is the order of the activations (xq), their lanes' offsets (nn), scales
  * (xs4) and Q4_1 sums (xm) in memory, so they are read as they lie, each read serving both
  * rows. A block's nibbles are broadcast to two lanes, and the high ones shifted down in the
@@ -719,7 +719,10 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
         const uint8_t *restrict w1, int64_t nb, int64_t ahead, const int8_t *restrict xq,
         const float *restrict xs4, const int32_t *restrict nn, const float *restrict xm,
         float *restrict y) {
-    const int at = TYPE == 2 ? 2 : 4;
+    /* where the nibbles start; Q5's high bits lie just before them */
+    const int at = TYPE == 2 ? 2 : TYPE == 3 ? 4 : TYPE == 6 ? 6 : 8, five = TYPE == 6 || TYPE == 7,
+              offset = TYPE == 2 || TYPE == 6, minimum = TYPE == 3 || TYPE == 7;
+    const __m512i bit4 = _mm512_set1_epi8(16);
     const __m512i low = _mm512_set1_epi8(15);
     const __mmask32 high = 0xFF00FF00;  /* the 16-bit elements of lanes 1 and 3 */
     /* from [a0, m0, a0, m0, a1, m1, a1, m1] (blocks b and b + 1's scale and minimum) */
@@ -741,20 +744,27 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
         const uint8_t *p = (w) + b * BYTES, *q = last ? p : p + BYTES;                            \
         __builtin_prefetch((const char *)p + ahead, 0, 3);                                        \
         __m512i v_;                                                                               \
-        const __m512i d = _mm512_dpbusd_epi32(n_, NIBBLES(p, q), x_);                              \
+        __m512i w_ = NIBBLES(p, q);                                                               \
+        if (five) {  /* the fifth bits, a bit a value, as bytes of 16 */                          \
+            uint32_t h0, h1;                                                                      \
+            memcpy(&h0, p + at - 4, 4), memcpy(&h1, q + at - 4, 4);                              \
+            w_ = _mm512_or_si512(w_, _mm512_and_si512(bit4, _mm512_movm_epi8(                     \
+                                         (uint64_t)h0 | (uint64_t)h1 << 32)));                      \
+        }                                                                                         \
+        const __m512i d = _mm512_dpbusd_epi32(n_, w_, x_);                                        \
         int32_t u0, u1;                                                                           \
         const __m512 am = SCALES(p, q);                                                           \
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),                                              \
                               _mm512_mul_ps(_mm512_permutexvar_ps(scale_at, am), s_), acc);       \
-        if (TYPE == 3) acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(min_at, am), m_, acc);        \
+        if (minimum) acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(min_at, am), m_, acc);          \
     } while (0)
     for (int64_t b = 0; b < nb; b += 2) {
         const int last = b + 1 == nb;
         const __mmask16 keep = last ? 0x00FF : 0xFFFF;
         const __m512i x_ = _mm512_maskz_loadu_epi32(keep, xq + 32 * b),
-                      n_ = TYPE == 2 ? _mm512_maskz_loadu_epi32(keep, nn + 8 * b) : _mm512_setzero_si512();
+                      n_ = offset ? _mm512_maskz_loadu_epi32(keep, nn + 8 * b) : _mm512_setzero_si512();
         const __m512 s_ = _mm512_maskz_loadu_ps(keep, xs4 + 8 * b),
-                     m_ = TYPE == 3 ? _mm512_maskz_loadu_ps(keep, xm + 8 * b) : _mm512_setzero_ps();
+                     m_ = minimum ? _mm512_maskz_loadu_ps(keep, xm + 8 * b) : _mm512_setzero_ps();
         ROW(w0, acc0);
         ROW(w1, acc1);
     }
@@ -952,6 +962,35 @@ static void im_q6_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *x
     }
 }
 
+/* Q5_0 and Q5_1 rows through row2_q4 (the last of an odd count twice): Q5_0's offset of -16
+ * in each lane's integer sum from the start, Q5_1's minimum against xm, as for Q4. */
+static void q5_few1(const int TYPE, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+                    const float *xs4, float *y) {
+    const int64_t BYTES = TYPE == 6 ? 22 : 24, nb = k / 32, pairs = n / 2;
+    const int64_t pair = 2 * nb * BYTES, ahead = (AHEAD + pair - 1) / pair * pair;
+    int32_t nn[ROW1_BLOCKS * 8];
+    float xm[ROW1_BLOCKS * 8];
+    for (int64_t g = 0; g < k / 4; g++) {
+        const int32_t sum = xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3];
+        nn[g] = -16 * sum, xm[g] = xs4[g] * (float)sum;
+    }
+#define Q5_ROWS(T, B)                                                                            \
+    do {                                                                                          \
+        _Pragma("omp parallel for schedule(static)")                                              \
+        for (int64_t r = 0; r < pairs; r++)                                                       \
+            row2_q4(T, B, w + 2 * r * nb * B, w + (2 * r + 1) * nb * B, nb, ahead, xq, xs4, nn,   \
+                    xm, y + 2 * r);                                                               \
+        if (n % 2) {                                                                              \
+            float two[2];                                                                         \
+            row2_q4(T, B, w + (n - 1) * nb * B, w + (n - 1) * nb * B, nb, ahead, xq, xs4, nn, xm, two); \
+            y[n - 1] = two[0];                                                                    \
+        }                                                                                         \
+    } while (0)
+    if (TYPE == 6) Q5_ROWS(6, 22);
+    else Q5_ROWS(7, 24);
+#undef Q5_ROWS
+}
+
 static void im_q4_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                          const float *xs4, const float *xsum, float *y) {
     const int64_t nb = k / 256, pairs = n / 2;
@@ -1122,6 +1161,10 @@ static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
 #if ROW2
     if (m == 1 && !xl && type == 12 && k / 32 <= ROW1_BLOCKS) {
         im_q4_k_few1(w, n, k, xq, xs4, xsum, y);
+        return 0;
+    }
+    if (m == 1 && !xl && (type == 6 || type == 7) && k / 32 <= ROW1_BLOCKS) {
+        q5_few1(type, w, n, k, xq, xs4, y);
         return 0;
     }
     if (m == 1 && !xl && type == 14 && k / 32 <= ROW1_BLOCKS) {
