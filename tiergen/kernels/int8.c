@@ -709,7 +709,8 @@ row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t
 #if TILE512 && defined(__AVX512VL__)
 #define ROW2 1
 /* row1_q4 for two weight rows at once, and for Q5_0 and Q5_1 (their fifth bits joined to
- * the nibbles). Each 512-bit vector holds two consecutive blocks of one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
+ * the nibbles) and MXFP4 (its values looked up, plus 12, from the nibbles; a power of two
+ * a block). Each 512-bit vector holds two consecutive blocks of one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
  * of b + 1, which is the order of the activations (xq), their lanes' offsets (nn), scales
  * (xs4) and Q4_1 sums (xm) in memory, so they are read as they lie, each read serving both
  * rows. A block's nibbles are broadcast to two lanes, and the high ones shifted down in the
@@ -720,9 +721,12 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
         const float *restrict xs4, const int32_t *restrict nn, const float *restrict xm,
         float *restrict y) {
     /* where the nibbles start; Q5's high bits lie just before them */
-    const int at = TYPE == 2 ? 2 : TYPE == 3 ? 4 : TYPE == 6 ? 6 : 8, five = TYPE == 6 || TYPE == 7,
-              offset = TYPE == 2 || TYPE == 6, minimum = TYPE == 3 || TYPE == 7;
-    const __m512i bit4 = _mm512_set1_epi8(16);
+    const int at = TYPE == 39 ? 1 : TYPE == 2 ? 2 : TYPE == 3 ? 4 : TYPE == 6 ? 6 : 8,
+              five = TYPE == 6 || TYPE == 7, mx = TYPE == 39,
+              offset = TYPE == 2 || TYPE == 6 || mx, minimum = TYPE == 3 || TYPE == 7;
+    const __m512i bit4 = _mm512_set1_epi8(16),
+                  table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                               12, 11, 10, 9, 8, 6, 4, 0));
     const __m512i low = _mm512_set1_epi8(15);
     const __mmask32 high = 0xFF00FF00;  /* the 16-bit elements of lanes 1 and 3 */
     /* from [a0, m0, a0, m0, a1, m1, a1, m1] (blocks b and b + 1's scale and minimum) */
@@ -751,11 +755,14 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
             w_ = _mm512_or_si512(w_, _mm512_and_si512(bit4, _mm512_movm_epi8(                     \
                                          (uint64_t)h0 | (uint64_t)h1 << 32)));                      \
         }                                                                                         \
+        if (mx) w_ = _mm512_shuffle_epi8(table, w_);  /* MXFP4's values, plus 12 */               \
         const __m512i d = _mm512_dpbusd_epi32(n_, w_, x_);                                        \
         int32_t u0, u1;                                                                           \
-        const __m512 am = SCALES(p, q);                                                           \
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),                                              \
-                              _mm512_mul_ps(_mm512_permutexvar_ps(scale_at, am), s_), acc);       \
+        const __m512 am = mx ? _mm512_setzero_ps() : SCALES(p, q);                                \
+        const __m512 sc = mx ? _mm512_mask_broadcastss_ps(_mm512_set1_ps(e8m0_half(p[0])), 0xFF00, \
+                                                          _mm_set_ss(e8m0_half(q[0])))            \
+                             : _mm512_permutexvar_ps(scale_at, am);                               \
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sc, s_), acc);                 \
         if (minimum) acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(min_at, am), m_, acc);          \
     } while (0)
     for (int64_t b = 0; b < nb; b += 2) {
@@ -962,19 +969,21 @@ static void im_q6_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *x
     }
 }
 
-/* Q5_0 and Q5_1 rows through row2_q4 (the last of an odd count twice): Q5_0's offset of -16
- * in each lane's integer sum from the start, Q5_1's minimum against xm, as for Q4. */
-static void q5_few1(const int TYPE, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+/* Q5_0, Q5_1 and MXFP4 rows through row2_q4 (the last of an odd count twice): the offset of
+ * Q5_0 (-16) and MXFP4 (-12, its values stored plus 12) in each lane's integer sum from the
+ * start, Q5_1's minimum against xm, as for Q4. */
+static void row2_few1(const int TYPE, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                     const float *xs4, float *y) {
-    const int64_t BYTES = TYPE == 6 ? 22 : 24, nb = k / 32, pairs = n / 2;
+    const int64_t BYTES = TYPE == 6 ? 22 : TYPE == 7 ? 24 : 17, nb = k / 32, pairs = n / 2;
     const int64_t pair = 2 * nb * BYTES, ahead = (AHEAD + pair - 1) / pair * pair;
+    const int32_t by = TYPE == 39 ? -12 : -16;
     int32_t nn[ROW1_BLOCKS * 8];
     float xm[ROW1_BLOCKS * 8];
     for (int64_t g = 0; g < k / 4; g++) {
         const int32_t sum = xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3];
-        nn[g] = -16 * sum, xm[g] = xs4[g] * (float)sum;
+        nn[g] = by * sum, xm[g] = xs4[g] * (float)sum;
     }
-#define Q5_ROWS(T, B)                                                                            \
+#define ROWS2(T, B)                                                                            \
     do {                                                                                          \
         _Pragma("omp parallel for schedule(static)")                                              \
         for (int64_t r = 0; r < pairs; r++)                                                       \
@@ -986,9 +995,10 @@ static void q5_few1(const int TYPE, const uint8_t *w, int64_t n, int64_t k, cons
             y[n - 1] = two[0];                                                                    \
         }                                                                                         \
     } while (0)
-    if (TYPE == 6) Q5_ROWS(6, 22);
-    else Q5_ROWS(7, 24);
-#undef Q5_ROWS
+    if (TYPE == 6) ROWS2(6, 22);
+    else if (TYPE == 7) ROWS2(7, 24);
+    else ROWS2(39, 17);
+#undef ROWS2
 }
 
 static void im_q4_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
@@ -1163,8 +1173,8 @@ static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
         im_q4_k_few1(w, n, k, xq, xs4, xsum, y);
         return 0;
     }
-    if (m == 1 && !xl && (type == 6 || type == 7) && k / 32 <= ROW1_BLOCKS) {
-        q5_few1(type, w, n, k, xq, xs4, y);
+    if (m == 1 && !xl && (type == 6 || type == 7 || type == 39) && k / 32 <= ROW1_BLOCKS) {
+        row2_few1(type, w, n, k, xq, xs4, y);
         return 0;
     }
     if (m == 1 && !xl && type == 14 && k / 32 <= ROW1_BLOCKS) {
