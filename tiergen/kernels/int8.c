@@ -835,18 +835,29 @@ static inline void k_scales8(const uint8_t *b, __m256 *a, __m256 *c) {
                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
 }
 
-/* One activation row against two weight rows of Q4_K blocks, the nibbles spread into
- * registers rather than decoded to a copy, as row2_q4 does. A block's 64 values of a
+/* One activation row against two weight rows of Q4_K blocks (or Q5_K: FIVE), the nibbles
+ * spread into registers rather than decoded to a copy, as row2_q4 does. A block's 64 values of a
  * quarter are 32 bytes whose low nibbles are its first sub-block and high nibbles its second:
  * broadcast to both halves of a vector, the second half's shifted down, they face the
  * activations as these lie. Each lane takes its sub-block's scale; the minimums multiply the
- * activations' sums over each sub-block (xb, made once per product). */
+ * activations' sums over each sub-block (xb, made once per product). Q5_K's fifth bits, one
+ * bit of qh's byte l for each of values l and l + 32 of a quarter, are tested into bytes of
+ * 16. */
 static inline __attribute__((always_inline)) void
-row2_q4k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int64_t ahead,
+row2_q4k(const int FIVE, const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int64_t ahead,
          const int8_t *restrict xq, const float *restrict xs4, const float *restrict xb,
          float *restrict y) {
     const __m512i low = _mm512_set1_epi8(15);
     const __mmask32 high = 0xFFFF0000;  /* the 16-bit elements of the upper half */
+    /* Q5_K: the bit of qh that is the fifth of a quarter's values, per half (1 << 2h, then
+     * 1 << 2h + 1) */
+    const __m512i bits[4] = {
+        _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(2), 1),
+        _mm512_inserti64x4(_mm512_set1_epi8(4), _mm256_set1_epi8(8), 1),
+        _mm512_inserti64x4(_mm512_set1_epi8(16), _mm256_set1_epi8(32), 1),
+        _mm512_inserti64x4(_mm512_set1_epi8(64), _mm256_set1_epi8((char)128), 1)};
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    const int64_t BYTES = FIVE ? 176 : 144, QS = FIVE ? 48 : 16;
     const __m512i at[4] = {
         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
         _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
@@ -856,17 +867,21 @@ row2_q4k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
     __m256 min0 = _mm256_setzero_ps(), min1 = _mm256_setzero_ps();
 #define ROW(w, acc, mins)                                                                        \
     do {                                                                                          \
-        const uint8_t *p = (w) + b * 144;                                                         \
+        const uint8_t *p = (w) + b * BYTES;                                                       \
         __builtin_prefetch((const char *)p + ahead, 0, 3);                                        \
         __builtin_prefetch((const char *)p + ahead + 64, 0, 3);                                   \
         __builtin_prefetch((const char *)p + ahead + 128, 0, 3);                                  \
         __m256 a8, c8;                                                                            \
         k_scales8(p, &a8, &c8);                                                                   \
         const __m512 av = _mm512_castps256_ps512(a8);                                             \
+        const __m512i qh = FIVE ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16))) \
+                                : _mm512_setzero_si512();                                         \
         for (int h = 0; h < 4; h++) {                                                             \
-            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16 + 32 * h))); \
-            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(),                         \
-                                                  _mm512_and_si512(low, _mm512_mask_srli_epi16(v, high, v, 4)), x[h]); \
+            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + QS + 32 * h))); \
+            __m512i q = _mm512_and_si512(low, _mm512_mask_srli_epi16(v, high, v, 4));             \
+            if (FIVE)                                                                             \
+                q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bits[h]), sixteen)); \
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x[h]);               \
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),                                          \
                                   _mm512_mul_ps(_mm512_permutexvar_ps(at[h], av), s[h]), acc);    \
         }                                                                                         \
@@ -1001,20 +1016,27 @@ static void row2_few1(const int TYPE, const uint8_t *w, int64_t n, int64_t k, co
 #undef ROWS2
 }
 
-static void im_q4_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-                         const float *xs4, const float *xsum, float *y) {
-    const int64_t nb = k / 256, pairs = n / 2;
-    const int64_t pair = 2 * nb * 144, ahead = (AHEAD + pair - 1) / pair * pair;
+/* Q4_K and Q5_K rows (FIVE) through row2_q4k, the last of an odd count twice. */
+static void k4_few1(const int FIVE, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+                    const float *xs4, const float *xsum, float *y) {
+    const int64_t BYTES = FIVE ? 176 : 144, nb = k / 256, pairs = n / 2;
+    const int64_t pair = 2 * nb * BYTES, ahead = (AHEAD + pair - 1) / pair * pair;
     float xb[ROW1_BLOCKS];
     for (int64_t s = 0; s < k / 32; s++) xb[s] = xsum[2 * s] + xsum[2 * s + 1];
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t r = 0; r < pairs; r++)
-        row2_q4k(w + 2 * r * nb * 144, w + (2 * r + 1) * nb * 144, nb, ahead, xq, xs4, xb, y + 2 * r);
-    if (n % 2) {  /* the last row, twice */
-        float two[2];
-        row2_q4k(w + (n - 1) * nb * 144, w + (n - 1) * nb * 144, nb, ahead, xq, xs4, xb, two);
-        y[n - 1] = two[0];
-    }
+#define ROWSK(F, B)                                                                              \
+    do {                                                                                          \
+        _Pragma("omp parallel for schedule(static)")                                              \
+        for (int64_t r = 0; r < pairs; r++)                                                       \
+            row2_q4k(F, w + 2 * r * nb * B, w + (2 * r + 1) * nb * B, nb, ahead, xq, xs4, xb, y + 2 * r); \
+        if (n % 2) {                                                                              \
+            float two[2];                                                                         \
+            row2_q4k(F, w + (n - 1) * nb * B, w + (n - 1) * nb * B, nb, ahead, xq, xs4, xb, two); \
+            y[n - 1] = two[0];                                                                    \
+        }                                                                                         \
+    } while (0)
+    if (FIVE) ROWSK(1, 176);
+    else ROWSK(0, 144);
+#undef ROWSK
 }
 #endif
 
@@ -1169,8 +1191,8 @@ static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
     }
 #endif
 #if ROW2
-    if (m == 1 && !xl && type == 12 && k / 32 <= ROW1_BLOCKS) {
-        im_q4_k_few1(w, n, k, xq, xs4, xsum, y);
+    if (m == 1 && !xl && (type == 12 || type == 13) && k / 32 <= ROW1_BLOCKS) {
+        k4_few1(type == 13, w, n, k, xq, xs4, xsum, y);
         return 0;
     }
     if (m == 1 && !xl && (type == 6 || type == 7 || type == 39) && k / 32 <= ROW1_BLOCKS) {
