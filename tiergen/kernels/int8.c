@@ -1181,29 +1181,50 @@ int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16,
     DISPATCH(im, type, _view, (w, nb, q, a16, c16, is_signed))
 }
 
+#ifndef ROW2  /* (no AVX2) */
+#define ROW2 0
+#endif
+
+/* One activation row by a kernel that takes the blocks into registers: 0 where the type (or
+ * this build) has none. */
+static int row1(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+                const float *xs4, const float *xsum, float *y) {
+#if defined(__AVX2__)
+    if (k / 32 > ROW1_BLOCKS) return 0;
+    if (type == 2 || type == 3) {
+        (type == 2 ? im_q4_0_few1 : im_q4_1_few1)(w, n, k, xq, xs4, xsum, y);
+        return 1;
+    }
+#if ROW2
+    if (type == 12 || type == 13) {
+        k4_few1(type == 13, w, n, k, xq, xs4, xsum, y);
+        return 1;
+    }
+    if (type == 6 || type == 7 || type == 39) {
+        row2_few1(type, w, n, k, xq, xs4, y);
+        return 1;
+    }
+    if (type == 14) {
+        im_q6_k_few1(w, n, k, xq, xs4, y);
+        return 1;
+    }
+#endif
+#endif
+    (void)type, (void)w, (void)n, (void)k, (void)xq, (void)xs4, (void)xsum, (void)y;
+    return 0;
+}
+
+/* Up to FEWI activation rows. With AVX-512, two rows go one after another through the
+ * kernels in registers: they read the weights twice, but that costs less than decoding
+ * every block to a copy (4096 x 4096: Q6_K 0.25 against 1.18 ms, Q4_K 0.27 against 0.45; Zen 5). */
 static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                const int8_t *xl, const float *xs4, const float *xsum, int64_t m, float *y,
                int64_t ldy) {
-#if defined(__AVX2__)
-    if (m == 1 && !xl && (type == 2 || type == 3) && k / 32 <= ROW1_BLOCKS) {
-        (type == 2 ? im_q4_0_few1 : im_q4_1_few1)(w, n, k, xq, xs4, xsum, y);
+    if (!xl && (m == 1 || ROW2) && row1(type, w, n, k, xq, xs4, xsum, y)) {
+        for (int64_t i = 1; i < m; i++)
+            row1(type, w, n, k, xq + i * k, xs4 + i * (k / 4), xsum + i * (k / SB), y + i * ldy);
         return 0;
     }
-#endif
-#if ROW2
-    if (m == 1 && !xl && (type == 12 || type == 13) && k / 32 <= ROW1_BLOCKS) {
-        k4_few1(type == 13, w, n, k, xq, xs4, xsum, y);
-        return 0;
-    }
-    if (m == 1 && !xl && (type == 6 || type == 7 || type == 39) && k / 32 <= ROW1_BLOCKS) {
-        row2_few1(type, w, n, k, xq, xs4, y);
-        return 0;
-    }
-    if (m == 1 && !xl && type == 14 && k / 32 <= ROW1_BLOCKS) {
-        im_q6_k_few1(w, n, k, xq, xs4, y);
-        return 0;
-    }
-#endif
     DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
 }
 
