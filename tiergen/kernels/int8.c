@@ -708,6 +708,7 @@ row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t
 
 #if TILE512 && defined(__AVX512VL__)
 #define ROW2 1
+#define RIR 4  /* up to this many activation rows: the kernels in registers (more: the tiles) */
 /* row1_q4 for two weight rows at once, and for Q5_0 and Q5_1 (their fifth bits joined to
  * the nibbles) and MXFP4 (its values looked up, plus 12, from the nibbles; a power of two
  * a block). Each 512-bit vector holds two consecutive blocks of one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
@@ -719,7 +720,7 @@ static inline __attribute__((always_inline)) void
 row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
         const uint8_t *restrict w1, int64_t nb, int64_t ahead, const int8_t *restrict xq,
         const float *restrict xs4, const int32_t *restrict nn, const float *restrict xm,
-        float *restrict y) {
+        const int NR, int64_t k, float *restrict y, int64_t ldy) {
     /* where the nibbles start; Q5's high bits lie just before them */
     const int at = TYPE == 39 ? 1 : TYPE == 2 ? 2 : TYPE == 3 ? 4 : TYPE == 6 ? 6 : 8,
               five = TYPE == 6 || TYPE == 7, mx = TYPE == 39,
@@ -732,13 +733,13 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
     /* from [a0, m0, a0, m0, a1, m1, a1, m1] (blocks b and b + 1's scale and minimum) */
     const __m512i scale_at = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4),
                   min_at = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 5, 5, 5, 5, 5, 5, 5, 5);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m512 acc0[RIR], acc1[RIR];
+    for (int r = 0; r < NR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
 #define NIBBLES(p, q)                                                                            \
-    _mm512_and_si512(low, _mm512_mask_srli_epi16(                                                 \
-        v_ = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(               \
-                 _mm_loadu_si128((const __m128i *)((p) + at)))),                                    \
-             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((q) + at))), 1),         \
-        high, v_, 4))
+    (v_ = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(                   \
+              _mm_loadu_si128((const __m128i *)((p) + at)))),                                       \
+          _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((q) + at))), 1),            \
+     _mm512_and_si512(low, _mm512_mask_srli_epi16(v_, high, v_, 4)))
 /* (Q4_0: the block's scale, then two bytes of values that are not used) */
 #define SCALES(p, q)                                                                             \
     (memcpy(&u0, (p), 4), memcpy(&u1, (q), 4),                                                    \
@@ -756,30 +757,39 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
                                          (uint64_t)h0 | (uint64_t)h1 << 32)));                      \
         }                                                                                         \
         if (mx) w_ = _mm512_shuffle_epi8(table, w_);  /* MXFP4's values, plus 12 */               \
-        const __m512i d = _mm512_dpbusd_epi32(n_, w_, x_);                                        \
         int32_t u0, u1;                                                                           \
         const __m512 am = mx ? _mm512_setzero_ps() : SCALES(p, q);                                \
         const __m512 sc = mx ? _mm512_mask_broadcastss_ps(_mm512_set1_ps(e8m0_half(p[0])), 0xFF00, \
                                                           _mm_set_ss(e8m0_half(q[0])))            \
                              : _mm512_permutexvar_ps(scale_at, am);                               \
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sc, s_), acc);                 \
-        if (minimum) acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(min_at, am), m_, acc);          \
+        const __m512 mn = minimum ? _mm512_permutexvar_ps(min_at, am) : _mm512_setzero_ps();      \
+        for (int r = 0; r < NR; r++) {  /* the block decoded once for every activation row */      \
+            const __m512i d = _mm512_dpbusd_epi32(n_[r], w_, x_[r]);                              \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sc, s_[r]), acc[r]);    \
+            if (minimum) acc[r] = _mm512_fmadd_ps(mn, m_[r], acc[r]);                             \
+        }                                                                                         \
     } while (0)
     for (int64_t b = 0; b < nb; b += 2) {
         const int last = b + 1 == nb;
         const __mmask16 keep = last ? 0x00FF : 0xFFFF;
-        const __m512i x_ = _mm512_maskz_loadu_epi32(keep, xq + 32 * b),
-                      n_ = offset ? _mm512_maskz_loadu_epi32(keep, nn + 8 * b) : _mm512_setzero_si512();
-        const __m512 s_ = _mm512_maskz_loadu_ps(keep, xs4 + 8 * b),
-                     m_ = minimum ? _mm512_maskz_loadu_ps(keep, xm + 8 * b) : _mm512_setzero_ps();
+        __m512i x_[RIR], n_[RIR];
+        __m512 s_[RIR], m_[RIR];
+        for (int r = 0; r < NR; r++) {
+            x_[r] = _mm512_maskz_loadu_epi32(keep, xq + r * k + 32 * b);
+            n_[r] = offset ? _mm512_maskz_loadu_epi32(keep, nn + r * (k / 4) + 8 * b) : _mm512_setzero_si512();
+            s_[r] = _mm512_maskz_loadu_ps(keep, xs4 + r * (k / 4) + 8 * b);
+            m_[r] = minimum ? _mm512_maskz_loadu_ps(keep, xm + r * (k / 4) + 8 * b) : _mm512_setzero_ps();
+        }
         ROW(w0, acc0);
         ROW(w1, acc1);
     }
 #undef ROW
 #undef SCALES
 #undef NIBBLES
-    y[0] = _mm512_reduce_add_ps(acc0);
-    y[1] = _mm512_reduce_add_ps(acc1);
+    for (int r = 0; r < NR; r++) {
+        y[r * ldy] = _mm512_reduce_add_ps(acc0[r]);
+        y[r * ldy + 1] = _mm512_reduce_add_ps(acc1[r]);
+    }
 }
 #else
 #define ROW2 0
@@ -789,35 +799,20 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
 #define ROW1(NAME, TYPE, BYTES)                                                               \
     static void NAME##_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,         \
                             const float *xs4, const float *xsum, float *y) {                  \
-        const int64_t nb = k / 32, pairs = ROW2 ? n / 2 : 0;                                  \
-        /* the same place in the rows of pairs to come, at least AHEAD bytes on */            \
-        const int64_t pair = 2 * nb * BYTES, ahead = (AHEAD + pair - 1) / pair * pair;         \
-        float xb[TYPE == 3 ? ROW1_BLOCKS : 1], xm[TYPE == 3 && ROW2 ? ROW1_BLOCKS * 8 : 1];   \
+        const int64_t nb = k / 32;                                                            \
+        float xb[TYPE == 3 ? ROW1_BLOCKS : 1];                                                \
         int32_t nn[TYPE == 2 ? ROW1_BLOCKS * 8 : 1];                                          \
-        for (int64_t g = 0; g < k / 4; g++) {                                                 \
-            const int32_t sum = xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3];    \
-            if (TYPE == 2) nn[g] = -8 * sum;                                                  \
-            else if (ROW2) xm[g] = xs4[g] * (float)sum;                                       \
-        }                                                                                     \
+        for (int64_t g = 0; g < k / 4 && TYPE == 2; g++)                                      \
+            nn[g] = -8 * (xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3]);         \
         for (int64_t b = 0; b < nb && TYPE == 3; b++) xb[b] = xsum[2 * b] + xsum[2 * b + 1]; \
-        _Pragma("omp parallel")                                                               \
-        {                                                                                     \
-            _Pragma("omp for schedule(static) nowait")                                        \
-            for (int64_t r = 0; r < pairs; r++)                                               \
-                ROW2_CALL(TYPE, BYTES, w + 2 * r * nb * BYTES, w + (2 * r + 1) * nb * BYTES,  \
-                          nb, ahead, xq, xs4, nn, xm, y + 2 * r);                             \
-            _Pragma("omp for schedule(static)")                                               \
-            for (int64_t r = 2 * pairs; r < n; r++)                                           \
-                y[r] = row1_q4(TYPE, BYTES, w + r * nb * BYTES, nb, xq, xs4, nn, xb);         \
-        }                                                                                     \
+        _Pragma("omp parallel for schedule(static)")                                          \
+        for (int64_t r = 0; r < n; r++)                                                       \
+            y[r] = row1_q4(TYPE, BYTES, w + r * nb * BYTES, nb, xq, xs4, nn, xb);             \
     }
-#if ROW2
-#define ROW2_CALL row2_q4
-#else
-#define ROW2_CALL(...) (void)0
-#endif
+#if !ROW2
 ROW1(im_q4_0, 2, 18)
 ROW1(im_q4_1, 3, 20)
+#endif
 #endif
 
 #if ROW2
@@ -846,7 +841,7 @@ static inline void k_scales8(const uint8_t *b, __m256 *a, __m256 *c) {
 static inline __attribute__((always_inline)) void
 row2_q4k(const int FIVE, const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int64_t ahead,
          const int8_t *restrict xq, const float *restrict xs4, const float *restrict xb,
-         float *restrict y) {
+         const int NR, int64_t k, float *restrict y, int64_t ldy) {
     const __m512i low = _mm512_set1_epi8(15);
     const __mmask32 high = 0xFFFF0000;  /* the 16-bit elements of the upper half */
     /* Q5_K: the bit of qh that is the fifth of a quarter's values, per half (1 << 2h, then
@@ -863,8 +858,12 @@ row2_q4k(const int FIVE, const uint8_t *restrict w0, const uint8_t *restrict w1,
         _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
         _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
         _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    __m256 min0 = _mm256_setzero_ps(), min1 = _mm256_setzero_ps();
+    __m512 acc0[RIR], acc1[RIR];
+    __m256 min0[RIR], min1[RIR];
+    for (int r = 0; r < NR; r++) {
+        acc0[r] = acc1[r] = _mm512_setzero_ps();
+        min0[r] = min1[r] = _mm256_setzero_ps();
+    }
 #define ROW(w, acc, mins)                                                                        \
     do {                                                                                          \
         const uint8_t *p = (w) + b * BYTES;                                                       \
@@ -881,26 +880,33 @@ row2_q4k(const int FIVE, const uint8_t *restrict w0, const uint8_t *restrict w1,
             __m512i q = _mm512_and_si512(low, _mm512_mask_srli_epi16(v, high, v, 4));             \
             if (FIVE)                                                                             \
                 q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bits[h]), sixteen)); \
-            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x[h]);               \
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d),                                          \
-                                  _mm512_mul_ps(_mm512_permutexvar_ps(at[h], av), s[h]), acc);    \
+            const __m512 sc = _mm512_permutexvar_ps(at[h], av);                                   \
+            for (int r = 0; r < NR; r++) {                                                         \
+                const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x[r][h]);        \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sc, s[r][h]), acc[r]); \
+            }                                                                                     \
         }                                                                                         \
-        mins = _mm256_fmadd_ps(c8, xbv, mins);                                                    \
+        for (int r = 0; r < NR; r++) mins[r] = _mm256_fmadd_ps(c8, xbv[r], mins[r]);               \
     } while (0)
     for (int64_t b = 0; b < nb; b++) {
-        __m512i x[4];
-        __m512 s[4];
-        for (int h = 0; h < 4; h++) {
-            x[h] = _mm512_loadu_si512(xq + 256 * b + 64 * h);
-            s[h] = _mm512_loadu_ps(xs4 + 64 * b + 16 * h);
+        __m512i x[RIR][4];
+        __m512 s[RIR][4];
+        __m256 xbv[RIR];
+        for (int r = 0; r < NR; r++) {
+            for (int h = 0; h < 4; h++) {
+                x[r][h] = _mm512_loadu_si512(xq + r * k + 256 * b + 64 * h);
+                s[r][h] = _mm512_loadu_ps(xs4 + r * (k / 4) + 64 * b + 16 * h);
+            }
+            xbv[r] = _mm256_loadu_ps(xb + r * (k / 32) + 8 * b);
         }
-        const __m256 xbv = _mm256_loadu_ps(xb + 8 * b);
         ROW(w0, acc0, min0);
         ROW(w1, acc1, min1);
     }
 #undef ROW
-    y[0] = _mm512_reduce_add_ps(acc0) + hsum8(min0);
-    y[1] = _mm512_reduce_add_ps(acc1) + hsum8(min1);
+    for (int r = 0; r < NR; r++) {
+        y[r * ldy] = _mm512_reduce_add_ps(acc0[r]) + hsum8(min0[r]);
+        y[r * ldy + 1] = _mm512_reduce_add_ps(acc1[r]) + hsum8(min1[r]);
+    }
 }
 
 /* One activation row against two weight rows of Q6_K blocks, as row2_q4k. A half block
@@ -913,7 +919,7 @@ row2_q4k(const int FIVE, const uint8_t *restrict w0, const uint8_t *restrict w1,
 static inline __attribute__((always_inline)) void
 row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int64_t ahead,
          const int8_t *restrict xq, const float *restrict xs4, const int32_t *restrict nn,
-         float *restrict y) {
+         const int NR, int64_t k, float *restrict y, int64_t ldy) {
     const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30);
     /* 16-bit shifts putting bits 0-1 (2-3) of qh at bits 4-5, and bits 4-5 (6-7) there */
     const __m512i shl = _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
@@ -926,7 +932,8 @@ row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
         _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
         _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
         _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m512 acc0[RIR], acc1[RIR];
+    for (int r = 0; r < NR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
 #define ROW(w, acc)                                                                              \
     do {                                                                                          \
         const uint8_t *p = (w) + b * 210;                                                         \
@@ -943,101 +950,122 @@ row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
                                                _mm512_and_si512(_mm512_sllv_epi16(hb, shl), two)), \
                           qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),    \
                                                _mm512_and_si512(_mm512_srlv_epi16(hb, shr), two)); \
-            const __m512i da = _mm512_dpbusd_epi32(n[2 * h], qa, x[2 * h]),                        \
-                          db = _mm512_dpbusd_epi32(n[2 * h + 1], qb, x[2 * h + 1]);                \
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da),                                         \
-                                  _mm512_mul_ps(_mm512_permutexvar_ps(at[2 * h], sv), s[2 * h]), acc); \
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db),                                         \
-                                  _mm512_mul_ps(_mm512_permutexvar_ps(at[2 * h + 1], sv), s[2 * h + 1]), acc); \
+            const __m512 sa = _mm512_permutexvar_ps(at[2 * h], sv),                               \
+                         sb = _mm512_permutexvar_ps(at[2 * h + 1], sv);                           \
+            for (int r = 0; r < NR; r++) {                                                         \
+                const __m512i da = _mm512_dpbusd_epi32(n[r][2 * h], qa, x[r][2 * h]),              \
+                              db = _mm512_dpbusd_epi32(n[r][2 * h + 1], qb, x[r][2 * h + 1]);      \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_mul_ps(sa, s[r][2 * h]), acc[r]); \
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_mul_ps(sb, s[r][2 * h + 1]), acc[r]); \
+            }                                                                                     \
         }                                                                                         \
     } while (0)
     for (int64_t b = 0; b < nb; b++) {
-        __m512i x[4], n[4];
-        __m512 s[4];
-        for (int h = 0; h < 4; h++) {
-            x[h] = _mm512_loadu_si512(xq + 256 * b + 64 * h);
-            n[h] = _mm512_loadu_si512(nn + 64 * b + 16 * h);
-            s[h] = _mm512_loadu_ps(xs4 + 64 * b + 16 * h);
-        }
+        __m512i x[RIR][4], n[RIR][4];
+        __m512 s[RIR][4];
+        for (int r = 0; r < NR; r++)
+            for (int h = 0; h < 4; h++) {
+                x[r][h] = _mm512_loadu_si512(xq + r * k + 256 * b + 64 * h);
+                n[r][h] = _mm512_loadu_si512(nn + r * (k / 4) + 64 * b + 16 * h);
+                s[r][h] = _mm512_loadu_ps(xs4 + r * (k / 4) + 64 * b + 16 * h);
+            }
         ROW(w0, acc0);
         ROW(w1, acc1);
     }
 #undef ROW
-    y[0] = _mm512_reduce_add_ps(acc0);
-    y[1] = _mm512_reduce_add_ps(acc1);
-}
-
-static void im_q6_k_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-                         const float *xs4, float *y) {
-    const int64_t nb = k / 256, pairs = n / 2;
-    const int64_t pair = 2 * nb * 210, ahead = (AHEAD + pair - 1) / pair * pair;
-    int32_t nn[ROW1_BLOCKS * 8];
-    for (int64_t g = 0; g < k / 4; g++)
-        nn[g] = -32 * (xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3]);
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t r = 0; r < pairs; r++)
-        row2_q6k(w + 2 * r * nb * 210, w + (2 * r + 1) * nb * 210, nb, ahead, xq, xs4, nn, y + 2 * r);
-    if (n % 2) {  /* the last row, twice */
-        float two[2];
-        row2_q6k(w + (n - 1) * nb * 210, w + (n - 1) * nb * 210, nb, ahead, xq, xs4, nn, two);
-        y[n - 1] = two[0];
+    for (int r = 0; r < NR; r++) {
+        y[r * ldy] = _mm512_reduce_add_ps(acc0[r]);
+        y[r * ldy + 1] = _mm512_reduce_add_ps(acc1[r]);
     }
 }
 
-/* Q5_0, Q5_1 and MXFP4 rows through row2_q4 (the last of an odd count twice): the offset of
- * Q5_0 (-16) and MXFP4 (-12, its values stored plus 12) in each lane's integer sum from the
- * start, Q5_1's minimum against xm, as for Q4. */
-static void row2_few1(const int TYPE, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-                    const float *xs4, float *y) {
-    const int64_t BYTES = TYPE == 6 ? 22 : TYPE == 7 ? 24 : 17, nb = k / 32, pairs = n / 2;
-    const int64_t pair = 2 * nb * BYTES, ahead = (AHEAD + pair - 1) / pair * pair;
-    const int32_t by = TYPE == 39 ? -12 : -16;
-    int32_t nn[ROW1_BLOCKS * 8];
-    float xm[ROW1_BLOCKS * 8];
-    for (int64_t g = 0; g < k / 4; g++) {
+/* A matrix's rows two at a time (the last of an odd count twice) by
+ * CALL(w0, w1, NR, out, ldy), against the caller's m <= RIR activation rows; NR is a constant
+ * in each case, so that the kernels' loops over the rows unroll. The caller names w, n, m,
+ * y, ldy and row (a weight row's bytes). */
+#define PAIRS_R(CALL, NR)                                                                         \
+    do {                                                                                          \
+        _Pragma("omp parallel for schedule(static)")                                              \
+        for (int64_t r_ = 0; r_ < n / 2; r_++)                                                    \
+            CALL(w + 2 * r_ * row, w + (2 * r_ + 1) * row, NR, y + 2 * r_, ldy);                   \
+        if (n % 2) {                                                                              \
+            float two_[2 * RIR];                                                                  \
+            CALL(w + (n - 1) * row, w + (n - 1) * row, NR, two_, 2);                               \
+            for (int i_ = 0; i_ < (NR); i_++) y[i_ * ldy + n - 1] = two_[2 * i_];                  \
+        }                                                                                         \
+    } while (0)
+#define PAIRS(CALL)                                                                              \
+    switch (m) {                                                                                  \
+    case 1: PAIRS_R(CALL, 1); break;                                                              \
+    case 2: PAIRS_R(CALL, 2); break;                                                              \
+    case 3: PAIRS_R(CALL, 3); break;                                                              \
+    default: PAIRS_R(CALL, 4);                                                                    \
+    }
+
+/* Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows through row2_q4: the offset of Q4_0 (-8), Q5_0 (-16)
+ * and MXFP4 (-12, its values stored plus 12) in each lane's integer sum from the start, the
+ * minimums of Q4_1 and Q5_1 against xm; m activation rows, k apart. */
+static void row2_few1(const int type, const uint8_t *w, int64_t n, int64_t k, int64_t m,
+                      const int8_t *xq, const float *xs4, float *y, int64_t ldy) {
+    const int64_t bytes = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : type == 7 ? 24 : 17,
+                  nb = k / 32, row = nb * bytes, ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
+    const int32_t by = type == 2 ? -8 : type == 39 ? -12 : -16;
+    int32_t nn[m * (k / 4)];
+    float xm[m * (k / 4)];
+    for (int64_t g = 0; g < m * (k / 4); g++) {
         const int32_t sum = xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3];
         nn[g] = by * sum, xm[g] = xs4[g] * (float)sum;
     }
-#define ROWS2(T, B)                                                                            \
-    do {                                                                                          \
-        _Pragma("omp parallel for schedule(static)")                                              \
-        for (int64_t r = 0; r < pairs; r++)                                                       \
-            row2_q4(T, B, w + 2 * r * nb * B, w + (2 * r + 1) * nb * B, nb, ahead, xq, xs4, nn,   \
-                    xm, y + 2 * r);                                                               \
-        if (n % 2) {                                                                              \
-            float two[2];                                                                         \
-            row2_q4(T, B, w + (n - 1) * nb * B, w + (n - 1) * nb * B, nb, ahead, xq, xs4, nn, xm, two); \
-            y[n - 1] = two[0];                                                                    \
-        }                                                                                         \
-    } while (0)
-    if (TYPE == 6) ROWS2(6, 22);
-    else if (TYPE == 7) ROWS2(7, 24);
-    else ROWS2(39, 17);
-#undef ROWS2
+#define C2(w0, w1, NR, out, ld) row2_q4(2, 18, w0, w1, nb, ahead, xq, xs4, nn, xm, NR, k, out, ld)
+#define C3(w0, w1, NR, out, ld) row2_q4(3, 20, w0, w1, nb, ahead, xq, xs4, nn, xm, NR, k, out, ld)
+#define C6(w0, w1, NR, out, ld) row2_q4(6, 22, w0, w1, nb, ahead, xq, xs4, nn, xm, NR, k, out, ld)
+#define C7(w0, w1, NR, out, ld) row2_q4(7, 24, w0, w1, nb, ahead, xq, xs4, nn, xm, NR, k, out, ld)
+#define C39(w0, w1, NR, out, ld) row2_q4(39, 17, w0, w1, nb, ahead, xq, xs4, nn, xm, NR, k, out, ld)
+    switch (type) {
+    case 2: PAIRS(C2); break;
+    case 3: PAIRS(C3); break;
+    case 6: PAIRS(C6); break;
+    case 7: PAIRS(C7); break;
+    default: PAIRS(C39);
+    }
+#undef C2
+#undef C3
+#undef C6
+#undef C7
+#undef C39
 }
 
-/* Q4_K and Q5_K rows (FIVE) through row2_q4k, the last of an odd count twice. */
-static void k4_few1(const int FIVE, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-                    const float *xs4, const float *xsum, float *y) {
-    const int64_t BYTES = FIVE ? 176 : 144, nb = k / 256, pairs = n / 2;
-    const int64_t pair = 2 * nb * BYTES, ahead = (AHEAD + pair - 1) / pair * pair;
-    float xb[ROW1_BLOCKS];
-    for (int64_t s = 0; s < k / 32; s++) xb[s] = xsum[2 * s] + xsum[2 * s + 1];
-#define ROWSK(F, B)                                                                              \
-    do {                                                                                          \
-        _Pragma("omp parallel for schedule(static)")                                              \
-        for (int64_t r = 0; r < pairs; r++)                                                       \
-            row2_q4k(F, w + 2 * r * nb * B, w + (2 * r + 1) * nb * B, nb, ahead, xq, xs4, xb, y + 2 * r); \
-        if (n % 2) {                                                                              \
-            float two[2];                                                                         \
-            row2_q4k(F, w + (n - 1) * nb * B, w + (n - 1) * nb * B, nb, ahead, xq, xs4, xb, two); \
-            y[n - 1] = two[0];                                                                    \
-        }                                                                                         \
-    } while (0)
-    if (FIVE) ROWSK(1, 176);
-    else ROWSK(0, 144);
-#undef ROWSK
+/* Q4_K and Q5_K (five) rows through row2_q4k; m activation rows, k apart. */
+static void k4_few1(const int five, const uint8_t *w, int64_t n, int64_t k, int64_t m,
+                    const int8_t *xq, const float *xs4, const float *xsum, float *y, int64_t ldy) {
+    const int64_t nb = k / 256, row = nb * (five ? 176 : 144),
+                  ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
+    float xb[m * (k / 32)];
+    for (int64_t s = 0; s < m * (k / 32); s++) xb[s] = xsum[2 * s] + xsum[2 * s + 1];
+#define C4(w0, w1, NR, out, ld) row2_q4k(0, w0, w1, nb, ahead, xq, xs4, xb, NR, k, out, ld)
+#define C5(w0, w1, NR, out, ld) row2_q4k(1, w0, w1, nb, ahead, xq, xs4, xb, NR, k, out, ld)
+    if (five) {
+        PAIRS(C5)
+    } else {
+        PAIRS(C4)
+    }
+#undef C4
+#undef C5
 }
+
+/* Q6_K rows through row2_q6k; m activation rows, k apart. */
+static void q6k_few1(const uint8_t *w, int64_t n, int64_t k, int64_t m, const int8_t *xq,
+                     const float *xs4, float *y, int64_t ldy) {
+    const int64_t nb = k / 256, row = nb * 210, ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
+    int32_t nn[m * (k / 4)];
+    for (int64_t g = 0; g < m * (k / 4); g++)
+        nn[g] = -32 * (xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3]);
+#define C6K(w0, w1, NR, out, ld) row2_q6k(w0, w1, nb, ahead, xq, xs4, nn, NR, k, out, ld)
+    PAIRS(C6K)
+#undef C6K
+}
+#undef PAIRS
+#undef PAIRS_R
 #endif
 
 /* Kept tiles: a matrix's tiles one after another, TR rows by IKC values (fewer at the end of
@@ -1185,44 +1213,33 @@ int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16,
 #define ROW2 0
 #endif
 
-/* One activation row by a kernel that takes the blocks into registers: 0 where the type (or
- * this build) has none. */
-static int row1(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
-                const float *xs4, const float *xsum, float *y) {
-#if defined(__AVX2__)
-    if (k / 32 > ROW1_BLOCKS) return 0;
-    if (type == 2 || type == 3) {
-        (type == 2 ? im_q4_0_few1 : im_q4_1_few1)(w, n, k, xq, xs4, xsum, y);
-        return 1;
-    }
+/* Whether m activation rows (8 bits) go through a kernel that takes the blocks into
+ * registers: with AVX-512 up to RIR rows of most types, with AVX2 one row of Q4_0 or Q4_1. */
+static int in_registers(int type, int64_t k, int64_t m, const int8_t *xl) {
 #if ROW2
-    if (type == 12 || type == 13) {
-        k4_few1(type == 13, w, n, k, xq, xs4, xsum, y);
-        return 1;
-    }
-    if (type == 6 || type == 7 || type == 39) {
-        row2_few1(type, w, n, k, xq, xs4, y);
-        return 1;
-    }
-    if (type == 14) {
-        im_q6_k_few1(w, n, k, xq, xs4, y);
-        return 1;
-    }
-#endif
-#endif
-    (void)type, (void)w, (void)n, (void)k, (void)xq, (void)xs4, (void)xsum, (void)y;
+    return !xl && k / 32 <= ROW1_BLOCKS && m <= RIR && (type == 2 || type == 3 || type == 6 || type == 7 || type == 39 ||
+                        type == 12 || type == 13 || type == 14);
+#elif defined(__AVX2__)
+    return !xl && k / 32 <= ROW1_BLOCKS && m == 1 && (type == 2 || type == 3);
+#else
+    (void)type, (void)k, (void)m, (void)xl;
     return 0;
+#endif
 }
 
-/* Up to FEWI activation rows. With AVX-512, two rows go one after another through the
- * kernels in registers: they read the weights twice, but that costs less than decoding
- * every block to a copy (4096 x 4096: Q6_K 0.25 against 1.18 ms, Q4_K 0.27 against 0.45; Zen 5). */
+/* Up to FEWI activation rows, or as many as in_registers takes, row by row (y: m rows, ldy
+ * apart). */
 static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                const int8_t *xl, const float *xs4, const float *xsum, int64_t m, float *y,
                int64_t ldy) {
-    if (!xl && (m == 1 || ROW2) && row1(type, w, n, k, xq, xs4, xsum, y)) {
-        for (int64_t i = 1; i < m; i++)
-            row1(type, w, n, k, xq + i * k, xs4 + i * (k / 4), xsum + i * (k / SB), y + i * ldy);
+    if (in_registers(type, k, m, xl)) {
+#if ROW2
+        if (type == 12 || type == 13) k4_few1(type == 13, w, n, k, m, xq, xs4, xsum, y, ldy);
+        else if (type == 14) q6k_few1(w, n, k, m, xq, xs4, y, ldy);
+        else row2_few1(type, w, n, k, m, xq, xs4, y, ldy);
+#elif defined(__AVX2__)
+        (type == 2 ? im_q4_0_few1 : im_q4_1_few1)(w, n, k, xq, xs4, xsum, y);
+#endif
         return 0;
     }
     DISPATCH(im, type, _few, (w, n, k, xq, xl, xs4, xsum, m, y, ldy))
@@ -1242,7 +1259,10 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
     const int64_t n = w[0], k = w[1], parts = w[2];
     if (m <= 0) return 0;
     Panels P;
-    if (m > FEWI && !make_panels(m, k, xq, xl, xs4, xsum, qa, &P)) return -2;
+    int tiles = 0;  /* whether any part takes the tiles, and so the panels */
+    for (int64_t p = 0; p < parts; p++)
+        tiles |= m > FEWI && !in_registers((int)w[3 + 4 * p], k, m, xl);
+    if (tiles && !make_panels(m, k, xq, xl, xs4, xsum, qa, &P)) return -2;
     int err = 0;
     int64_t row = 0;
     for (int64_t p = 0; p < parts && !err; p++) {
@@ -1250,7 +1270,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
         const int64_t rows = w[4 + 4 * p];
         const uint8_t *data = (const uint8_t *)(intptr_t)w[5 + 4 * p],
                       *tiles = (const uint8_t *)(intptr_t)w[6 + 4 * p];
-        if (m <= FEWI) {
+        if (m <= FEWI || in_registers(type, k, m, xl)) {
             err = few(type, data, rows, k, xq, xl, xs4, xsum, m, y + row, n);
         } else {
             /* MB rows at a time, so that their panels stay in cache while every tile passes
@@ -1309,6 +1329,12 @@ int tg_build_tiles(const int64_t *w, uint8_t *out) {
         out += tg_tile_bytes(rows, k);
     }
     return 0;
+}
+
+/* Whether a product of m activation rows (8 bits) by a matrix of this GGML type and row
+ * length reads the tiles (1) or goes row by row (0). */
+int tg_takes_tiles(int type, int64_t k, int64_t m) {
+    return m > FEWI && !in_registers(type, k, m, NULL);
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */
