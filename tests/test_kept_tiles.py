@@ -5,10 +5,13 @@ within the host budget, and none for weights streamed through reused buffers."""
 from __future__ import annotations
 
 from tiergen import LLM, Policy, SamplingParams
-from tiergen.kernels import tile_bytes
+from tiergen.kernels import takes_tiles, tile_bytes
 from tiergen.weights.packed import Packed
 
-PROMPTS = [[1, 250, 3000, 77, 9], [1, 42], [1, 600, 601, 602], [1, 8000, 8001, 8002, 8003, 8004]]
+# six sequences: more than the row kernels take (up to four with AVX-512), so every
+# product reads tiles
+PROMPTS = [[1, 250, 3000, 77, 9], [1, 42], [1, 600, 601, 602], [1, 8000, 8001, 8002, 8003, 8004],
+           [1, 5, 6], [1, 9000, 12]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
@@ -28,6 +31,8 @@ def test_kept_tiles_give_the_same_tokens_and_only_for_batches():
     llm = LLM("smollm2", device="cpu", activations="int8")
     llm.generate(PROMPTS[:1], GREEDY)
     assert kept(llm) == 0  # batch 1: the row kernels, nothing kept
+    llm.generate(PROMPTS[:3], GREEDY)  # tiles for the products of three rows that read them
+    assert all((m.tiles is not None) == takes_tiles(m, 3) for m in matrices(llm))
     with_tiles = llm.generate(PROMPTS, GREEDY)
     assert all(m.tiles is not None for m in matrices(llm))
     assert kept(llm) == sum(tile_bytes(m) for m in matrices(llm))

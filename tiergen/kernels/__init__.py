@@ -289,7 +289,7 @@ def tile_bytes(w: Packed) -> int:
 
 def keep_tiles(w: Packed) -> bool:
     """Give ``w`` its integer kernels' tiles, built once (``int8.c``'s ``tg_build_tiles``:
-    every block decoded and interleaved as a product of three rows or more reads them, 3/2
+    every block decoded and interleaved as a product that reads tiles (takes_tiles) does, 3/2
     bytes a value), if its owner allows it (``w.may_keep_tiles``: weights that stay where
     they are, within a memory allowance). A product of a few rows otherwise spends about a
     third of its time building them again. Whether ``w`` has them now."""

@@ -53,8 +53,9 @@ class Policy:
     decode query (and reads only the matching V rows).
 
     ``keep_tiles``: on a CPU with integer activations, packed weights that stay in host RAM
-    keep the integer kernels' tiles (3/2 bytes a value) for decode steps of three or more
-    sequences, built at the first such step, within half of what the host budget leaves after
+    keep the integer kernels' tiles (3/2 bytes a value) for decode steps whose products read
+    tiles (three sequences or more; five or more for most types with AVX-512), built at the
+    first such step, within half of what the host budget leaves after
     the weights (without a budget, half of the RAM available at load). A few rows otherwise
     decode every block again at every step.
 
