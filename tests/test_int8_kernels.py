@@ -76,7 +76,7 @@ def integer_reference(x: torch.Tensor, w, block: int, wide: bool) -> torch.Tenso
     xd = (q.double().view(x.shape[0], -1, block) * scale.double()[..., None]).view(x.shape)
     dense = torch.cat([dequantize(raw, t, (n, w.shape[1])) for t, _, n, raw in w.segments()])
     exact = (xd @ dense.double().T).float()
-    tiled = [not wide and bool(kernels.library().tg_takes_tiles(t, w.shape[1], x.shape[0]))
+    tiled = [not wide and bool(kernels.library().tg_takes_tiles(t, w.shape[1], x.shape[0], 0))
              for t, _, _, _ in w.segments()]
     if not any(tiled):
         return exact

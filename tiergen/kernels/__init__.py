@@ -140,7 +140,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
     lib.tg_quantize_act.restype = None
     lib.tg_qmatmul.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr]
-    lib.tg_takes_tiles.argtypes = [ctypes.c_int, i64, i64]
+    lib.tg_takes_tiles.argtypes = [ctypes.c_int, i64, i64, ctypes.c_int]
     lib.tg_qmatmul_grouped.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
                                        ctypes.c_int, i64, ptr]
     f32 = ctypes.c_float
@@ -272,13 +272,14 @@ def integer_kernels_take(w: object) -> bool:
             and all(t in INTEGER_TYPES for t, _ in w.parts))
 
 
-def takes_tiles(w: Packed, rows: int) -> bool:
-    """Whether an 8-bit product of ``rows`` activation rows by ``w`` reads tiles for any of its
-    parts (more than a few rows; with AVX-512 a few more for the types whose blocks the row
-    kernels take into registers). Only then are kept tiles of use."""
+def takes_tiles(w: Packed, rows: int, wide: bool = False) -> bool:
+    """Whether an integer product of ``rows`` activation rows (``wide``: 16 bits) by ``w``
+    reads tiles for any of its parts (more than a few rows; with AVX-512 and 8 bits, a few
+    more for the types whose blocks the row kernels take into registers). Only then are kept
+    tiles of use."""
     lib = library()
     return rows >= TILE_ROWS and lib is not None and any(
-        lib.tg_takes_tiles(t, w.shape[-1], rows) for t, _ in w.parts)
+        lib.tg_takes_tiles(t, w.shape[-1], rows, wide) for t, _ in w.parts)
 
 
 def tile_bytes(w: Packed) -> int:
@@ -315,7 +316,7 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     if lib is None:
         raise RuntimeError("the C kernels are unavailable")
     rows = x.shape[:-1].numel()
-    if (x.dim() == 2 or x.shape[-2] == 1) and takes_tiles(w, rows):  # a token of each sequence
+    if (x.dim() == 2 or x.shape[-2] == 1) and takes_tiles(w, rows, wide):  # a token of each sequence
         keep_tiles(w)
     a = quantize_activations(x.reshape(rows, x.shape[-1]), block, wide)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32) if out is None else out

@@ -1331,10 +1331,11 @@ int tg_build_tiles(const int64_t *w, uint8_t *out) {
     return 0;
 }
 
-/* Whether a product of m activation rows (8 bits) by a matrix of this GGML type and row
- * length reads the tiles (1) or goes row by row (0). */
-int tg_takes_tiles(int type, int64_t k, int64_t m) {
-    return m > FEWI && !in_registers(type, k, m, NULL);
+/* Whether a product of m activation rows (wide: 16 bits) by a matrix of this GGML type and
+ * row length reads the tiles (1) or goes row by row (0). */
+int tg_takes_tiles(int type, int64_t k, int64_t m, int wide) {
+    static const int8_t some = 0;  /* (only whether the 16-bit halves are there counts) */
+    return m > FEWI && !in_registers(type, k, m, wide ? &some : NULL);
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */

@@ -104,7 +104,7 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
         return None
     if fmt is not None and B >= kernels.TILE_ROWS:
         for n in MATRICES:
-            if isinstance(w[n], Packed) and kernels.takes_tiles(w[n], B):
+            if isinstance(w[n], Packed) and kernels.takes_tiles(w[n], B, fmt[1]):
                 kernels.keep_tiles(w[n])
     layer = _layer(kind, fmt, w)
     if layer is None:
