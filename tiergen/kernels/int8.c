@@ -709,9 +709,10 @@ row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t
 #if TILE512 && defined(__AVX512VL__)
 #define ROW2 1
 #define RIR 4  /* up to this many activation rows: the kernels in registers (more: the tiles) */
-/* row1_q4 for two weight rows at once, and for Q5_0 and Q5_1 (their fifth bits joined to
- * the nibbles) and MXFP4 (its values looked up, plus 12, from the nibbles; a power of two
- * a block). Each 512-bit vector holds two consecutive blocks of one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
+/* row1_q4 for two weight rows at once against NR activation rows (up to RIR, each block
+ * decoded once for all of them), and for Q5_0 and Q5_1 (their fifth bits joined to the
+ * nibbles) and MXFP4 (its values looked up, plus 12, from the nibbles; a power of two a
+ * block). Each 512-bit vector holds two consecutive blocks of one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
  * of b + 1, which is the order of the activations (xq), their lanes' offsets (nn), scales
  * (xs4) and Q4_1 sums (xm) in memory, so they are read as they lie, each read serving both
  * rows. A block's nibbles are broadcast to two lanes, and the high ones shifted down in the
@@ -830,7 +831,7 @@ static inline void k_scales8(const uint8_t *b, __m256 *a, __m256 *c) {
                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
 }
 
-/* One activation row against two weight rows of Q4_K blocks (or Q5_K: FIVE), the nibbles
+/* NR activation rows against two weight rows of Q4_K blocks (or Q5_K: FIVE), the nibbles
  * spread into registers rather than decoded to a copy, as row2_q4 does. A block's 64 values of a
  * quarter are 32 bytes whose low nibbles are its first sub-block and high nibbles its second:
  * broadcast to both halves of a vector, the second half's shifted down, they face the
@@ -909,7 +910,7 @@ row2_q4k(const int FIVE, const uint8_t *restrict w0, const uint8_t *restrict w1,
     }
 }
 
-/* One activation row against two weight rows of Q6_K blocks, as row2_q4k. A half block
+/* NR activation rows against two weight rows of Q6_K blocks, as row2_q4k. A half block
  * (128 values) is 64 bytes of low four bits (values 0-63 in their low nibbles, 64-127 in
  * their high ones) and 32 bytes of high two bits (values l, l + 32, l + 64, l + 96 in bits
  * 0-1, 2-3, 4-5, 6-7 of byte l): each 64 values' high bits are shifted into place in both
@@ -1005,7 +1006,7 @@ row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
 /* Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows through row2_q4: the offset of Q4_0 (-8), Q5_0 (-16)
  * and MXFP4 (-12, its values stored plus 12) in each lane's integer sum from the start, the
  * minimums of Q4_1 and Q5_1 against xm; m activation rows, k apart. */
-static void row2_few1(const int type, const uint8_t *w, int64_t n, int64_t k, int64_t m,
+static void q4_rows(const int type, const uint8_t *w, int64_t n, int64_t k, int64_t m,
                       const int8_t *xq, const float *xs4, float *y, int64_t ldy) {
     const int64_t bytes = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : type == 7 ? 24 : 17,
                   nb = k / 32, row = nb * bytes, ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
@@ -1036,7 +1037,7 @@ static void row2_few1(const int type, const uint8_t *w, int64_t n, int64_t k, in
 }
 
 /* Q4_K and Q5_K (five) rows through row2_q4k; m activation rows, k apart. */
-static void k4_few1(const int five, const uint8_t *w, int64_t n, int64_t k, int64_t m,
+static void k4_rows(const int five, const uint8_t *w, int64_t n, int64_t k, int64_t m,
                     const int8_t *xq, const float *xs4, const float *xsum, float *y, int64_t ldy) {
     const int64_t nb = k / 256, row = nb * (five ? 176 : 144),
                   ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
@@ -1054,7 +1055,7 @@ static void k4_few1(const int five, const uint8_t *w, int64_t n, int64_t k, int6
 }
 
 /* Q6_K rows through row2_q6k; m activation rows, k apart. */
-static void q6k_few1(const uint8_t *w, int64_t n, int64_t k, int64_t m, const int8_t *xq,
+static void q6k_rows(const uint8_t *w, int64_t n, int64_t k, int64_t m, const int8_t *xq,
                      const float *xs4, float *y, int64_t ldy) {
     const int64_t nb = k / 256, row = nb * 210, ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
     int32_t nn[m * (k / 4)];
@@ -1209,10 +1210,6 @@ int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16,
     DISPATCH(im, type, _view, (w, nb, q, a16, c16, is_signed))
 }
 
-#ifndef ROW2  /* (no AVX2) */
-#define ROW2 0
-#endif
-
 /* Whether m activation rows (8 bits) go through a kernel that takes the blocks into
  * registers: with AVX-512 up to RIR rows of most types, with AVX2 one row of Q4_0 or Q4_1. */
 static int in_registers(int type, int64_t k, int64_t m, const int8_t *xl) {
@@ -1234,9 +1231,9 @@ static int few(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *x
                int64_t ldy) {
     if (in_registers(type, k, m, xl)) {
 #if ROW2
-        if (type == 12 || type == 13) k4_few1(type == 13, w, n, k, m, xq, xs4, xsum, y, ldy);
-        else if (type == 14) q6k_few1(w, n, k, m, xq, xs4, y, ldy);
-        else row2_few1(type, w, n, k, m, xq, xs4, y, ldy);
+        if (type == 12 || type == 13) k4_rows(type == 13, w, n, k, m, xq, xs4, xsum, y, ldy);
+        else if (type == 14) q6k_rows(w, n, k, m, xq, xs4, y, ldy);
+        else q4_rows(type, w, n, k, m, xq, xs4, y, ldy);
 #elif defined(__AVX2__)
         (type == 2 ? im_q4_0_few1 : im_q4_1_few1)(w, n, k, xq, xs4, xsum, y);
 #endif
