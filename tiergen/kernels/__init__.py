@@ -306,6 +306,13 @@ def keep_tiles(w: Packed) -> bool:
     return True
 
 
+def keep_tiles_for(w: Packed, rows: int, wide: bool = False) -> None:
+    """:func:`keep_tiles` where a product of ``rows`` rows by ``w`` reads tiles; nothing to ask
+    the library once ``w`` has them or may not keep them (a decode step's every product)."""
+    if w.tiles is None and w.may_keep_tiles and takes_tiles(w, rows, wide):
+        keep_tiles(w)
+
+
 def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
                    block: int = 4, wide: bool = False, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
@@ -316,8 +323,8 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     if lib is None:
         raise RuntimeError("the C kernels are unavailable")
     rows = x.shape[:-1].numel()
-    if (x.dim() == 2 or x.shape[-2] == 1) and takes_tiles(w, rows, wide):  # a token of each sequence
-        keep_tiles(w)
+    if x.dim() == 2 or x.shape[-2] == 1:  # a token of each sequence
+        keep_tiles_for(w, rows, wide)
     a = quantize_activations(x.reshape(rows, x.shape[-1]), block, wide)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32) if out is None else out
     err = lib.tg_qmatmul(matrix_descriptor(w), a.q.data_ptr(),
@@ -339,13 +346,12 @@ def grouped_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     a type of the float kernels only, as FP8), as packed_linear: few rows by the float
     kernels a block at a time, more by the decoded matrix."""
     G, M, K = x.shape
-    N = w.shape[0] // G
+    N, stride = w.shape[0] // G, w.data.numel() // G
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     lib = library() if x.device.type == "cpu" and len(w.parts) == 1 else None
     integer = fmt is not None and lib is not None and integer_kernels_take(w)
     if lib is not None and not integer and M <= ROW_THRESHOLD:  # decoded in the float kernels
         xf, y = x.float().contiguous(), torch.empty(G, M, N)
-        stride = w.data.numel() // G
         for g in range(G):
             if lib.tg_matmul(w.parts[0][0], w.data.data_ptr() + g * stride, N, K,
                              xf[g].data_ptr(), M, y[g].data_ptr(), N):
@@ -359,7 +365,7 @@ def grouped_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     a = quantize_activations(x.reshape(G * M, K), *fmt)
     y = torch.empty(G, M, N)
     ggml_type = w.parts[0][0]
-    if lib.tg_qmatmul_grouped(ggml_type, w.data.data_ptr(), G, N, K, w.data.numel() // G,
+    if lib.tg_qmatmul_grouped(ggml_type, w.data.data_ptr(), G, N, K, stride,
                               a.q.data_ptr(), None if a.low is None else a.low.data_ptr(),
                               a.scales.data_ptr(), a.sums.data_ptr(), a.block, M, y.data_ptr()):
         raise MemoryError(f"grouped integer product of {G} x {M} rows: out of memory")

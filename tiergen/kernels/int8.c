@@ -217,6 +217,13 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* by times the sum of each lane's four activations (lanes of them): a block type's constant
+ * offset, entered into the lane's integer sum from the start. */
+static inline void lane_offsets(const int8_t *xq, int64_t lanes, int32_t by, int32_t *nn) {
+    for (int64_t g = 0; g < lanes; g++)
+        nn[g] = by * (xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3]);
+}
+
 /* 255 * hi + lo, per 32-bit lane */
 static inline __m256i join_wide(__m256i hi, __m256i lo) {
     return _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 8), hi), lo);
@@ -803,8 +810,7 @@ row2_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w0,
         const int64_t nb = k / 32;                                                            \
         float xb[TYPE == 3 ? ROW1_BLOCKS : 1];                                                \
         int32_t nn[TYPE == 2 ? ROW1_BLOCKS * 8 : 1];                                          \
-        for (int64_t g = 0; g < k / 4 && TYPE == 2; g++)                                      \
-            nn[g] = -8 * (xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3]);         \
+        if (TYPE == 2) lane_offsets(xq, k / 4, -8, nn);                                       \
         for (int64_t b = 0; b < nb && TYPE == 3; b++) xb[b] = xsum[2 * b] + xsum[2 * b + 1]; \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t r = 0; r < n; r++)                                                       \
@@ -817,6 +823,19 @@ ROW1(im_q4_1, 3, 20)
 #endif
 
 #if ROW2
+/* Indices first + (lane >> shift): the scale each lane takes, where 1 << shift lanes share
+ * one (a permutation's index vector; constant where first is). */
+static inline __m512i lane_groups(int first, int shift) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_add_epi32(_mm512_set1_epi32(first), _mm512_srli_epi32(lane, shift));
+}
+
+/* The rows of pairs to come at the same place, at least AHEAD bytes on, for rows of
+ * ``row`` bytes read two at a time. */
+static inline int64_t pair_ahead(int64_t row) {
+    return (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
+}
+
 /* k_scales' eight scales and offsets as vectors, from the 12 bytes as three 32-bit words:
  * no stores for a vector load to wait on. */
 static inline void k_scales8(const uint8_t *b, __m256 *a, __m256 *c) {
@@ -854,11 +873,6 @@ row2_q4k(const int FIVE, const uint8_t *restrict w0, const uint8_t *restrict w1,
         _mm512_inserti64x4(_mm512_set1_epi8(64), _mm256_set1_epi8((char)128), 1)};
     const __m512i sixteen = _mm512_set1_epi8(16);
     const int64_t BYTES = FIVE ? 176 : 144, QS = FIVE ? 48 : 16;
-    const __m512i at[4] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
-        _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)};
     __m512 acc0[RIR], acc1[RIR];
     __m256 min0[RIR], min1[RIR];
     for (int r = 0; r < NR; r++) {
@@ -881,7 +895,7 @@ row2_q4k(const int FIVE, const uint8_t *restrict w0, const uint8_t *restrict w1,
             __m512i q = _mm512_and_si512(low, _mm512_mask_srli_epi16(v, high, v, 4));             \
             if (FIVE)                                                                             \
                 q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bits[h]), sixteen)); \
-            const __m512 sc = _mm512_permutexvar_ps(at[h], av);                                   \
+            const __m512 sc = _mm512_permutexvar_ps(lane_groups(2 * h, 3), av);                   \
             for (int r = 0; r < NR; r++) {                                                         \
                 const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x[r][h]);        \
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(sc, s[r][h]), acc[r]); \
@@ -928,11 +942,6 @@ row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
                                           0x0002000200020002, 0x0002000200020002),
                   shr = _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002,
                                           0x0002000200020002, 0x0002000200020002);
-    const __m512i at[4] = {
-        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
-        _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
-        _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
     __m512 acc0[RIR], acc1[RIR];
     for (int r = 0; r < NR; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
 #define ROW(w, acc)                                                                              \
@@ -951,8 +960,8 @@ row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
                                                _mm512_and_si512(_mm512_sllv_epi16(hb, shl), two)), \
                           qb = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),    \
                                                _mm512_and_si512(_mm512_srlv_epi16(hb, shr), two)); \
-            const __m512 sa = _mm512_permutexvar_ps(at[2 * h], sv),                               \
-                         sb = _mm512_permutexvar_ps(at[2 * h + 1], sv);                           \
+            const __m512 sa = _mm512_permutexvar_ps(lane_groups(8 * h, 2), sv),                   \
+                         sb = _mm512_permutexvar_ps(lane_groups(8 * h + 4, 2), sv);               \
             for (int r = 0; r < NR; r++) {                                                         \
                 const __m512i da = _mm512_dpbusd_epi32(n[r][2 * h], qa, x[r][2 * h]),              \
                               db = _mm512_dpbusd_epi32(n[r][2 * h + 1], qb, x[r][2 * h + 1]);      \
@@ -1009,13 +1018,15 @@ row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
 static void q4_rows(const int type, const uint8_t *w, int64_t n, int64_t k, int64_t m,
                       const int8_t *xq, const float *xs4, float *y, int64_t ldy) {
     const int64_t bytes = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : type == 7 ? 24 : 17,
-                  nb = k / 32, row = nb * bytes, ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
+                  nb = k / 32, row = nb * bytes, ahead = pair_ahead(row);
     const int32_t by = type == 2 ? -8 : type == 39 ? -12 : -16;
     int32_t nn[m * (k / 4)];
-    float xm[m * (k / 4)];
-    for (int64_t g = 0; g < m * (k / 4); g++) {
-        const int32_t sum = xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3];
-        nn[g] = by * sum, xm[g] = xs4[g] * (float)sum;
+    float xm[type == 3 || type == 7 ? m * (k / 4) : 1];
+    if (type == 3 || type == 7) {  /* the minimum against each lane's sum, scaled */
+        lane_offsets(xq, m * (k / 4), 1, nn);
+        for (int64_t g = 0; g < m * (k / 4); g++) xm[g] = xs4[g] * (float)nn[g];
+    } else {
+        lane_offsets(xq, m * (k / 4), by, nn);
     }
 #define C2(w0, w1, NR, out, ld) row2_q4(2, 18, w0, w1, nb, ahead, xq, xs4, nn, xm, NR, k, out, ld)
 #define C3(w0, w1, NR, out, ld) row2_q4(3, 20, w0, w1, nb, ahead, xq, xs4, nn, xm, NR, k, out, ld)
@@ -1040,7 +1051,7 @@ static void q4_rows(const int type, const uint8_t *w, int64_t n, int64_t k, int6
 static void k4_rows(const int five, const uint8_t *w, int64_t n, int64_t k, int64_t m,
                     const int8_t *xq, const float *xs4, const float *xsum, float *y, int64_t ldy) {
     const int64_t nb = k / 256, row = nb * (five ? 176 : 144),
-                  ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
+                  ahead = pair_ahead(row);
     float xb[m * (k / 32)];
     for (int64_t s = 0; s < m * (k / 32); s++) xb[s] = xsum[2 * s] + xsum[2 * s + 1];
 #define C4(w0, w1, NR, out, ld) row2_q4k(0, w0, w1, nb, ahead, xq, xs4, xb, NR, k, out, ld)
@@ -1057,10 +1068,9 @@ static void k4_rows(const int five, const uint8_t *w, int64_t n, int64_t k, int6
 /* Q6_K rows through row2_q6k; m activation rows, k apart. */
 static void q6k_rows(const uint8_t *w, int64_t n, int64_t k, int64_t m, const int8_t *xq,
                      const float *xs4, float *y, int64_t ldy) {
-    const int64_t nb = k / 256, row = nb * 210, ahead = (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
+    const int64_t nb = k / 256, row = nb * 210, ahead = pair_ahead(row);
     int32_t nn[m * (k / 4)];
-    for (int64_t g = 0; g < m * (k / 4); g++)
-        nn[g] = -32 * (xq[4 * g] + xq[4 * g + 1] + xq[4 * g + 2] + xq[4 * g + 3]);
+    lane_offsets(xq, m * (k / 4), -32, nn);
 #define C6K(w0, w1, NR, out, ld) row2_q6k(w0, w1, nb, ahead, xq, xs4, nn, NR, k, out, ld)
     PAIRS(C6K)
 #undef C6K

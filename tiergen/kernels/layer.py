@@ -104,8 +104,8 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
         return None
     if fmt is not None and B >= kernels.TILE_ROWS:
         for n in MATRICES:
-            if isinstance(w[n], Packed) and kernels.takes_tiles(w[n], B, fmt[1]):
-                kernels.keep_tiles(w[n])
+            if isinstance(w[n], Packed):
+                kernels.keep_tiles_for(w[n], B, fmt[1])
     layer = _layer(kind, fmt, w)
     if layer is None:
         return None
