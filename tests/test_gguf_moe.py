@@ -306,7 +306,7 @@ def test_deepseek_k_b_and_v_b_stay_packed(deepseek_ggufs, qtype, tmp_path, monke
         if policy:  # nothing of the attention converted into the offload directory
             disk = llm.executor.weights.disk
             assert disk.converted is None or not any("_b" in k for k in disk.converted.entries)
-    # int8: every head's product in one grouped call, as each alone
+    # int8 (the CPU's integer kernels): every head's product in one grouped call, as each alone
     import tiergen.models.deepseek_v2 as deepseek
 
     calls = []
@@ -318,7 +318,7 @@ def test_deepseek_k_b_and_v_b_stay_packed(deepseek_ggufs, qtype, tmp_path, monke
                             w.shape[1]), ((w.parts[0][0], w.shape[0] // len(x)),)), None,
                             *kernels.ACTIVATION_FORMATS["int8"]) for g in range(len(x))])
 
-    int8 = LLM(path, dtype="float32", activations="int8")
+    int8 = LLM(path, dtype="float32", activations="int8", device="cpu")  # (CPU kernels)
     grouped = prefill_and_decode_logits(int8)
     monkeypatch.setattr(deepseek, "grouped_linear", one_by_one)
     for x, y in zip(grouped, prefill_and_decode_logits(int8)):
