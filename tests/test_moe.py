@@ -280,3 +280,27 @@ def test_one_tokens_shared_expert_runs_in_the_routed_experts_call(shared_gate, k
         monkeypatch.setattr(moe, "_one_token", lambda *a, **k: None)
         apart = moe.moe_mlp(cfg, w, x)
     assert torch.equal(fused, apart)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy", "noaux_tc"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_native_routing_chooses_as_the_tensor_operations(rows, method, scoring, monkeypatch):
+    """DeepSeek's float32 router on a CPU runs in one native call (tg_route): the same
+    experts, best first, as route's tensor operations, and weights within float rounding
+    (its sums run in another order), with the choice bias of V3 or without it."""
+    from tiergen.config import MoEConfig
+
+    g = torch.Generator().manual_seed(rows)
+    cfg = MoEConfig(num_experts=32, top_k=6, intermediate_size=64, router_float32=True,
+                    scoring=scoring, topk_method=method, num_groups=4, topk_groups=2,
+                    norm_topk_prob=method == "noaux_tc", routed_scaling_factor=2.5)
+    x, gate = torch.randn(rows, 256, generator=g), torch.randn(32, 256, generator=g) / 16
+    for bias in (None, torch.randn(32, generator=g) / 4):
+        assert moe.route_rows(cfg, x, gate, bias) is not None
+        native = moe.route(cfg, x, gate, bias)
+        with monkeypatch.context() as m:
+            m.setattr(moe, "route_rows", lambda *a: None)
+            ids, weights = moe.route(cfg, x, gate, bias)
+        assert torch.equal(native[0], ids)
+        torch.testing.assert_close(native[1], weights, rtol=1e-6, atol=1e-7)

@@ -187,3 +187,78 @@ int tg_experts_row(const tg_layer *L, const int64_t *const *mats, int64_t E, con
     free(buf);
     return err;
 }
+
+/* DeepSeek's routing of rows x (N, H) over E experts (moe.py's route, for a float32 router
+ * W (E, H)): scores are the softmax (scoring 0) or the sigmoid (1) of the router's logits;
+ * choice = scores + bias (bias: NULL or E values, added only to choose); with groups
+ * (method 1: a group scores its best expert, DeepSeek-V2; 2: the sum of its best two, V3)
+ * only the topk_groups best groups' experts can be chosen (the others' choice is 0, V2, or
+ * -inf, V3); the k best are chosen, best first (the lower id first among equals), weighed
+ * by their scores (by their choice where there is no bias), over their sum where norm is
+ * set, times scale. ids (N, k), weights (N, k). At batch 1 this replaces a dozen small
+ * tensor operations per layer, and the router's product runs on every thread. Returns 2
+ * when out of memory. */
+int tg_route(const float *x, int64_t N, int64_t H, const float *W, int64_t E, const float *bias,
+             int scoring, int method, int64_t groups, int64_t topk_groups, int64_t k, int norm,
+             float scale, int64_t *ids, float *weights) {
+    float *logits = malloc(sizeof(float) * N * (2 * E + groups));
+    if (logits == NULL) return 2;
+    _Pragma("omp parallel for schedule(static) collapse(2) if (N * E * H > 65536)")
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t e = 0; e < E; e++) {
+            const float *xr = x + n * H, *wr = W + e * H;
+            float s = 0.0f;
+            _Pragma("omp simd reduction(+:s)")
+            for (int64_t i = 0; i < H; i++) s += xr[i] * wr[i];
+            logits[n * E + e] = s;
+        }
+    for (int64_t n = 0; n < N; n++) {
+        float *score = logits + n * E, *choice = logits + N * E + n * E;
+        float *group = logits + 2 * N * E + n * groups;
+        if (scoring == 1) {
+            for (int64_t e = 0; e < E; e++) score[e] = 1.0f / (1.0f + expf(-score[e]));
+        } else {
+            float top = score[0], sum = 0.0f;
+            for (int64_t e = 1; e < E; e++) top = score[e] > top ? score[e] : top;
+            for (int64_t e = 0; e < E; e++) sum += score[e] = expf(score[e] - top);
+            for (int64_t e = 0; e < E; e++) score[e] /= sum;
+        }
+        for (int64_t e = 0; e < E; e++) choice[e] = bias ? score[e] + bias[e] : score[e];
+        if (method) {
+            const int64_t per = E / groups;
+            for (int64_t g = 0; g < groups; g++) {  /* its best, or its best two's sum */
+                float a = -INFINITY, b = -INFINITY;
+                for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                    const float v = choice[e];
+                    if (v > a) b = a, a = v;
+                    else if (v > b) b = v;
+                }
+                group[g] = method == 1 ? a : a + b;
+            }
+            for (int64_t kept = 0; kept < topk_groups; kept++) {  /* best groups: marked NaN */
+                int64_t best = -1;
+                for (int64_t g = 0; g < groups; g++)
+                    if (!isnan(group[g]) && (best < 0 || group[g] > group[best])) best = g;
+                group[best] = NAN;
+            }
+            for (int64_t g = 0; g < groups; g++)
+                if (!isnan(group[g]))
+                    for (int64_t e = g * per; e < (g + 1) * per; e++)
+                        choice[e] = method == 1 ? 0.0f : -INFINITY;
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; j++) {  /* the k best, best first */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (choice[e] == choice[e] && (best < 0 || choice[e] > choice[best])) best = e;
+            ids[n * k + j] = best;
+            weights[n * k + j] = bias ? score[best] : choice[best];
+            choice[best] = NAN;  /* (taken) */
+            total += weights[n * k + j];
+        }
+        for (int64_t j = 0; j < k; j++)
+            weights[n * k + j] = (norm ? weights[n * k + j] / total : weights[n * k + j]) * scale;
+    }
+    free(logits);
+    return 0;
+}

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiergen import kernels
 from tiergen.weights.packed import Packed
+
+if TYPE_CHECKING:
+    from tiergen.config import MoEConfig
 
 NORMS = ("attn_norm", "q_norm", "k_norm", "attn_out_norm", "ffn_norm", "ffn_out_norm")
 BIASES = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")
@@ -147,3 +151,28 @@ def experts_row(x: torch.Tensor, experts: list[tuple[Packed, Packed]], mix: list
     if err == 2:
         raise MemoryError("routed experts: out of memory for their buffers")
     return None if err else out
+
+
+_SCORING = {"softmax": 0, "sigmoid": 1}
+_GROUPS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
+def route_rows(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSeek's routing (moe.py's ``route``) of rows x (N, H) by a float32 router gate
+    (E, H) in one native call (``tg_route``): the chosen experts (N, k) and their weights
+    (N, k). None where it cannot take them (a GPU, another scoring)."""
+    if (cfg.scoring not in _SCORING or not all(map(_usable, (x, gate, bias)))
+            or (lib := kernels.library()) is None):
+        return None
+    n, k = x.shape[0], cfg.top_k
+    ids = torch.empty(n, k, dtype=torch.int64)
+    weights = torch.empty(n, k, dtype=torch.float32)
+    err = lib.tg_route(x.data_ptr(), n, x.shape[1], gate.data_ptr(), gate.shape[0],
+                       None if bias is None else bias.data_ptr(), _SCORING[cfg.scoring],
+                       _GROUPS[cfg.topk_method], cfg.num_groups, cfg.topk_groups, k,
+                       int(cfg.norm_topk_prob), cfg.routed_scaling_factor, ids.data_ptr(),
+                       weights.data_ptr())
+    if err:
+        raise MemoryError("routing: out of memory for its buffers")
+    return ids, weights

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from tiergen.config import ModelConfig, MoEConfig
 from tiergen.kernels import integer_kernels_take
-from tiergen.kernels.layer import experts_row
+from tiergen.kernels.layer import experts_row, route_rows
 from tiergen.models.layers import cat_rows, linear, swiglu_mlp
 from tiergen.weights.moe_names import checkpoint_names
 from tiergen.weights.packed import Packed, stack
@@ -82,6 +82,9 @@ def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
     ``logit_bias`` (E,): the router's own bias (gpt-oss)."""
     if cfg.router_float32:  # (llama.cpp keeps routers float; a quantised one is decoded)
         gate = gate.dequantize() if isinstance(gate, Packed) else gate.float()
+        if (native := route_rows(cfg, x.float(), gate, bias if bias is None else bias.float())
+                ) is not None:
+            return native
         logits = F.linear(x.float(), gate)
     else:
         logits = linear(x, gate, logit_bias)
