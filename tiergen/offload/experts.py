@@ -170,9 +170,12 @@ class OffloadedExperts(Experts):
             raise failed
 
     def weights(self, e: int) -> tuple[torch.Tensor | Packed | None, ...]:
-        rows = self.rows.get(e, {})
-        return tuple(None if t is None else _view(self.tensors[n], rows[n]) if n in rows else t
-                     for n, t in zip(NAMES, super().weights(e)))
+        rows = self.rows.get(e)
+        if rows is None:
+            return super().weights(e)
+        return tuple(None if t is None else _view(t, rows[n]) if n in rows else t[e]
+                     for n, t in zip(NAMES, (self.gate_up, self.down, self.gate_up_bias,
+                                             self.down_bias)))
 
     def mlp(self, e: int, x: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
         weights = self.weights(e)
