@@ -304,3 +304,7 @@ def test_native_routing_chooses_as_the_tensor_operations(rows, method, scoring, 
             ids, weights = moe.route(cfg, x, gate, bias)
         assert torch.equal(native[0], ids)
         torch.testing.assert_close(native[1], weights, rtol=1e-6, atol=1e-7)
+    # a broken hidden state still chooses k distinct experts that exist
+    ids, _ = moe.route(cfg, torch.full_like(x, float("nan")), gate, None)
+    assert all(sorted(set(row)) == sorted(row) and 0 <= min(row) and max(row) < 32
+               for row in ids.tolist())

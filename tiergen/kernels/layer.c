@@ -201,8 +201,9 @@ int tg_experts_row(const tg_layer *L, const int64_t *const *mats, int64_t E, con
 int tg_route(const float *x, int64_t N, int64_t H, const float *W, int64_t E, const float *bias,
              int scoring, int method, int64_t groups, int64_t topk_groups, int64_t k, int norm,
              float scale, int64_t *ids, float *weights) {
-    float *logits = malloc(sizeof(float) * N * (2 * E + groups));
+    float *logits = malloc(sizeof(float) * N * (2 * E + groups) + E + groups);
     if (logits == NULL) return 2;
+    uint8_t *taken = (uint8_t *)(logits + N * (2 * E + groups)), *kept = taken + E;
     _Pragma("omp parallel for schedule(static) collapse(2) if (N * E * H > 65536)")
     for (int64_t n = 0; n < N; n++)
         for (int64_t e = 0; e < E; e++) {
@@ -234,26 +235,28 @@ int tg_route(const float *x, int64_t N, int64_t H, const float *W, int64_t E, co
                     else if (v > b) b = v;
                 }
                 group[g] = method == 1 ? a : a + b;
+                kept[g] = 0;
             }
-            for (int64_t kept = 0; kept < topk_groups; kept++) {  /* best groups: marked NaN */
+            for (int64_t j = 0; j < topk_groups; j++) {
                 int64_t best = -1;
                 for (int64_t g = 0; g < groups; g++)
-                    if (!isnan(group[g]) && (best < 0 || group[g] > group[best])) best = g;
-                group[best] = NAN;
+                    if (!kept[g] && (best < 0 || group[g] > group[best])) best = g;
+                kept[best] = 1;
             }
             for (int64_t g = 0; g < groups; g++)
-                if (!isnan(group[g]))
+                if (!kept[g])
                     for (int64_t e = g * per; e < (g + 1) * per; e++)
                         choice[e] = method == 1 ? 0.0f : -INFINITY;
         }
+        memset(taken, 0, E);
         float total = 0.0f;
         for (int64_t j = 0; j < k; j++) {  /* the k best, best first */
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++)
-                if (choice[e] == choice[e] && (best < 0 || choice[e] > choice[best])) best = e;
+                if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+            taken[best] = 1;
             ids[n * k + j] = best;
             weights[n * k + j] = bias ? score[best] : choice[best];
-            choice[best] = NAN;  /* (taken) */
             total += weights[n * k + j];
         }
         for (int64_t j = 0; j < k; j++)
