@@ -294,7 +294,8 @@ def median_run(results: list[dict]) -> dict:
         return failed[0]
     ranked = sorted(results, key=lambda r: r["step_s"])
     return ranked[(len(ranked) - 1) // 2] | {
-        "step_times": [round(r["step_s"], 4) for r in results]}
+        "step_times": [round(r["step_s"], 4) for r in results],
+        "reads": [round(r["read_per_step"] / 1e6, 1) for r in results]}
 
 
 def main() -> None:
@@ -354,7 +355,8 @@ def main() -> None:
     if a.repeat > 1:
         for engine, r in results.items():
             if "step_times" in r:
-                print(f"{engine}: s per step in each run {r['step_times']}")
+                print(f"{engine}: s per step in each run {r['step_times']}, MB read per step "
+                      f"{r['reads']}")
     for ours in ("tiergen", "tiergen-no-cache"):
         for peer in ("llamacpp", "llamacpp-no-repack"):
             if all(e in results and "error" not in results[e] for e in (ours, peer)):
