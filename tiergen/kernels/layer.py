@@ -5,6 +5,9 @@ tensors to :func:`decode_layer` under the names of :data:`NORMS`, :data:`BIASES`
 :data:`MATRICES`; where anything is outside what the C layer takes (a GPU, float weights,
 too many rows, a cache it does not know), it returns None and the family runs its layer
 operation by operation, which computes the same numbers.
+
+For a mixture of experts, ``layer.c`` also runs a token's chosen experts in one call
+(:func:`experts_row`) and DeepSeek's routing (:func:`route_rows`).
 """
 
 from __future__ import annotations
