@@ -82,10 +82,11 @@ def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
     ``logit_bias`` (E,): the router's own bias (gpt-oss)."""
     if cfg.router_float32:  # (llama.cpp keeps routers float; a quantised one is decoded)
         gate = gate.dequantize() if isinstance(gate, Packed) else gate.float()
-        if (native := route_rows(cfg, x.float(), gate, bias if bias is None else bias.float())
+        x = x.float()
+        if (native := route_rows(cfg, x, gate, bias if bias is None else bias.float())
                 ) is not None:
             return native
-        logits = F.linear(x.float(), gate)
+        logits = F.linear(x, gate)
     else:
         logits = linear(x, gate, logit_bias)
     if cfg.scoring == "topk_softmax":  # gpt-oss: a softmax over the chosen experts' logits
