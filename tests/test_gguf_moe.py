@@ -267,10 +267,11 @@ def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activat
 
 @pytest.fixture(scope="module")
 def deepseek_ggufs(tmp_path_factory):
-    """A DeepSeek-V3 GGUF in Q8_0 and in Q4_0 whose k_b rows (qk_nope_head_dim) are whole
-    blocks, by type name."""
+    """A DeepSeek-V3 GGUF in Q8_0 and in Q4_0 whose k_b and q_b rows (qk_nope_head_dim,
+    q_lora_rank) are whole blocks, by type name."""
     directory = tmp_path_factory.mktemp("deepseek-blocks")
-    hf = build("deepseek-v3", directory / "hf", rope_interleave=True, qk_nope_head_dim=32)
+    hf = build("deepseek-v3", directory / "hf", rope_interleave=True, qk_nope_head_dim=32,
+               q_lora_rank=64)
     paths = {}
     for qtype in ("Q8_0", "Q4_0"):
         paths[qtype] = directory / f"{qtype}.gguf"
@@ -324,6 +325,54 @@ def test_deepseek_k_b_and_v_b_stay_packed(deepseek_ggufs, qtype, tmp_path, monke
     for x, y in zip(grouped, prefill_and_decode_logits(int8)):
         assert torch.equal(x, y)
     assert calls and set(calls) == {qtype}
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(p || q) of the next-token distributions."""
+    p, q = p_logits.log_softmax(-1), q_logits.log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_deepseek_latent_attention_in_one_call(deepseek_ggufs, qtype, tmp_path, monkeypatch):
+    """A decode step's latent attention in one native call (``tg_mla_attention``) computes
+    what the attention run operation by operation computes, for a batch of prompts of
+    different lengths, with the weights resident and streamed from disk: within float32
+    rounding on the float path (float32 cache); with int16 and int8 activations (float16
+    cache) as close to the float path (its rounding flips move a logit by up to ~5e-4 here)."""
+    import tiergen.models.deepseek_v2 as deepseek
+
+    calls, native = [], deepseek.mla_attention
+
+    def counted(*args):
+        out = native(*args)
+        calls.append(out is not None)
+        return out
+
+    def by_operation(llm):
+        with monkeypatch.context() as m:
+            m.setattr(deepseek, "mla_attention", lambda *a: None)
+            return prefill_and_decode_logits(llm)
+
+    monkeypatch.setattr(deepseek, "mla_attention", counted)
+    path = deepseek_ggufs[qtype]
+    for policy in ({}, dict(weights=(0, 0), experts="disk")):
+        llm = LLM(path, dtype="float32", activations="float32", device="cpu",
+                  policy=Policy(**policy, offload_dir=tmp_path / "offload"))
+        for got, want in zip(prefill_and_decode_logits(llm), by_operation(llm)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert calls and all(calls)
+    exact = by_operation(LLM(path, dtype="float32", activations="float32", device="cpu"))
+
+    def error(logits):  # the greatest difference from the float path
+        return max((x - y).abs().max() for x, y in zip(logits, exact))
+
+    int16 = LLM(path, dtype="float32", activations="int16", device="cpu")
+    assert 0 < error(prefill_and_decode_logits(int16)) <= 1.5 * error(by_operation(int16))
+    int8 = LLM(path, dtype="float32", activations="int8", device="cpu")
+    fused = torch.cat([kl(x, y) for x, y in zip(exact, prefill_and_decode_logits(int8))])
+    by_op = torch.cat([kl(x, y) for x, y in zip(exact, by_operation(int8))])
+    assert 0 < fused.mean() < 1.5 * by_op.mean() + 1e-4, (fused.mean(), by_op.mean())
 
 
 def test_deepseek_k_b_and_v_b_are_cut_by_heads_over_ranks(deepseek_ggufs):

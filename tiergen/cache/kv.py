@@ -140,9 +140,6 @@ class LatentKVView(KVView):
         rows = k if meta.start == 0 else self.k if k.shape[2] == 1 else self.k[:, :, :meta.end]
         return rows, rows
 
-    def decode_slots(self, meta: StepMeta) -> None:
-        return None  # the latent rows are no K/V a fused layer writes
-
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 meta: StepMeta, sinks: torch.Tensor | None) -> torch.Tensor:
         rows, _ = self.update(k, None, meta)

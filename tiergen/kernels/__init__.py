@@ -159,6 +159,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                     ctypes.c_int]
     lib.tg_experts_row.argtypes = [ptr, ptr, i64, ptr, ptr, ptr]
+    lib.tg_mla_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,
+                                     ctypes.c_int]
     lib.tg_route.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, i64, i64,
                              i64, ctypes.c_int, f32, ptr, ptr]
     lib.tg_tile_view.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr]

@@ -36,6 +36,9 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
                const float *xsum, int qa, int64_t m, float *y);
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy);
+int tg_qmatmul_grouped(int type, const uint8_t *w, int64_t groups, int64_t n, int64_t k,
+                       int64_t stride, const int8_t *xq, const int8_t *xl, const float *xs4,
+                       const float *xsum, int qa, int64_t m, float *y);
 
 /* A packed matrix (n rows of k values): {n, k, parts, then (ggml type, rows, address, kept
  * tiles' address or 0: int8.c's tg_build_tiles) for each part, its rows in order}. */
@@ -264,4 +267,122 @@ int tg_route(const float *x, int64_t N, int64_t H, const float *W, int64_t E, co
     }
     free(logits);
     return 0;
+}
+
+/* DeepSeek's multi-head latent attention (models/deepseek_v2.py, absorbed) for a decode step,
+ * packed matrices, one new token per row. The half of DeepSeek's layer before its MoE, which
+ * as a layer of torch operations and kernel calls spends more time in dispatch than in
+ * its products at batch 1:
+ *   x = norm(h); [q_a | c_kv | k_pe] = x Wqkv_a; q = norm_q(q_a) Wq_b (without q_rank: q_a);
+ *   per head: q = [q_nope | q_pe]; row = [norm_kv(c_kv) | rope(k_pe)] into the cache;
+ *   q_lat = k_b_head q_nope; o_lat = attention([q_lat | rope(q_pe)], rows) (values: the
+ *   rows' first kv_rank numbers); o = v_b_head o_lat; h += [o per head] Wo
+ * with RoPE pairs adjacent (DeepSeek's rope_interleave), k_b (heads * kv_rank, nope) and v_b
+ * (heads * v_dim, kv_rank) llama.cpp's per-head blocks. */
+typedef struct {
+    int64_t hidden, heads, q_rank, kv_rank, nope, rope, v_dim;
+    float eps, scale;
+    int32_t qa, wide;
+    int32_t kb_type, vb_type;      /* GGML types of k_b and v_b */
+    int64_t kb_stride, vb_stride;  /* bytes from one head's block of k_b (v_b) to the next */
+    const float *attn_norm, *q_norm, *kv_norm;
+    matrix qkv_a, q_b, o;
+    const uint8_t *k_b, *v_b;
+} tg_mla;
+
+/* y (G, m, n) = each head g's block of w (n rows of k, ``stride`` bytes apart) times x[g]
+ * (m, k): as kernels.grouped_linear computes it. */
+static int grouped(const tg_mla *L, int type, const uint8_t *w, int64_t stride, int64_t G,
+                   int64_t n, int64_t k, const float *x, int64_t m, float *y, act_buffers *a) {
+    if (L->qa) {
+        tg_quantize_act(x, G * m, k, L->qa, a->q, L->wide ? a->low : NULL, a->s4, a->sum);
+        return tg_qmatmul_grouped(type, w, G, n, k, stride, a->q, L->wide ? a->low : NULL,
+                                  a->s4, a->sum, L->qa, m, y) ? 1 : 0;
+    }
+    for (int64_t g = 0; g < G; g++)
+        if (tg_matmul(type, w + g * stride, n, k, x + g * m * k, m, y + g * m * n, n)) return 1;
+    return 0;
+}
+
+/* h (B, hidden) advances through the attention in place; cos, sin (B, rope): this token's
+ * rotation per row (halves equal); the cache's row of batch row b, slot s at cache + b cs[0]
+ * + s cs[2] (numbers; float32, or float16 where kv16 is set), the new token's at `slot`;
+ * attention reads slots [0, S) where mask (B, S) allows. Returns as tg_decode_layer. */
+int tg_mla_attention(const tg_mla *L, float *h, int64_t B, const float *cos, const float *sin,
+                     void *cache, const int64_t *cs, int64_t slot, int64_t S,
+                     const uint8_t *mask, int kv16) {
+    const int64_t H = L->hidden, NH = L->heads, R = L->kv_rank, P = L->rope, QK = L->nope + P;
+    const int64_t QO = L->q_rank ? L->q_rank : NH * QK, A = QO + R + P, D = R + P;
+    const int64_t V = L->v_dim, NV = NH * V;
+    int64_t widest = H > QO ? H : QO;
+    if (NV > widest) widest = NV;
+    if (D > widest) widest = D;
+    if (L->nope > widest) widest = L->nope;
+    const int64_t rows = B * NH;  /* the grouped products' activation rows */
+    const int64_t X = H > L->q_rank ? H : L->q_rank;  /* x: norm(h), then norm_q(q_a) */
+    const int64_t floats = B * (X + A + NH * QK + NV + H + D) + rows * (L->nope + 2 * D + R + V)
+                           + rows * widest / 4 + rows * widest / 16;
+    float *buf = malloc(sizeof(float) * floats + 2 * rows * widest + 64);
+    if (buf == NULL) return 2;
+    float *x = buf, *a = x + B * X, *q = a + B * A, *ov = q + B * NH * QK, *y = ov + B * NV;
+    float *row = y + B * H, *xn = row + B * D, *qa = xn + rows * L->nope, *lat = qa + rows * D, *ol = lat + rows * R,
+          *og = ol + rows * D, *vo = og + rows * R;
+    act_buffers ab = {.s4 = vo + rows * V};
+    ab.sum = ab.s4 + rows * widest / 4;
+    ab.q = (int8_t *)(ab.sum + rows * widest / 16);
+    ab.low = ab.q + rows * widest;
+    const tg_layer prod = {.hidden = H, .qa = L->qa, .wide = L->wide};
+    int err = 0;
+
+    tg_rms_norm(h, L->attn_norm, 0.0f, B, H, L->eps, x);
+    if ((err = product(&prod, L->qkv_a, x, B, a, NULL, &ab))) goto done;
+    const float *qsrc = a;
+    int64_t qstride = A;
+    if (L->q_rank) {
+        for (int64_t b = 0; b < B; b++)  /* norm_q(q_a) into x, then q_b */
+            tg_rms_norm(a + b * A, L->q_norm, 0.0f, 1, L->q_rank, L->eps, x + b * L->q_rank);
+        if ((err = product(&prod, L->q_b, x, B, q, NULL, &ab))) goto done;
+        qsrc = q, qstride = NH * QK;
+    }
+    /* the new row: [norm_kv(c_kv) | rope(k_pe)], into the cache at slot */
+    for (int64_t b = 0; b < B; b++)
+        tg_rms_norm(a + b * A + QO, L->kv_norm, 0.0f, 1, R, L->eps, row + b * D);
+    const int64_t kstrides[3] = {A, 0, 0}, qstrides[3] = {qstride, QK, 0};
+    float *kpe = og;  /* (B, P) scratch */
+    tg_rope(a + QO + R, kstrides, B, 1, 1, P, cos, sin, 1, kpe);
+    for (int64_t b = 0; b < B; b++) {
+        memcpy(row + b * D + R, kpe + b * P, sizeof(float) * P);
+        put_kv(kv16, cache, b * cs[0] + slot * cs[2], row + b * D, D);
+    }
+    /* queries (B, NH, D): [k_b q_nope | rope(q_pe)] */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < NH; g++)
+            memcpy(xn + (g * B + b) * L->nope, qsrc + b * qstride + g * QK,
+                   sizeof(float) * L->nope);
+    if ((err = grouped(L, L->kb_type, L->k_b, L->kb_stride, NH, R, L->nope, xn, B, lat, &ab)))
+        goto done;
+    tg_rope(qsrc + L->nope, qstrides, B, NH, 1, P, cos, sin, 1, ol);  /* (B, NH, P) scratch */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < NH; g++) {
+            memcpy(qa + (b * NH + g) * D, lat + (g * B + b) * R, sizeof(float) * R);
+            memcpy(qa + (b * NH + g) * D + R, ol + (b * NH + g) * P, sizeof(float) * P);
+        }
+    if (tg_decode_attention(qa, cache, cache, mask, B, NH, 1, S, D, R, cs, cs, L->scale, kv16,
+                            ol)) {
+        err = 2;
+        goto done;
+    }
+    for (int64_t b = 0; b < B; b++)  /* (B, NH, R) to (NH, B, R) */
+        for (int64_t g = 0; g < NH; g++)
+            memcpy(og + (g * B + b) * R, ol + (b * NH + g) * R, sizeof(float) * R);
+    if ((err = grouped(L, L->vb_type, L->v_b, L->vb_stride, NH, V, R, og, B, vo, &ab)))
+        goto done;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t g = 0; g < NH; g++)
+            memcpy(ov + b * NV + g * V, vo + (g * B + b) * V, sizeof(float) * V);
+    if ((err = product(&prod, L->o, ov, B, y, NULL, &ab))) goto done;
+    for (int64_t i = 0; i < B * H; i++) h[i] += y[i];
+done:
+    free(buf);
+    return err;
 }

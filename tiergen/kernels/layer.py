@@ -179,3 +179,97 @@ def route_rows(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.
     if err:
         raise MemoryError("routing: out of memory for its buffers")
     return ids, weights
+
+
+class _Mla(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "heads", "q_rank", "kv_rank", "nope",
+                                                "rope", "v_dim")]
+                + [(n, ctypes.c_float) for n in ("eps", "scale")]
+                + [(n, ctypes.c_int32) for n in ("qa", "wide", "kb_type", "vb_type")]
+                + [(n, ctypes.c_int64) for n in ("kb_stride", "vb_stride")]
+                + [(n, _ptr) for n in ("attn_norm", "q_norm", "kv_norm", "qkv_a", "q_b", "o",
+                                       "k_b", "v_b")])
+
+
+@dataclass(frozen=True)
+class MlaKind:
+    """What DeepSeek's latent attention is, beyond its tensors (see ``tg_mla_attention``)."""
+
+    heads: int
+    q_rank: int  # 0: queries straight from x
+    kv_rank: int
+    nope: int
+    rope: int
+    v_dim: int
+    eps: float
+    scale: float  # of the scores
+
+
+MLA_MATRICES = ("qkv_a", "q_b", "o", "k_b", "v_b")
+
+
+def _mla(kind: MlaKind, fmt: tuple[int, bool] | None, w: dict) -> _Mla | None:
+    """The C description of a latent attention (built once for the same tensors, as
+    :func:`_layer`), or None if the C kernels cannot take them."""
+    mats = [w.get(n) for n in MLA_MATRICES]
+    vecs = [w.get(n) for n in ("input_norm", "q_norm", "kv_norm")]
+    if not all(isinstance(m, Packed) for m in mats if m is not None) or mats[1] is None and kind.q_rank:
+        return None
+    key = ("mla", kind, fmt, *((m.data.data_ptr(), m.shape, m.parts,
+                                None if m.tiles is None else m.tiles.data_ptr())
+                               for m in mats if m is not None),
+           *(None if v is None else (v.data_ptr(), v.dtype, v.device) for v in vecs))
+    entry = _built.get(key)
+    if entry is not None:
+        return entry[0]
+    if (not all(kernels.integer_kernels_take(m) for m in mats if m is not None)
+            or not all(map(_usable, vecs)) or len(w["k_b"].parts) != 1
+            or len(w["v_b"].parts) != 1):
+        return None
+    arrays = [kernels.matrix_descriptor(m) for m in mats[:3] if m is not None]
+    q_b = ctypes.addressof(arrays[1]) if kind.q_rank else None
+    qa, wide = fmt or (0, False)
+    k_b, v_b = w["k_b"], w["v_b"]
+    mla = _Mla(w["o"].shape[0], kind.heads, kind.q_rank, kind.kv_rank, kind.nope, kind.rope,
+               kind.v_dim, kind.eps, kind.scale, qa, int(wide), k_b.parts[0][0],
+               v_b.parts[0][0], k_b.data.numel() // kind.heads, v_b.data.numel() // kind.heads,
+               *(None if v is None else v.data_ptr() for v in vecs),
+               ctypes.addressof(arrays[0]), q_b, ctypes.addressof(arrays[-1]),
+               k_b.data.data_ptr(), v_b.data.data_ptr())
+    if len(_built) > 4096:
+        _built.clear()
+    _built[key] = (mla, arrays)
+    return mla
+
+
+def mla_attention(kind: MlaKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, rows: torch.Tensor, slot: int, mask: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """h (B, 1, hidden) after DeepSeek's latent attention (``tg_mla_attention``), the new
+    token's latent row written to the cache ``rows`` (B, 1, S, kv_rank + rope; float32 or
+    float16) at ``slot``, attention over the slots ``mask`` (B, 1, 1, S) allows; cos, sin
+    (B, rope), halves equal. ``w``: the layer's "input_norm", "qkv_a", ("q_norm", "q_b"),
+    "kv_norm", "k_b", "v_b", "o". None where the C kernels cannot run it."""
+    B = h.shape[0]
+    fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
+    kv16 = kernels.kv_half(rows, rows)
+    if (B > kernels.ROW_THRESHOLD or not _usable(h) or not _usable(cos) or not _usable(sin)
+            or kv16 is None or rows.stride(-1) != 1 or mask is None or not mask.is_contiguous()
+            or mask.dtype != torch.bool or mask.device.type != "cpu"
+            or (lib := kernels.library()) is None):
+        return None
+    if fmt is not None and B >= kernels.TILE_ROWS:
+        for n in ("qkv_a", "q_b", "o"):
+            if isinstance(w.get(n), Packed):
+                kernels.keep_tiles_for(w[n], B, fmt[1])
+    mla = _mla(kind, fmt, w)
+    if mla is None:
+        return None
+    out = h.clone()
+    strides = (ctypes.c_int64 * 3)(*rows.stride()[:3])
+    err = lib.tg_mla_attention(ctypes.byref(mla), out.data_ptr(), B, cos.data_ptr(),
+                               sin.data_ptr(), rows.data_ptr(), strides, slot, rows.shape[2],
+                               mask.data_ptr(), kv16)
+    if err == 2:
+        raise MemoryError("latent attention: out of memory for its buffers")
+    return None if err else out

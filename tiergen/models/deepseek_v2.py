@@ -24,6 +24,7 @@ from tiergen.cache.kv import KVView
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.kernels import grouped_linear
+from tiergen.kernels.layer import MlaKind, mla_attention
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
 from tiergen.models.layers import (apply_rope_interleaved, cat_rows, embedding, linear,
@@ -43,6 +44,9 @@ class DeepseekV2:
         self.scale = self.qk_dim**-0.5
         if cfg.rope.kind != "default" and cfg.rope.mscale_all_dim:
             self.scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
+        self.kind = MlaKind(cfg.num_heads, m.q_lora_rank or 0, m.kv_lora_rank,
+                            m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
+                            cfg.rms_norm_eps, self.scale)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
         return causal_lm_global_specs(self.cfg)
@@ -120,6 +124,29 @@ class DeepseekV2:
 
     def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
               shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        c = self.cfg
+        out = self._native_attention(w, h, meta, cache, shared)
+        h = self._attention(w, h, meta, cache, shared) if out is None else out
+        return h + self.reduce(ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps)))
+
+    def _native_attention(self, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
+                          shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """A decode step's absorbed attention in one native call (``tg_mla_attention``),
+        where it can run: on the CPU, llama.cpp's packed k_b and v_b, RoPE pairs adjacent,
+        the heads all here. None for any other step."""
+        if (h.shape[1] != 1 or h.device.type != "cpu" or not self.absorb or "k_b" not in w
+                or not self.mla.rope_interleave or self.reduce is not no_reduce
+                or cache.k.device.type != "cpu" or (slots := cache.decode_slots(meta)) is None):
+            return None
+        if "mla_rope" not in meta.derived:  # (B, rope), halves equal: made once per step
+            meta.derived["mla_rope"] = [torch.cat([t, t], dim=-1).view(len(h), -1)
+                                        for t in shared]
+        return mla_attention(self.kind, w, h, *meta.derived["mla_rope"],
+                             cache.k, *slots)
+
+    def _attention(self, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
+                   shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """h after the latent attention, operation by operation."""
         c, m = self.cfg, self.mla
         B, T, _ = h.shape
         heads, rank, rope = c.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
@@ -145,8 +172,7 @@ class DeepseekV2:
             o = _per_head(o_lat, w["v_b"] if "v_b" in w else w["w_uv"])
         else:
             o = self._naive_attention(w, q_nope, q_pe, row, cache, meta)
-        h = h + self.reduce(linear(o.transpose(1, 2).reshape(B, T, -1), w["o"]))
-        return h + self.reduce(ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps)))
+        return h + self.reduce(linear(o.transpose(1, 2).reshape(B, T, -1), w["o"]))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate RoPE dimensions laid out in adjacent pairs, or (``rope_interleave`` off) in
