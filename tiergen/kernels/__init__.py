@@ -261,7 +261,12 @@ def matrix_descriptor(w: Packed) -> ctypes.Array:
     """``w`` as the C kernels take a packed matrix of several parts: {rows, columns, parts,
     then (GGML type, rows, address, its kept tiles' address or 0) for each part}."""
     if w.tiles is None and len(w.parts) == 1:  # (the common case, at every expert's call)
-        return (ctypes.c_int64 * 7)(*w.shape, 1, w.parts[0][0], w.shape[0], w.data.data_ptr(), 0)
+        if w.descriptor is not None:
+            return w.descriptor
+        d = (ctypes.c_int64 * 7)(*w.shape, 1, w.parts[0][0], w.shape[0], w.data.data_ptr(), 0)
+        if integer_kernels_take(w):  # (kept for those only: see Packed.descriptor)
+            w.descriptor = d
+        return d
     lib = library() if w.tiles is not None else None
     cells, tile = [w.shape[0], w.shape[1], len(w.parts)], 0
     for ggml_type, _, rows, start, _ in layout(w.shape, w.parts):

@@ -136,16 +136,21 @@ def experts_row(x: torch.Tensor, experts: list[tuple[Packed, Packed]], mix: list
     computes the same numbers."""
     if not (_usable(x) and x.shape[0] == 1):
         return None
-    mats = [m for pair in experts for m in pair]
-    if not all(map(kernels.integer_kernels_take, mats)):
-        return None
+    arrays = []
+    for m in (m for pair in experts for m in pair):
+        # (a matrix keeps a descriptor once the integer kernels are known to take it)
+        d = m.descriptor if isinstance(m, Packed) else None
+        if d is None:
+            if not kernels.integer_kernels_take(m):
+                return None
+            d = kernels.matrix_descriptor(m)
+        arrays.append(d)
     lib = kernels.library()
     if lib is None:
         return None
     qa, wide = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or (0, False)
     hidden = x.shape[1]
     layer = _Layer(hidden=hidden, qa=qa, wide=int(wide))
-    arrays = [kernels.matrix_descriptor(m) for m in mats]
     table = (ctypes.c_void_p * len(arrays))(*(ctypes.addressof(a) for a in arrays))
     weights = (ctypes.c_float * len(mix))(*mix)
     out = torch.empty(1, hidden, dtype=torch.float32)

@@ -65,6 +65,8 @@ class ExpertCache:
     def __init__(self, capacity: int) -> None:
         self.capacity, self.used = capacity, 0
         self.entries: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
+        # an entry's expert as its layer multiplies it (OffloadedExperts.weights), made once
+        self.views: dict[tuple[int, int], tuple] = {}
         self.hits = self.misses = 0
 
     def get(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
@@ -89,6 +91,7 @@ class ExpertCache:
             if oldest is None:
                 return None
             dropped.append(self.entries.pop(oldest))
+            self.views.pop(oldest, None)
             self.used -= sum(t.nbytes for t in dropped[-1].values())
         for rows in dropped:
             if rows.keys() == like.keys() and all(
@@ -98,10 +101,12 @@ class ExpertCache:
 
     def put(self, layer: int, expert: int, rows: dict[str, torch.Tensor]) -> None:
         self.entries[(layer, expert)] = rows
+        self.views.pop((layer, expert), None)
         self.used += sum(t.nbytes for t in rows.values())
 
     def drop(self, layer: int, expert: int) -> None:
         rows = self.entries.pop((layer, expert), None)
+        self.views.pop((layer, expert), None)
         if rows is not None:
             self.used -= sum(t.nbytes for t in rows.values())
 
@@ -173,9 +178,16 @@ class OffloadedExperts(Experts):
         rows = self.rows.get(e)
         if rows is None:
             return super().weights(e)
-        return tuple(None if t is None else _view(t, rows[n]) if n in rows else t[e]
-                     for n, t in zip(NAMES, (self.gate_up, self.down, self.gate_up_bias,
-                                             self.down_bias)))
+        key = (self.layer, e)
+        kept = self.cache.entries.get(key) is rows  # (else read into the buffers)
+        if kept and key in self.cache.views:
+            return self.cache.views[key]
+        views = tuple(None if t is None else _view(t, rows[n]) if n in rows else t[e]
+                      for n, t in zip(NAMES, (self.gate_up, self.down, self.gate_up_bias,
+                                              self.down_bias)))
+        if kept:
+            self.cache.views[key] = views
+        return views
 
     def mlp(self, e: int, x: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
         weights = self.weights(e)

@@ -303,6 +303,7 @@ class TieredWeights:
                                 for n, (s, d) in plan.buffer_shapes("disk", experts=True).items()}
         self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are dequantised
         self._views: dict[int, Weights] = {}  # layers read where they live, as handed out
+        self._expert_views: dict[int, tuple[Weights, Weights]] = {}  # see _with_experts
         self.tile_allowance = 0  # bytes of kept tiles still to allow (see allow_tiles)
         self.expert_rates = expert_rates or HostRates()
         self.expert_cache = ExpertCache(plan.expert_cache)
@@ -374,14 +375,17 @@ class TieredWeights:
         if EXPERT_NAMES[0] not in self.tiers[j]:
             return weights
         weights = {n: t for n, t in weights.items() if not is_expert(n)}
-        resident = {n: self._expert_view(j, n, self.resident[j][n])
-                    for n in EXPERT_NAMES if n in self.resident[j]}
+        if j not in self._expert_views:  # (the same tensors at every step: made once)
+            resident = {n: self._expert_view(j, n, self.resident[j][n])
+                        for n in EXPERT_NAMES if n in self.resident[j]}
+            buffers = {n: self._expert_view(j, n, b) for n, b in self._expert_buffers.items()
+                       if n in self.tiers[j]}
+            self._expert_views[j] = resident, buffers
+        resident, buffers = self._expert_views[j]
         if (len(resident) == sum(n in self.tiers[j] for n in EXPERT_NAMES)
                 and all(t.device == self.device for t in resident.values())):
             weights["experts"] = Experts(*(resident.get(n) for n in EXPERT_NAMES))
         else:
-            buffers = {n: self._expert_view(j, n, b) for n, b in self._expert_buffers.items()
-                       if n in self.tiers[j]}
             weights["experts"] = OffloadedExperts(j, resident, self.disk, buffers,
                                                   self.device, self.expert_rates,
                                                   self.expert_cache, self._pool)

@@ -51,6 +51,9 @@ class Packed:
     # (kernels.keep_tiles): tiles, once built, and whether they may be.
     tiles: torch.Tensor | None = field(default=None, repr=False, compare=False)
     may_keep_tiles: bool = field(default=False, repr=False, compare=False)
+    # the C kernels' description of it without tiles (kernels.matrix_descriptor), kept once
+    # made for a matrix the integer kernels take
+    descriptor: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.shape = tuple(self.shape)
