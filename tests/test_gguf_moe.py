@@ -239,24 +239,44 @@ def test_experts_on_disk_are_read_from_the_gguf(moe_model, tmp_path):
 def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activations, tmp_path,
                                                              monkeypatch):
     """A decode step of one row runs its routed experts in one native call where it can
-    (packed, on the CPU, SwiGLU without biases): the same tokens and log-probabilities, to
-    the bit, as the experts run one by one, with the experts resident and read from disk."""
+    (packed, on the CPU, SwiGLU without biases), with DeepSeek's routing too where all its
+    experts are at hand: the same tokens and log-probabilities, to the bit, as the experts
+    run one by one, with the experts resident and read from disk (kept in a cache or not)."""
     import tiergen.models.moe as moe
 
     case, hf, directory = moe_model
     path = directory / "Q4_0.gguf"
     if not path.exists():
         write_moe_gguf(hf, directory / "hf", case, path, gguf.GGMLQuantizationType.Q4_0)
-    calls = []
-    one_call = moe.experts_row
+    calls, at_hand = [], []
+    one_call, routed_too = moe.experts_row, moe.moe_row
     monkeypatch.setattr(moe, "experts_row", lambda *a: calls.append(1) or one_call(*a))
+
+    def counted(*args):
+        out = routed_too(*args)
+        at_hand.append(out is not None and out[0] is not None)
+        return out
+
+    monkeypatch.setattr(moe, "moe_row", counted)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
-    for policy in ({}, dict(experts="disk")):
+    for policy in ({}, dict(experts="disk"), dict(experts="disk", expert_cache="64M")):
         llm = LLM(path, dtype="float32", activations=activations, device="cpu",
                   policy=Policy(**policy, offload_dir=tmp_path))
+        at_hand.clear()
         fused = llm.generate([PROMPTS[1]], params)[0]
+        # with DeepSeek's routing, where the kernels take its experts (rows of whole blocks):
+        # from the resident experts, or from disk once they were read and kept
+        cfg = llm.executor.cfg
+        j = next(j for j in range(cfg.num_layers) if cfg.is_moe_layer(j))
+        experts = llm.executor.weights.take(j)["experts"]
+        llm.executor.weights.release(j)
+        takes = isinstance(experts.gate_up, Packed) and all(
+            kernels.integer_kernels_take(m[0]) for m in (experts.gate_up, experts.down))
+        kept = policy.get("experts") != "disk" or "expert_cache" in policy
+        assert any(at_hand) == (cfg.moe.router_float32 and takes and kept)
         with monkeypatch.context() as m:
             m.setattr(moe, "_one_token", lambda *a, **k: None)
+            m.setattr(moe, "_one_token_at_hand", lambda *a, **k: None)
             alone = llm.generate([PROMPTS[1]], params)[0]
         assert fused.token_ids == alone.token_ids
         assert [{t: p.logprob for t, p in e.items()} for e in fused.logprobs] == \
@@ -267,11 +287,11 @@ def test_one_tokens_experts_in_one_call_equal_them_one_by_one(moe_model, activat
 
 @pytest.fixture(scope="module")
 def deepseek_ggufs(tmp_path_factory):
-    """A DeepSeek-V3 GGUF in Q8_0 and in Q4_0 whose k_b and q_b rows (qk_nope_head_dim,
-    q_lora_rank) are whole blocks, by type name."""
+    """A DeepSeek-V3 GGUF in Q8_0 and in Q4_0 whose k_b, q_b and experts' down rows
+    (qk_nope_head_dim, q_lora_rank, moe_intermediate_size) are whole blocks, by type name."""
     directory = tmp_path_factory.mktemp("deepseek-blocks")
     hf = build("deepseek-v3", directory / "hf", rope_interleave=True, qk_nope_head_dim=32,
-               q_lora_rank=64)
+               q_lora_rank=64, moe_intermediate_size=32)
     paths = {}
     for qtype in ("Q8_0", "Q4_0"):
         paths[qtype] = directory / f"{qtype}.gguf"

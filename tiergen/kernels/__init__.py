@@ -159,6 +159,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                     ctypes.c_int]
     lib.tg_experts_row.argtypes = [ptr, ptr, i64, ptr, ptr, ptr]
+    lib.tg_moe_row.argtypes = [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr]
     lib.tg_mla_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,
                                      ctypes.c_int]
     lib.tg_route.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, i64, i64,
@@ -260,20 +261,18 @@ def activations_set(kind: str) -> Iterator[None]:
 def matrix_descriptor(w: Packed) -> ctypes.Array:
     """``w`` as the C kernels take a packed matrix of several parts: {rows, columns, parts,
     then (GGML type, rows, address, its kept tiles' address or 0) for each part}."""
-    if w.tiles is None and len(w.parts) == 1:  # (the common case, at every expert's call)
-        if w.descriptor is not None:
-            return w.descriptor
-        d = (ctypes.c_int64 * 7)(*w.shape, 1, w.parts[0][0], w.shape[0], w.data.data_ptr(), 0)
-        if integer_kernels_take(w):  # (kept for those only: see Packed.descriptor)
-            w.descriptor = d
-        return d
+    if w.descriptor is not None and w.tiles is None:
+        return w.descriptor
     lib = library() if w.tiles is not None else None
     cells, tile = [w.shape[0], w.shape[1], len(w.parts)], 0
     for ggml_type, _, rows, start, _ in layout(w.shape, w.parts):
         cells += [ggml_type, rows, w.data.data_ptr() + start,
                   w.tiles.data_ptr() + tile if lib else 0]
         tile += lib.tg_tile_bytes(rows, w.shape[1]) if lib else 0
-    return (ctypes.c_int64 * len(cells))(*cells)
+    d = (ctypes.c_int64 * len(cells))(*cells)
+    if w.tiles is None and integer_kernels_take(w):  # (kept for those only: Packed.descriptor)
+        w.descriptor = d
+    return d
 
 
 def integer_kernels_take(w: object) -> bool:

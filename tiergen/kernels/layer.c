@@ -320,13 +320,14 @@ int tg_mla_attention(const tg_mla *L, float *h, int64_t B, const float *cos, con
     if (L->nope > widest) widest = L->nope;
     const int64_t rows = B * NH;  /* the grouped products' activation rows */
     const int64_t X = H > L->q_rank ? H : L->q_rank;  /* x: norm(h), then norm_q(q_a) */
-    const int64_t floats = B * (X + A + NH * QK + NV + H + D) + rows * (L->nope + 2 * D + R + V)
-                           + rows * widest / 4 + rows * widest / 16;
+    const int64_t floats = B * (X + A + NH * QK + NV + H + D)
+                           + rows * (L->nope + 2 * D + 2 * R + V) + rows * widest / 4
+                           + rows * widest / 16;
     float *buf = malloc(sizeof(float) * floats + 2 * rows * widest + 64);
     if (buf == NULL) return 2;
     float *x = buf, *a = x + B * X, *q = a + B * A, *ov = q + B * NH * QK, *y = ov + B * NV;
-    float *row = y + B * H, *xn = row + B * D, *qa = xn + rows * L->nope, *lat = qa + rows * D, *ol = lat + rows * R,
-          *og = ol + rows * D, *vo = og + rows * R;
+    float *row = y + B * H, *xn = row + B * D, *qa = xn + rows * L->nope, *lat = qa + rows * D,
+          *ol = lat + rows * R, *og = ol + rows * D, *vo = og + rows * R;
     act_buffers ab = {.s4 = vo + rows * V};
     ab.sum = ab.s4 + rows * widest / 4;
     ab.q = (int8_t *)(ab.sum + rows * widest / 16);
@@ -385,4 +386,46 @@ int tg_mla_attention(const tg_mla *L, float *h, int64_t B, const float *cos, con
 done:
     free(buf);
     return err;
+}
+
+/* A router (tg_route's arguments, for tg_moe_row) */
+typedef struct {
+    int64_t hidden, experts, groups, topk_groups, k;
+    int32_t scoring, method, norm;
+    float scale;
+    const float *W, *bias;
+} tg_router;
+
+/* One token's mixture of experts in one call, where its experts are at hand: x (hidden)
+ * routed as tg_route does (ids, weights: k each); then, if table (two matrices per expert:
+ * gate_up, down; NULL: not in memory) holds every chosen expert, out = the chosen experts in
+ * ascending id order, then the shared expert (shared: its two matrices, or NULL) weighed by
+ * shared_mix, as tg_experts_row sums them; returns 0. Returns 3 where a chosen expert is not
+ * in the table (ids and weights are written: the caller brings it and runs the experts),
+ * else as tg_experts_row. At batch 1 this is most of a MoE layer without a return to Python
+ * between the routing and the experts. */
+int tg_moe_row(const tg_layer *L, const tg_router *R, const float *x,
+               const int64_t *const *table, const int64_t *const *shared, float shared_mix,
+               int64_t *ids, float *weights, float *out) {
+    int err = tg_route(x, 1, R->hidden, R->W, R->experts, R->bias, R->scoring, R->method,
+                       R->groups, R->topk_groups, R->k, R->norm, R->scale, ids, weights);
+    if (err) return err;
+    const int64_t k = R->k;
+    const int64_t *mats[2 * k + 2];
+    float mix[k + 1];
+    int64_t order[k];
+    for (int64_t j = 0; j < k; j++) {  /* by ascending id (the ids are distinct) */
+        int64_t i = j;
+        for (; i > 0 && ids[order[i - 1]] > ids[j]; i--) order[i] = order[i - 1];
+        order[i] = j;
+    }
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t e = ids[order[j]];
+        if (table[2 * e] == NULL || table[2 * e + 1] == NULL) return 3;
+        mats[2 * j] = table[2 * e], mats[2 * j + 1] = table[2 * e + 1];
+        mix[j] = weights[order[j]];
+    }
+    int64_t n = k;
+    if (shared) mats[2 * n] = shared[0], mats[2 * n + 1] = shared[1], mix[n++] = shared_mix;
+    return tg_experts_row(L, mats, n, mix, x, out);
 }

@@ -186,6 +186,71 @@ def route_rows(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.
     return ids, weights
 
 
+class _Router(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "experts", "groups", "topk_groups", "k")]
+                + [(n, ctypes.c_int32) for n in ("scoring", "method", "norm")]
+                + [("scale", ctypes.c_float), ("W", _ptr), ("bias", _ptr)])
+
+
+def expert_table(pairs: list[tuple[Packed, Packed] | None]) -> ctypes.Array | None:
+    """Experts' (gate_up, down) matrices as :func:`moe_row` takes them (None: an expert not
+    at hand); None where the C kernels cannot take one of them."""
+    table = (ctypes.c_void_p * (2 * len(pairs)))()
+    for e, pair in enumerate(pairs):
+        if pair is not None and not set_expert(table, e, pair):
+            return None
+    return table
+
+
+def set_expert(table: ctypes.Array, e: int, pair: tuple[Packed, Packed] | None) -> bool:
+    """Expert e's matrices into a table of :func:`expert_table` (None: no longer at hand),
+    where the C kernels take them; whether they were. The table holds their descriptors'
+    addresses: the matrices must outlive their place in it."""
+    table[2 * e:2 * e + 2] = [None, None]
+    if pair is None or not all(map(kernels.integer_kernels_take, pair)):
+        return False
+    descriptors = [kernels.matrix_descriptor(m) for m in pair]
+    if any(m.descriptor is None for m in pair):  # (not kept: with tiles)
+        return False
+    table[2 * e:2 * e + 2] = [ctypes.addressof(d) for d in descriptors]
+    return True
+
+
+def moe_row(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+            table: ctypes.Array, shared: tuple[Packed, Packed, float] | None
+            ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """One token's routing (as :func:`route_rows`) and, where ``table`` (:func:`expert_table`)
+    holds every chosen expert, its experts and the ``shared`` one (gate_up, down, its weight)
+    summed as :func:`experts_row` sums them, in one native call (``tg_moe_row``): (out,
+    ids, weights), or (None, ids, weights) where an expert is not at hand; None where the C
+    kernels cannot take x, the router or the shared expert."""
+    if (cfg.scoring not in _SCORING or not all(map(_usable, (x, gate, bias))) or len(x) != 1
+            or (lib := kernels.library()) is None):
+        return None
+    pair = None
+    if shared is not None:
+        if not all(map(kernels.integer_kernels_take, shared[:2])):
+            return None
+        descriptors = [kernels.matrix_descriptor(m) for m in shared[:2]]  # (held to the call)
+        pair = (ctypes.c_void_p * 2)(*map(ctypes.addressof, descriptors))
+    qa, wide = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or (0, False)
+    hidden, k = x.shape[1], cfg.top_k
+    router = _Router(hidden, gate.shape[0], cfg.num_groups, cfg.topk_groups, k,
+                     _SCORING[cfg.scoring], _GROUPS[cfg.topk_method], int(cfg.norm_topk_prob),
+                     cfg.routed_scaling_factor, gate.data_ptr(),
+                     None if bias is None else bias.data_ptr())
+    ids = torch.empty(1, k, dtype=torch.int64)
+    weights = torch.empty(1, k, dtype=torch.float32)
+    out = torch.empty(1, hidden, dtype=torch.float32)
+    err = lib.tg_moe_row(ctypes.byref(_Layer(hidden=hidden, qa=qa, wide=int(wide))),
+                         ctypes.byref(router), x.data_ptr(), table, pair,
+                         1.0 if shared is None else shared[2], ids.data_ptr(),
+                         weights.data_ptr(), out.data_ptr())
+    if err == 2:
+        raise MemoryError("mixture of experts: out of memory for its buffers")
+    return (None if err else out), ids, weights
+
+
 class _Mla(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "heads", "q_rank", "kv_rank", "nope",
                                                 "rope", "v_dim")]

@@ -13,6 +13,7 @@ Only the experts some token chose run; the experts object is told which ones fir
 
 from __future__ import annotations
 
+import ctypes
 from itertools import accumulate
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from tiergen.config import ModelConfig, MoEConfig
 from tiergen.kernels import integer_kernels_take
-from tiergen.kernels.layer import experts_row, route_rows
+from tiergen.kernels.layer import expert_table, experts_row, moe_row, route_rows
 from tiergen.models.layers import cat_rows, linear, swiglu_mlp
 from tiergen.weights.moe_names import checkpoint_names
 from tiergen.weights.packed import Packed, stack
@@ -39,6 +40,17 @@ class Experts:
                  down_bias: torch.Tensor | None = None) -> None:
         self.gate_up, self.down = gate_up, down
         self.gate_up_bias, self.down_bias = gate_up_bias, down_bias
+        self._table: tuple | None = None  # (table, the views it points to), made once
+
+    def table(self) -> ctypes.Array | None:
+        """The experts at hand as the one-token native call takes them
+        (:func:`~tiergen.kernels.layer.moe_row`), or None where it cannot take them: all of
+        them, packed in host RAM without biases."""
+        if self._table is None:
+            pairs = [(self.gate_up[e], self.down[e]) for e in range(self.gate_up.shape[0])
+                     ] if isinstance(self.gate_up, Packed) and self.gate_up_bias is None else []
+            self._table = (expert_table(pairs) if pairs else None), pairs
+        return self._table[0]
 
     def announce(self, ids: torch.Tensor, local: range) -> None:
         """The experts chosen in ``ids`` (global ids; this store holds ``local``) will be
@@ -170,6 +182,26 @@ def _one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     return None if out is None else out.to(x.dtype)
 
 
+def _one_token_at_hand(cfg: MoEConfig, w: dict, x: torch.Tensor
+                       ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """One token's routing, and its experts where all are at hand, in one native call
+    (:func:`~tiergen.kernels.layer.moe_row`): what :func:`route` and :func:`_one_token`
+    compute. (out, ids, weights), out None where an expert is still to be read; None where
+    the call cannot take them (routing other than DeepSeek's float32 one, a gated shared
+    expert, experts over ranks, ...)."""
+    experts = w["experts"]
+    if (not cfg.router_float32 or cfg.shared_gate or cfg.expert_act != "silu"
+            or len(cfg.local_experts) != experts.gate_up.shape[0] or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or isinstance(w["router"], Packed) or (table := experts.table()) is None):
+        return None
+    shared = ((w["shared_gate_up"], w["shared_down"], 1.0) if cfg.shared_intermediate_size
+              else None)
+    bias = w.get("router_bias")
+    return moe_row(cfg, x.float(), w["router"].float(), None if bias is None else bias.float(),
+                   table, shared)
+
+
 def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """The MoE MLP of a layer on x (B, T, H): routed experts plus shared experts.
 
@@ -178,7 +210,11 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    ids, weights = route(cfg, x, w["router"], w.get("router_bias"), w.get("router_logit_bias"))
+    routed = _one_token_at_hand(cfg, w, x) if len(x) == 1 else None
+    if routed is not None and routed[0] is not None:
+        return routed[0].to(x.dtype).view(shape)
+    ids, weights = routed[1:] if routed else route(cfg, x, w["router"], w.get("router_bias"),
+                                                     w.get("router_logit_bias"))
     if not cfg.shared_intermediate_size:
         return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
     gate = torch.sigmoid(linear(x, w["shared_gate"])) if cfg.shared_gate else None

@@ -9,6 +9,7 @@ expert's weights to the device or to run the expert on the CPU where they alread
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections import OrderedDict
 from concurrent.futures import Executor, Future
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tiergen.config import MoEConfig
+from tiergen.kernels.layer import expert_table, set_expert
 from tiergen.models.moe import Experts, expert_mlp
 from tiergen.offload.disk import OffloadedWeights
 from tiergen.weights.packed import Packed
@@ -65,8 +67,10 @@ class ExpertCache:
     def __init__(self, capacity: int) -> None:
         self.capacity, self.used = capacity, 0
         self.entries: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
-        # an entry's expert as its layer multiplies it (OffloadedExperts.weights), made once
+        # an entry's expert as its layer multiplies it (OffloadedExperts.weights), made once,
+        # and, by layer, the experts the one-token native call finds at hand (moe_row)
         self.views: dict[tuple[int, int], tuple] = {}
+        self.tables: dict[int, ctypes.Array] = {}
         self.hits = self.misses = 0
 
     def get(self, layer: int, expert: int) -> dict[str, torch.Tensor] | None:
@@ -91,7 +95,7 @@ class ExpertCache:
             if oldest is None:
                 return None
             dropped.append(self.entries.pop(oldest))
-            self.views.pop(oldest, None)
+            self._forget(oldest)
             self.used -= sum(t.nbytes for t in dropped[-1].values())
         for rows in dropped:
             if rows.keys() == like.keys() and all(
@@ -101,14 +105,36 @@ class ExpertCache:
 
     def put(self, layer: int, expert: int, rows: dict[str, torch.Tensor]) -> None:
         self.entries[(layer, expert)] = rows
-        self.views.pop((layer, expert), None)
+        self._forget((layer, expert))
         self.used += sum(t.nbytes for t in rows.values())
 
     def drop(self, layer: int, expert: int) -> None:
         rows = self.entries.pop((layer, expert), None)
-        self.views.pop((layer, expert), None)
+        self._forget((layer, expert))
         if rows is not None:
             self.used -= sum(t.nbytes for t in rows.values())
+
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        self.views.pop(key, None)
+        if key[0] in self.tables:
+            set_expert(self.tables[key[0]], key[1], None)
+
+    def keep_views(self, layer: int, expert: int, views: tuple) -> None:
+        """Expert ``expert`` of ``layer``, in the cache, as its layer multiplies it: kept for
+        the next steps, and in the layer's table where the native call takes it."""
+        self.views[(layer, expert)] = views
+        if layer in self.tables and views[2] is None and views[3] is None:
+            set_expert(self.tables[layer], expert, views[:2])
+
+    def table(self, layer: int, experts: int) -> ctypes.Array:
+        """Layer ``layer``'s experts whose views are kept, as the native call takes them."""
+        if layer not in self.tables:
+            self.tables[layer] = expert_table([None] * experts)
+            for (j, e), views in self.views.items():
+                if j == layer:
+                    self.keep_views(j, e, views)
+        return self.tables[layer]
 
 
 class OffloadedExperts(Experts):
@@ -186,8 +212,15 @@ class OffloadedExperts(Experts):
                       for n, t in zip(NAMES, (self.gate_up, self.down, self.gate_up_bias,
                                               self.down_bias)))
         if kept:
-            self.cache.views[key] = views
+            self.cache.keep_views(self.layer, e, views)
         return views
+
+    def table(self) -> ctypes.Array | None:
+        """The layer's experts in the cache (see :meth:`Experts.table`): those multiplied
+        since they were read."""
+        if not isinstance(self.gate_up, Packed) or self.gate_up_bias is not None:
+            return None
+        return self.cache.table(self.layer, self.gate_up.shape[0])
 
     def mlp(self, e: int, x: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
         weights = self.weights(e)

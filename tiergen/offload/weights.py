@@ -304,6 +304,7 @@ class TieredWeights:
         self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are dequantised
         self._views: dict[int, Weights] = {}  # layers read where they live, as handed out
         self._expert_views: dict[int, tuple[Weights, Weights]] = {}  # see _with_experts
+        self._experts: dict[int, Experts] = {}  # the layers' resident experts (_with_experts)
         self.tile_allowance = 0  # bytes of kept tiles still to allow (see allow_tiles)
         self.expert_rates = expert_rates or HostRates()
         self.expert_cache = ExpertCache(plan.expert_cache)
@@ -384,7 +385,9 @@ class TieredWeights:
         resident, buffers = self._expert_views[j]
         if (len(resident) == sum(n in self.tiers[j] for n in EXPERT_NAMES)
                 and all(t.device == self.device for t in resident.values())):
-            weights["experts"] = Experts(*(resident.get(n) for n in EXPERT_NAMES))
+            if j not in self._experts:  # (nothing of a step in it: one for every step)
+                self._experts[j] = Experts(*(resident.get(n) for n in EXPERT_NAMES))
+            weights["experts"] = self._experts[j]
         else:
             weights["experts"] = OffloadedExperts(j, resident, self.disk, buffers,
                                                   self.device, self.expert_rates,
