@@ -81,14 +81,20 @@ def count_routed(expert_bytes: int) -> list[int]:
     chosen experts to, at ``expert_bytes`` each."""
     import tiergen.models.moe as moe
 
-    routed, route = [0], moe.route
+    routed, route, one_token = [0], moe.route, moe.moe_row
 
     def counting(cfg, x, gate, *biases):
         ids, weights = route(cfg, x, gate, *biases)
         routed[0] += len(set(ids.flatten().tolist())) * expert_bytes
         return ids, weights
 
-    moe.route = counting
+    def counting_one(*args):  # (one token's routing and experts in one call)
+        done = one_token(*args)
+        if done is not None:
+            routed[0] += len(set(done[1].flatten().tolist())) * expert_bytes
+        return done
+
+    moe.route, moe.moe_row = counting, counting_one
     return routed
 
 

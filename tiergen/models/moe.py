@@ -59,6 +59,9 @@ class Experts:
     def fetch(self, ids: list[int]) -> None:
         """Experts ``ids`` are about to run (the others will not be asked for)."""
 
+    def used(self, ids: list[int]) -> None:
+        """Experts ``ids`` of :meth:`table` ran (a store may count them as used)."""
+
     def weights(self, e: int) -> tuple[torch.Tensor | None, ...]:
         """Expert e's gate_up, down, gate_up bias and down bias (None: no bias)."""
         return (self.gate_up[e], self.down[e],
@@ -198,8 +201,11 @@ def _one_token_at_hand(cfg: MoEConfig, w: dict, x: torch.Tensor
     shared = ((w["shared_gate_up"], w["shared_down"], 1.0) if cfg.shared_intermediate_size
               else None)
     bias = w.get("router_bias")
-    return moe_row(cfg, x.float(), w["router"].float(), None if bias is None else bias.float(),
+    done = moe_row(cfg, x.float(), w["router"].float(), None if bias is None else bias.float(),
                    table, shared)
+    if done is not None and done[0] is not None:
+        experts.used(done[1][0].tolist())
+    return done
 
 
 def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:

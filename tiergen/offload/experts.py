@@ -215,6 +215,10 @@ class OffloadedExperts(Experts):
             self.cache.keep_views(self.layer, e, views)
         return views
 
+    def used(self, ids: list[int]) -> None:
+        for e in ids:  # hits, and the most recently used
+            self.cache.get(self.layer, e)
+
     def table(self) -> ctypes.Array | None:
         """The layer's experts in the cache (see :meth:`Experts.table`): those multiplied
         since they were read."""
