@@ -283,7 +283,8 @@ def _mla(kind: MlaKind, fmt: tuple[int, bool] | None, w: dict) -> _Mla | None:
     :func:`_layer`), or None if the C kernels cannot take them."""
     mats = [w.get(n) for n in MLA_MATRICES]
     vecs = [w.get(n) for n in ("input_norm", "q_norm", "kv_norm")]
-    if not all(isinstance(m, Packed) for m in mats if m is not None) or mats[1] is None and kind.q_rank:
+    if (not all(isinstance(m, Packed) for m in mats if m is not None)
+            or (mats[1] is None and kind.q_rank)):
         return None
     key = ("mla", kind, fmt, *((m.data.data_ptr(), m.shape, m.parts,
                                 None if m.tiles is None else m.tiles.data_ptr())

@@ -114,7 +114,6 @@ class ExpertCache:
         if rows is not None:
             self.used -= sum(t.nbytes for t in rows.values())
 
-
     def _forget(self, key: tuple[int, int]) -> None:
         self.views.pop(key, None)
         if key[0] in self.tables:
