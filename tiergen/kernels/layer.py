@@ -59,6 +59,26 @@ def _usable(t: torch.Tensor | None) -> bool:
                          and t.is_contiguous())
 
 
+def _key(head: tuple, mats: list, vecs: list) -> tuple:
+    """What a C description built from ``mats`` and ``vecs`` is kept under in :data:`_built`:
+    every address it holds. Buffers that stream weights from disk hold another layer's
+    matrices, perhaps of other types (Q4_K_M mixes them), at the same address: the key has
+    the layout too."""
+    return (*head, *((m.data.data_ptr(), m.shape, m.parts,
+                      None if m.tiles is None else m.tiles.data_ptr())
+                     for m in mats if isinstance(m, Packed)),
+            *(None if v is None else (v.data_ptr(), v.dtype, v.device) for v in vecs))
+
+
+def _remember(key: tuple, described: ctypes.Structure, arrays: list) -> None:
+    if len(_built) > 4096:  # weights streamed from disk come at new addresses every step
+        _built.clear()
+    # The key is every address the description holds, so it never outlives what it names:
+    # tensors at those addresses later are the ones a call passes. Only the arrays it points
+    # to are kept (holding the tensors would keep a closed model's weights alive).
+    _built[key] = (described, arrays)
+
+
 def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | None:
     """The C description of a layer (built once for the same tensors), or None if the C
     layer cannot take them."""
@@ -66,12 +86,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     if not isinstance(mats[0], Packed):
         return None
     vecs = [w.get(n) for n in NORMS + BIASES]
-    # buffers that stream weights from disk hold another layer's matrices, perhaps of other
-    # types (Q4_K_M mixes them), at the same address: the key has the layout too
-    key = (kind, fmt, *((m.data.data_ptr(), m.shape, m.parts,
-                         None if m.tiles is None else m.tiles.data_ptr())
-                        for m in mats if isinstance(m, Packed)),
-           *(None if v is None else (v.data_ptr(), v.dtype, v.device) for v in vecs))
+    key = _key((kind, fmt), mats, vecs)
     entry = _built.get(key)
     if entry is not None:
         return entry[0]
@@ -84,13 +99,15 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
                    qa, int(wide), int(kind.pairs),
                    *(None if v is None else v.data_ptr() for v in vecs),
                    *(ctypes.addressof(a) for a in arrays))
-    if len(_built) > 4096:  # weights streamed from disk come at new addresses every step
-        _built.clear()
-    # The key is every address the description holds, so it never outlives what it names:
-    # tensors at those addresses later are the ones a call passes. Only the arrays it points
-    # to are kept (holding the tensors would keep a closed model's weights alive).
-    _built[key] = (layer, arrays)
+    _remember(key, layer, arrays)
     return layer
+
+
+def _products(hidden: int) -> _Layer:
+    """What the products of tg_experts_row and tg_moe_row read of a layer: its width and the
+    thread's activations."""
+    qa, wide = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or (0, False)
+    return _Layer(hidden=hidden, qa=qa, wide=int(wide))
 
 
 def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
@@ -148,13 +165,10 @@ def experts_row(x: torch.Tensor, experts: list[tuple[Packed, Packed]], mix: list
     lib = kernels.library()
     if lib is None:
         return None
-    qa, wide = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or (0, False)
-    hidden = x.shape[1]
-    layer = _Layer(hidden=hidden, qa=qa, wide=int(wide))
     table = (ctypes.c_void_p * len(arrays))(*(ctypes.addressof(a) for a in arrays))
     weights = (ctypes.c_float * len(mix))(*mix)
-    out = torch.empty(1, hidden, dtype=torch.float32)
-    err = lib.tg_experts_row(ctypes.byref(layer), table, len(experts), weights, x.data_ptr(),
+    out = torch.empty(1, x.shape[1], dtype=torch.float32)
+    err = lib.tg_experts_row(ctypes.byref(_products(x.shape[1])), table, len(experts), weights, x.data_ptr(),
                              out.data_ptr())
     if err == 2:
         raise MemoryError("routed experts: out of memory for their buffers")
@@ -233,7 +247,6 @@ def moe_row(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.Ten
             return None
         descriptors = [kernels.matrix_descriptor(m) for m in shared[:2]]  # (held to the call)
         pair = (ctypes.c_void_p * 2)(*map(ctypes.addressof, descriptors))
-    qa, wide = kernels.ACTIVATION_FORMATS.get(kernels.activations()) or (0, False)
     hidden, k = x.shape[1], cfg.top_k
     router = _Router(hidden, gate.shape[0], cfg.num_groups, cfg.topk_groups, k,
                      _SCORING[cfg.scoring], _GROUPS[cfg.topk_method], int(cfg.norm_topk_prob),
@@ -242,8 +255,7 @@ def moe_row(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.Ten
     ids = torch.empty(1, k, dtype=torch.int64)
     weights = torch.empty(1, k, dtype=torch.float32)
     out = torch.empty(1, hidden, dtype=torch.float32)
-    err = lib.tg_moe_row(ctypes.byref(_Layer(hidden=hidden, qa=qa, wide=int(wide))),
-                         ctypes.byref(router), x.data_ptr(), table, pair,
+    err = lib.tg_moe_row(ctypes.byref(_products(hidden)), ctypes.byref(router), x.data_ptr(), table, pair,
                          1.0 if shared is None else shared[2], ids.data_ptr(),
                          weights.data_ptr(), out.data_ptr())
     if err == 2:
@@ -286,10 +298,7 @@ def _mla(kind: MlaKind, fmt: tuple[int, bool] | None, w: dict) -> _Mla | None:
     if (not all(isinstance(m, Packed) for m in mats if m is not None)
             or (mats[1] is None and kind.q_rank)):
         return None
-    key = ("mla", kind, fmt, *((m.data.data_ptr(), m.shape, m.parts,
-                                None if m.tiles is None else m.tiles.data_ptr())
-                               for m in mats if m is not None),
-           *(None if v is None else (v.data_ptr(), v.dtype, v.device) for v in vecs))
+    key = _key(("mla", kind, fmt), mats, vecs)
     entry = _built.get(key)
     if entry is not None:
         return entry[0]
@@ -297,19 +306,17 @@ def _mla(kind: MlaKind, fmt: tuple[int, bool] | None, w: dict) -> _Mla | None:
             or not all(map(_usable, vecs)) or len(w["k_b"].parts) != 1
             or len(w["v_b"].parts) != 1):
         return None
-    arrays = [kernels.matrix_descriptor(m) for m in mats[:3] if m is not None]
-    q_b = ctypes.addressof(arrays[1]) if kind.q_rank else None
+    arrays = {n: kernels.matrix_descriptor(w[n]) for n in ("qkv_a", "q_b", "o") if n in w}
     qa, wide = fmt or (0, False)
     k_b, v_b = w["k_b"], w["v_b"]
     mla = _Mla(w["o"].shape[0], kind.heads, kind.q_rank, kind.kv_rank, kind.nope, kind.rope,
                kind.v_dim, kind.eps, kind.scale, qa, int(wide), k_b.parts[0][0],
                v_b.parts[0][0], k_b.data.numel() // kind.heads, v_b.data.numel() // kind.heads,
                *(None if v is None else v.data_ptr() for v in vecs),
-               ctypes.addressof(arrays[0]), q_b, ctypes.addressof(arrays[-1]),
+               *(ctypes.addressof(arrays[n]) if n in arrays else None
+                 for n in ("qkv_a", "q_b", "o")),
                k_b.data.data_ptr(), v_b.data.data_ptr())
-    if len(_built) > 4096:
-        _built.clear()
-    _built[key] = (mla, arrays)
+    _remember(key, mla, list(arrays.values()))
     return mla
 
 

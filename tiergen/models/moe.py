@@ -48,7 +48,7 @@ class Experts:
         them, packed in host RAM without biases."""
         if self._table is None:
             pairs = [(self.gate_up[e], self.down[e]) for e in range(self.gate_up.shape[0])
-                     ] if isinstance(self.gate_up, Packed) and self.gate_up_bias is None else []
+                     ] if isinstance(self.gate_up, Packed) and not self.biased else []
             self._table = (expert_table(pairs) if pairs else None), pairs
         return self._table[0]
 
@@ -58,6 +58,10 @@ class Experts:
 
     def fetch(self, ids: list[int]) -> None:
         """Experts ``ids`` are about to run (the others will not be asked for)."""
+
+    @property
+    def biased(self) -> bool:
+        return self.gate_up_bias is not None or self.down_bias is not None
 
     def used(self, ids: list[int]) -> None:
         """Experts ``ids`` of :meth:`table` ran (a store may count them as used)."""
@@ -201,8 +205,8 @@ def _one_token_at_hand(cfg: MoEConfig, w: dict, x: torch.Tensor
     shared = ((w["shared_gate_up"], w["shared_down"], 1.0) if cfg.shared_intermediate_size
               else None)
     bias = w.get("router_bias")
-    done = moe_row(cfg, x.float(), w["router"].float(), None if bias is None else bias.float(),
-                   table, shared)
+    done = moe_row(cfg, x, w["router"].float(), None if bias is None else bias.float(), table,
+                   shared)
     if done is not None and done[0] is not None:
         experts.used(done[1][0].tolist())
     return done

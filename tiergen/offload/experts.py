@@ -105,7 +105,6 @@ class ExpertCache:
 
     def put(self, layer: int, expert: int, rows: dict[str, torch.Tensor]) -> None:
         self.entries[(layer, expert)] = rows
-        self._forget((layer, expert))
         self.used += sum(t.nbytes for t in rows.values())
 
     def drop(self, layer: int, expert: int) -> None:
@@ -123,7 +122,7 @@ class ExpertCache:
         """Expert ``expert`` of ``layer``, in the cache, as its layer multiplies it: kept for
         the next steps, and in the layer's table where the native call takes it."""
         self.views[(layer, expert)] = views
-        if layer in self.tables and views[2] is None and views[3] is None:
+        if layer in self.tables:  # (a layer has a table only without biases: see table)
             set_expert(self.tables[layer], expert, views[:2])
 
     def table(self, layer: int, experts: int) -> ctypes.Array:
@@ -221,7 +220,7 @@ class OffloadedExperts(Experts):
     def table(self) -> ctypes.Array | None:
         """The layer's experts in the cache (see :meth:`Experts.table`): those multiplied
         since they were read."""
-        if not isinstance(self.gate_up, Packed) or self.gate_up_bias is not None:
+        if not isinstance(self.gate_up, Packed) or self.biased:
             return None
         return self.cache.table(self.layer, self.gate_up.shape[0])
 
