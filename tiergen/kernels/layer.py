@@ -7,7 +7,9 @@ too many rows, a cache it does not know), it returns None and the family runs it
 operation by operation, which computes the same numbers.
 
 For a mixture of experts, ``layer.c`` also runs a token's chosen experts in one call
-(:func:`experts_row`) and DeepSeek's routing (:func:`route_rows`).
+(:func:`experts_row`), DeepSeek's routing (:func:`route_rows`), and both at once where the
+experts are at hand (:func:`moe_row`); for DeepSeek, its latent attention
+(:func:`mla_attention`).
 """
 
 from __future__ import annotations
