@@ -14,6 +14,7 @@ import pydantic
 import pytest
 
 from tiergen import LLM, SamplingParams
+from tiergen.engine.constraints import Constraint
 from tiergen.errors import TiergenError
 from tiergen.server import create_app
 from live_server import serving
@@ -78,6 +79,78 @@ def test_a_bad_constraint_is_refused(kwargs, match):
         SamplingParams(**kwargs)
 
 
+# ---- compact JSON ------------------------------------------------------------------------------
+
+# Four schemas whose answers have a longest compact form, beside that form.
+SCHEMAS = [
+    ({"type": "object", "additionalProperties": False, "required": ["colour", "n"],
+      "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                     "n": {"type": "integer", "minimum": 0, "maximum": 9}}},
+     {"colour": "green", "n": 9}),
+    ({"type": "object", "additionalProperties": False, "required": ["pet", "ok"],
+      "properties": {"pet": {"type": "object", "additionalProperties": False,
+                             "required": ["kind", "age"],
+                             "properties": {"kind": {"enum": ["cat", "dog", "hamster"]},
+                                            "age": {"type": "integer", "minimum": 0,
+                                                    "maximum": 30}}},
+                     "ok": {"type": "boolean"}}},
+     {"pet": {"kind": "hamster", "age": 30}, "ok": False}),
+    ({"type": "object", "additionalProperties": False, "required": ["tags"],
+      "properties": {"tags": {"type": "array", "maxItems": 3,
+                              "items": {"type": "string", "pattern": "^[a-z]{1,8}$"}}}},
+     {"tags": ["abcdefgh"] * 3}),
+    ({"type": "object", "additionalProperties": False, "required": ["low", "high"],
+      "properties": {"low": {"type": "integer", "minimum": -50, "maximum": -10},
+                     "high": {"type": "integer", "minimum": 100, "maximum": 999}}},
+     {"low": -50, "high": 999}),
+]
+
+
+def compact(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("options, flexible, accepts_spaces", [
+    ({}, False, False), ({}, True, True),
+    ({"x-guidance": {"whitespace_flexible": True}}, False, True),  # the schema's own choice wins
+])
+def test_json_is_compact_unless_asked(llm, options, flexible, accepts_spaces):
+    schema, longest = SCHEMAS[0]
+    params = SamplingParams(json_schema={**schema, **options}, flexible_json=flexible)
+
+    def accepted(text: str) -> bool:
+        tokens = llm.tokenizer.encode(text, add_special_tokens=False)
+        matcher = Constraint(params.compiled_grammar, llm.tokenizer).matcher
+        return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
+
+    assert accepted(compact(longest))
+    assert accepted(json.dumps(longest, indent=2)) == accepts_spaces
+    assert accepted('{"colour": "red", "n": 1}') == accepts_spaces
+
+
+def test_flexible_json_needs_a_schema():
+    with pytest.raises(TiergenError, match="flexible_json applies to a json_schema only"):
+        SamplingParams(regex="a+", flexible_json=True)
+
+
+@pytest.mark.slow
+def test_sampled_json_answers_all_finish(llm):
+    """200 answers at temperature 1.0, 50 per schema, each with twice its schema's longest
+    compact answer in tokens: every one parses, validates and stops on its own."""
+    prompts, params = [], []
+    for i, (schema, longest) in enumerate(SCHEMAS):
+        budget = 2 * len(llm.tokenizer.encode(compact(longest), add_special_tokens=False))
+        prompt = ask(llm, f"Answer as JSON following this schema: {json.dumps(schema)}")
+        prompts += [prompt] * 50
+        params += [SamplingParams(max_tokens=budget, temperature=1.0, seed=100 * i + s,
+                                  json_schema=schema) for s in range(50)]
+    results = llm.generate(prompts, params)
+    for r, p in zip(results, params):
+        assert r.finish_reason == "stop", r.text
+        assert r.text == compact(json.loads(r.text))
+        jsonschema.validate(json.loads(r.text), p.json_schema)
+
+
 # ---- the server --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -121,3 +194,21 @@ def test_completions_json_object_and_a_bad_schema(base_url):
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert match in error["message"] and error["param"].startswith("response_format"), error
+
+
+def test_flexible_json_through_the_server(base_url):
+    schema, _ = SCHEMAS[0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "A colour and a digit."}],
+            "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text == compact(json.loads(text))
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60,
+                   json={**body, "flexible_json": True})
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60,
+                   json={**body, "response_format": None, "flexible_json": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "flexible_json", r.text

@@ -132,6 +132,9 @@ def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> Non
     c = p.add_argument_group("constrained output (at most one)")
     c.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="output JSON valid against this schema: its JSON text, or a file holding it")
+    c.add_argument("--flexible-json", action="store_true",
+                   help="let --json-schema's output hold whitespace between tokens (default: "
+                        "compact JSON)")
     c.add_argument("--regex", default=None, metavar="PATTERN",
                    help="output that matches this regular expression")
     c.add_argument("--grammar", default=None, metavar="LARK",
@@ -148,7 +151,8 @@ def _params(args: argparse.Namespace):
                           top_p=args.top_p, top_k=args.top_k,
                           repetition_penalty=args.repetition_penalty, seed=args.seed,
                           stop=args.stop, ignore_eos=args.ignore_eos,
-                          json_schema=_text_or_file(args.json_schema), regex=args.regex,
+                          json_schema=_text_or_file(args.json_schema),
+                          flexible_json=args.flexible_json, regex=args.regex,
                           grammar=_text_or_file(args.grammar))
 
 

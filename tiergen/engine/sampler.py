@@ -37,7 +37,8 @@ class SamplingParams:
 
     Constrained output: ``json_schema`` (a dict, or its JSON text), ``regex`` or ``grammar``
     (Lark syntax, as llguidance reads it), at most one, limits every token to those that keep
-    the output on course; once the output is complete the sequence stops ("stop").
+    the output on course; once the output is complete the sequence stops ("stop"). JSON is
+    compact (no whitespace between tokens) unless ``flexible_json``.
     """
 
     max_tokens: int = 256
@@ -56,6 +57,7 @@ class SamplingParams:
     json_schema: dict | str | None = None
     regex: str | None = None
     grammar: str | None = None
+    flexible_json: bool = False
     # the constraint compiled for llguidance (None: unconstrained)
     compiled_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -101,7 +103,11 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise TiergenError(f"invalid sampling parameter: {message}")
-        self.compiled_grammar = grammar_of(self.json_schema, self.regex, self.grammar)
+        if not isinstance(self.flexible_json, bool):
+            raise TiergenError(f"invalid sampling parameter: flexible_json must be true or "
+                               f"false, got {self.flexible_json!r}")
+        self.compiled_grammar = grammar_of(self.json_schema, self.regex, self.grammar,
+                                           self.flexible_json)
 
     @property
     def greedy(self) -> bool:

@@ -64,6 +64,7 @@ class GenerationRequest(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     response_format: dict | None = None
+    flexible_json: bool | None = None  # JSON output with free whitespace (default: compact)
 
     def refused(self) -> dict[str, bool]:
         """Unsupported fields and whether this request sets them."""
@@ -159,7 +160,7 @@ class GenerationRequest(_Strict):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0, logit_bias=bias,
                 logprobs=top, prompt_logprobs=top if self.echo_prompt else None,
-                json_schema=schema)
+                json_schema=schema, flexible_json=bool(self.flexible_json))
                 for i in range(self.num_choices)]
         except TiergenError as e:
             raise sampling_error(e) from None
