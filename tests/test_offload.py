@@ -20,8 +20,8 @@ POLICIES = {
     "cache-on-host-cpu-attention": dict(cache=(0, 100), cpu_attention=True),
     "cache-partly-on-disk": dict(cache=(50, 0)),
     "micro-batches-uneven": dict(gpu_batch_size=2, num_gpu_batches=2),
-    "activations-off-device": dict(activations=(0, 50), gpu_batch_size=2, num_gpu_batches=2),
-    "everything-on-disk": dict(weights=(0, 0), cache=(0, 0), activations=(0, 0),
+    "hidden-off-device": dict(hidden=(0, 50), gpu_batch_size=2, num_gpu_batches=2),
+    "everything-on-disk": dict(weights=(0, 0), cache=(0, 0), hidden=(0, 0),
                                gpu_batch_size=4, num_gpu_batches=2),
 }
 

@@ -38,7 +38,7 @@ def model_dir(tmp_path_factory):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(weights=(80, 30)), "weights percentages must be >= 0 and add up to at most 100"),
     (dict(cache=(-5, 0)), "cache percentages must be >= 0"),
-    (dict(activations=("a", 1)), r"activations must be a pair \(device %, host %\)"),
+    (dict(hidden=("a", 1)), r"hidden must be a pair \(device %, host %\)"),
     (dict(gpu_batch_size=0), "gpu_batch_size must be a positive integer, got 0"),
     (dict(num_gpu_batches=0), "num_gpu_batches must be a positive integer, got 0"),
     (dict(cpu_attention=True, cache=(0, 50)), "cpu_attention keeps the KV cache in host RAM"),

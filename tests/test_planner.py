@@ -41,7 +41,7 @@ ALL_ON_DEVICE = ((100, 0), (100, 0), (100, 0))
 
 
 def placement(p: Policy) -> tuple:
-    return p.weights, p.cache, p.activations
+    return p.weights, p.cache, p.hidden
 
 
 def needs_of(cfg, dtype, policy, work, device_type="cpu"):

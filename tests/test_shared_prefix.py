@@ -68,7 +68,7 @@ def test_shared_prefix_is_exact(model_dir, rests):
 def test_shared_prefix_through_a_disk_policy_and_micro_batches(tmp_path):
     directory = tmp_path / "model"
     build("llama-gqa-tied", directory)
-    policy = Policy(weights=(0, 0), cache=(0, 0), activations=(0, 0), gpu_batch_size=2,
+    policy = Policy(weights=(0, 0), cache=(0, 0), hidden=(0, 0), gpu_batch_size=2,
                     num_gpu_batches=2, offload_dir=tmp_path / "offload")
     prompts = [PREFIX + r for r in RESTS]
     llm = LLM(directory, dtype="float32", policy=policy)

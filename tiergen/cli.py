@@ -64,8 +64,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="auto: plan the fastest policy that fits the budgets for these prompts "
                         "(see `tiergen plan`); also used when no --percent is given and the "
                         "model does not fit the budgets on the device")
-    o.add_argument("--percent", type=float, nargs=6, metavar=("WD", "WH", "CD", "CH", "AD", "AH"),
-                   help="percent of weights, KV cache and activations on the device (xD) and in "
+    o.add_argument("--percent", type=float, nargs=6, metavar=("WD", "WH", "CD", "CH", "HD", "HH"),
+                   help="percent of weights, KV cache and hidden states on the device (xD) and in "
                         "host RAM (xH); disk takes the rest (default: 100 0 100 0 100 0)")
     o.add_argument("--gpu-batch-size", type=int, default=None,
                    help="sequences per micro-batch (default: --max-batch-size)")
@@ -497,7 +497,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "plan", help="choose the fastest offloading policy that fits the memory budgets",
-        description="Search offloading policies (weights, KV cache and activations over device, "
+        description="Search offloading policies (weights, KV cache and hidden states over device, "
                     "host RAM and disk; micro-batch and block sizes; compression) for a workload, "
                     "predict each one's memory and speed from this machine's calibration, and "
                     "print the fastest that fits as tiergen generate flags.")

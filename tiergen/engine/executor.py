@@ -25,7 +25,7 @@ from tiergen.config import ModelConfig
 from tiergen.kernels import activations_set
 from tiergen.cache.step import StepMeta
 from tiergen.models.base import ModelFamily
-from tiergen.offload.activations import Activations
+from tiergen.offload.hidden import HiddenStates
 from tiergen.offload.experts import HostRates
 from tiergen.offload.kv import TieredKV, cache_dtype, cache_needs
 from tiergen.offload.memory import (Budgets, add, available_ram, device_peak, fmt,
@@ -123,7 +123,7 @@ def block_needs(weights: WeightPlan, cfg: ModelConfig, dtype: torch.dtype, polic
     (default: ``dtype``), and the hidden states of ``prompt_len`` tokens per row."""
     hidden = cfg.hidden_size * dtype.itemsize
     acts = {"device": 0, "host": 0, "disk": 0}
-    for (rows, _), tier in zip(micro_batches, tiers_for(len(micro_batches), policy.activation_split)):
+    for (rows, _), tier in zip(micro_batches, tiers_for(len(micro_batches), policy.hidden_split)):
         acts[tier] += rows * prompt_len * hidden
     cache = cache_needs(cfg, kv_dtype or dtype, tiers_for(cfg.num_layers, policy.cache_split),
                         micro_batches, weights.device_type, cache_compression(policy))
@@ -187,7 +187,7 @@ class Executor:
 
     def check_block(self, micro_batches: list[tuple[int, int]], prompt_len: int,
                     what: str | None = None) -> None:
-        """Refuse, before it starts, a block whose cache and activations do not fit."""
+        """Refuse, before it starts, a block whose cache and hidden states do not fit."""
         needs = self._block_needs(micro_batches, prompt_len)
         what = what or f"a block of {sum(r for r, _ in micro_batches)} sequences"
         self.budgets.check(needs, what, {
@@ -226,7 +226,7 @@ class Executor:
         # callers may build ids and metadata on the CPU: bring them to the device (no-op there)
         block = [replace(mb, ids=mb.ids.to(self.device), meta=mb.meta.to(self.device))
                  for mb in block]
-        acts = Activations(tiers_for(len(block), self.policy.activation_split),
+        acts = HiddenStates(tiers_for(len(block), self.policy.hidden_split),
                            self.device, self.spill_dir)
         shared = [model.prepare(mb.meta, self.dtype) for mb in block]
         for k, mb in enumerate(block):

@@ -1,4 +1,4 @@
-"""The offloading policy: what share of weights, KV cache and activations lives on each tier,
+"""The offloading policy: what share of weights, KV cache and hidden states lives on each tier,
 and how many sequences share each trip of a layer's weights over the slow link."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Policy:
 
     weights: tuple[float, float] = (100, 0)
     cache: tuple[float, float] = (100, 0)
-    activations: tuple[float, float] = (100, 0)
+    hidden: tuple[float, float] = (100, 0)  # the hidden states between layers (FlexGen's "activations")
     gpu_batch_size: int | None = None
     num_gpu_batches: int = 1
     pin_memory: bool = True
@@ -85,7 +85,7 @@ class Policy:
     def __post_init__(self) -> None:
         self.weight_split = _split("weights", self.weights)
         self.cache_split = _split("cache", self.cache)
-        self.activation_split = _split("activations", self.activations)
+        self.hidden_split = _split("hidden", self.hidden)
         if self.gpu_batch_size is not None and (not isinstance(self.gpu_batch_size, int)
                                                 or self.gpu_batch_size < 1):
             raise TiergenError(f"policy: gpu_batch_size must be a positive integer, "
@@ -116,11 +116,11 @@ class Policy:
 
     @classmethod
     def from_percent(cls, percent: list[float], **kwargs: object) -> Policy:
-        """FlexGen's six numbers: weights, cache, activations as (device %, host %) pairs."""
+        """FlexGen's six numbers: weights, cache and hidden states as (device %, host %) pairs."""
         if len(percent) != 6:
-            raise TiergenError(f"--percent takes six numbers WD WH CD CH AD AH, got {len(percent)}")
+            raise TiergenError(f"--percent takes six numbers WD WH CD CH HD HH, got {len(percent)}")
         return cls(weights=tuple(percent[0:2]), cache=tuple(percent[2:4]),
-                   activations=tuple(percent[4:6]), **kwargs)
+                   hidden=tuple(percent[4:6]), **kwargs)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)

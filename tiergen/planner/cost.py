@@ -24,7 +24,7 @@ Simplifications (``benchmarks/bench_plan.py`` measures how far they hold):
   (GPU) over ``DEQUANT_SLOWDOWN`` unless calibration measured it: weights once per block on the
   compute thread, the cache on every load (the executor unpacks a compressed cache wherever it
   lives; on a CPU it does so on the compute thread unless the cache is on disk).
-- Disk writes run at the disk read rate; activations off the device move synchronously.
+- Disk writes run at the disk read rate; hidden states off the device move synchronously.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Wor
     prefill = decode = 0.0
     per_layer: dict[str, float] = {}
     for rows in cut:
-        acts = tiers_for(len(rows), policy.activation_split)
+        acts = tiers_for(len(rows), policy.hidden_split)
         for span in chunks(prefill_chunk, p):
             prefill += _step(groups, rows, acts, len(span), span.start, env)[0]
         seconds, parts = _step(groups, rows, acts, 1, p + g / 2, env)  # mean context

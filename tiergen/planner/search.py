@@ -194,7 +194,7 @@ def nothing_fits(found: Found, request: SearchRequest) -> TiergenError:
 
 def policy_flags(p: Policy) -> str:
     """The policy as ``tiergen generate`` flags."""
-    flags = ["--percent", *(f"{x:g}" for x in (*p.weights, *p.cache, *p.activations))]
+    flags = ["--percent", *(f"{x:g}" for x in (*p.weights, *p.cache, *p.hidden))]
     if p.gpu_batch_size:
         flags += ["--gpu-batch-size", str(p.gpu_batch_size)]
     flags += ["--num-gpu-batches", str(p.num_gpu_batches)]

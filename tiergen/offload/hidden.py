@@ -9,7 +9,7 @@ import torch
 from tiergen.offload.disk import SpillFile
 
 
-class Activations:
+class HiddenStates:
     """One slot per micro-batch: ``put`` parks a hidden state on its tier, ``take`` brings it
     back to the device and empties the slot."""
 
@@ -19,7 +19,7 @@ class Activations:
         self._files: dict[int, SpillFile] = {}
 
     def put(self, k: int, h: torch.Tensor) -> None:
-        assert self._slots[k] is None, f"activation slot {k} stored twice"
+        assert self._slots[k] is None, f"hidden-state slot {k} stored twice"
         tier = self.tiers[k]
         if tier == "disk":
             f = self._files.get(k)
@@ -36,7 +36,7 @@ class Activations:
 
     def take(self, k: int) -> torch.Tensor:
         value, self._slots[k] = self._slots[k], None
-        assert value is not None, f"activation slot {k} is empty"
+        assert value is not None, f"hidden-state slot {k} is empty"
         if self.tiers[k] == "disk":
             shape, dtype = value
             value = self._files[k].read_into(torch.empty(shape, dtype=dtype))
