@@ -72,10 +72,11 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     return proc, found.group(0)
 
 
-# What --half-constrained holds every other request to: a JSON object with a list of strings,
-# which 64 tokens do not close, so that every stream generates as many tokens as the others.
-SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
-          "required": ["items"]}
+# What --half-constrained holds every other request to: a JSON object with a list of at least 64
+# strings, which 64 tokens do not close, so that every stream generates as many tokens as the
+# others (compact JSON lets a greedy answer close an unbounded list at once: '{"items":[]}').
+SCHEMA = {"type": "object", "required": ["items"],
+          "properties": {"items": {"type": "array", "items": {"type": "string"}, "minItems": 64}}}
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
