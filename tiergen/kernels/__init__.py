@@ -19,6 +19,9 @@ token's attention over the cache in one call each (:func:`rms_norm`, :func:`rope
 :func:`decode_attention`): at batch 1, torch's dispatch of the several operations they
 otherwise take is most of a step outside the products. ``layer.c`` chains them with the
 products into a whole decode layer in one call (:mod:`tiergen.kernels.layer`).
+
+``tiergen.h`` declares the library's interface once; :func:`bind` gives ctypes the types it
+declares (:mod:`tiergen.kernels.header`).
 """
 
 from __future__ import annotations
@@ -40,13 +43,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tiergen.kernels.header import HEADER, prototypes
 from tiergen.weights.packed import INTEGER_TYPES, Packed, layout
 from tiergen.weights.quant import ggml_type_sizes
 
 log = logging.getLogger("tiergen")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "decode.c", "int8.c", "layer.c")]
-HEADERS = [Path(__file__).with_name("blocks.h")]
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # tiergen.h: the interface; blocks.h
 ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
 # rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
 # benchmarks/bench_threshold.py)
@@ -82,11 +86,13 @@ def _compile(target: Path, flags: list[str] = FLAGS, sources: list[Path] | None 
     gomp = next(iter(sorted(torch_lib.glob("libgomp*.so*"))), None)
     libs = [f"-L{torch_lib}", f"-l:{gomp.name}", f"-Wl,-rpath,{torch_lib}"] if gomp else []
     libs.append("-lm")
+    sources = sources or SOURCES
+    includes = [f"-I{d}" for d in dict.fromkeys(Path(s).parent for s in sources)]
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, *map(str, sources or SOURCES), "-o", tmp, *libs], check=True,
+        subprocess.run([cc, *flags, *includes, *map(str, sources), "-o", tmp, *libs], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
@@ -132,42 +138,12 @@ def _load() -> ctypes.CDLL | bool:
     return bind(lib)
 
 
-def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the library's functions' argument types."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.tg_matmul.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr, i64]
-    lib.tg_dequant.argtypes = [ctypes.c_int, ptr, i64, ptr]
-    lib.tg_quantize_act.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
-    lib.tg_quantize_act.restype = None
-    lib.tg_qmatmul.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, i64, ptr]
-    lib.tg_takes_tiles.argtypes = [ctypes.c_int, i64, i64, ctypes.c_int]
-    lib.tg_qmatmul_grouped.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr,
-                                       ctypes.c_int, i64, ptr]
-    f32 = ctypes.c_float
-    lib.tg_rms_norm.argtypes = [ptr, ptr, f32, i64, i64, f32, ptr]
-    lib.tg_rms_norm.restype = None
-    lib.tg_rope.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ptr]
-    lib.tg_rope.restype = None
-    lib.tg_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                        ptr, ptr, f32, ctypes.c_int, ptr]
-    lib.tg_to_half.argtypes = [ptr, i64, ptr]
-    lib.tg_to_half.restype = None
-    lib.tg_argmax.argtypes = [ptr, i64, i64, ptr]
-    lib.tg_glu.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
-    lib.tg_glu.restype = None
-    lib.tg_argmax.restype = None
-    lib.tg_decode_layer.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr,
-                                    ctypes.c_int]
-    lib.tg_experts_row.argtypes = [ptr, ptr, i64, ptr, ptr, ptr]
-    lib.tg_moe_row.argtypes = [ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr, ptr]
-    lib.tg_mla_attention.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr,
-                                     ctypes.c_int]
-    lib.tg_route.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, i64, i64,
-                             i64, ctypes.c_int, f32, ptr, ptr]
-    lib.tg_tile_view.argtypes = [ctypes.c_int, ptr, i64, ptr, ptr, ptr, ptr]
-    lib.tg_tile_bytes.argtypes = [i64, i64]
-    lib.tg_tile_bytes.restype = i64
-    lib.tg_build_tiles.argtypes = [ptr, ptr]
+def bind(lib: ctypes.CDLL, header: Path = HEADER) -> ctypes.CDLL:
+    """Give the library's functions the argument and return types that ``header`` declares
+    (tiergen.h: the interface is written there once, see :mod:`tiergen.kernels.header`)."""
+    for proto in prototypes(header.read_text()).values():
+        fn = getattr(lib, proto.name)
+        fn.argtypes, fn.restype = proto.argtypes(), proto.restype()
     return lib
 
 

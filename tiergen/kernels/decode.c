@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "blocks.h"
+#include "tiergen.h"
 
 typedef float v8 __attribute__((vector_size(32)));
 

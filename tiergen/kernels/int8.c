@@ -28,6 +28,7 @@
 #include <math.h>
 
 #include "blocks.h"
+#include "tiergen.h"
 
 #define SB 16     /* values per activation block sum, and per weight scale in a tile */
 #define IKC 1024  /* weight values decoded at a time (a multiple of every block size) */

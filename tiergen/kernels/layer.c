@@ -21,39 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t n, float eps,
-                 float *out);
-void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T, int64_t D,
-             const float *cos, const float *sin, int pairs, float *out);
-int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
-                        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
-                        const int64_t *ks, const int64_t *vs, float scale, int kv16, float *out);
-void tg_to_half(const float *x, int64_t n, uint16_t *out);
-void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
-                     float *xs4, float *xsum);
-void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, float *out);
-int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float *xs4,
-               const float *xsum, int qa, int64_t m, float *y);
-int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-              float *y, int64_t ldy);
-int tg_qmatmul_grouped(int type, const uint8_t *w, int64_t groups, int64_t n, int64_t k,
-                       int64_t stride, const int8_t *xq, const int8_t *xl, const float *xs4,
-                       const float *xsum, int qa, int64_t m, float *y);
-
-/* A packed matrix (n rows of k values): {n, k, parts, then (ggml type, rows, address, kept
- * tiles' address or 0: int8.c's tg_build_tiles) for each part, its rows in order}. */
-typedef const int64_t *matrix;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter;
-    float eps, shift, q_scale;
-    int32_t gelu;        /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
-    int32_t qa, wide;    /* activations: qa = 0 float32, else int8 blocks of qa (wide: 16-bit) */
-    int32_t pairs;       /* rotary pairs adjacent (tg_rope) */
-    const float *attn_norm, *q_norm, *k_norm, *attn_out_norm, *ffn_norm, *ffn_out_norm;
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
-    matrix qkv, o, gate_up, down;
-} tg_layer;
+#include "tiergen.h"
 
 typedef struct {  /* the quantised activations' buffers, sized for the widest product */
     int8_t *q, *low;
@@ -61,7 +29,7 @@ typedef struct {  /* the quantised activations' buffers, sized for the widest pr
 } act_buffers;
 
 /* y (m, n) = x (m, k) W^T (+ bias): nonzero for a type without a kernel. */
-static int product(const tg_layer *L, matrix w, const float *x, int64_t m, float *y,
+static int product(const tg_layer *L, tg_matrix w, const float *x, int64_t m, float *y,
                    const float *bias, act_buffers *a) {
     const int64_t n = w[0], k = w[1], parts = w[2];
     if (L->qa) {
@@ -269,27 +237,6 @@ int tg_route(const float *x, int64_t N, int64_t H, const float *W, int64_t E, co
     return 0;
 }
 
-/* DeepSeek's multi-head latent attention (models/deepseek_v2.py, absorbed) for a decode step,
- * packed matrices, one new token per row. The half of DeepSeek's layer before its MoE, which
- * as a layer of torch operations and kernel calls spends more time in dispatch than in
- * its products at batch 1:
- *   x = norm(h); [q_a | c_kv | k_pe] = x Wqkv_a; q = norm_q(q_a) Wq_b (without q_rank: q_a);
- *   per head: q = [q_nope | q_pe]; row = [norm_kv(c_kv) | rope(k_pe)] into the cache;
- *   q_lat = k_b_head q_nope; o_lat = attention([q_lat | rope(q_pe)], rows) (values: the
- *   rows' first kv_rank numbers); o = v_b_head o_lat; h += [o per head] Wo
- * with RoPE pairs adjacent (DeepSeek's rope_interleave), k_b (heads * kv_rank, nope) and v_b
- * (heads * v_dim, kv_rank) llama.cpp's per-head blocks. */
-typedef struct {
-    int64_t hidden, heads, q_rank, kv_rank, nope, rope, v_dim;
-    float eps, scale;
-    int32_t qa, wide;
-    int32_t kb_type, vb_type;      /* GGML types of k_b and v_b */
-    int64_t kb_stride, vb_stride;  /* bytes from one head's block of k_b (v_b) to the next */
-    const float *attn_norm, *q_norm, *kv_norm;
-    matrix qkv_a, q_b, o;
-    const uint8_t *k_b, *v_b;
-} tg_mla;
-
 /* y (G, m, n) = each head g's block of w (n rows of k, ``stride`` bytes apart) times x[g]
  * (m, k): as kernels.grouped_linear computes it. */
 static int grouped(const tg_mla *L, int type, const uint8_t *w, int64_t stride, int64_t G,
@@ -304,7 +251,18 @@ static int grouped(const tg_mla *L, int type, const uint8_t *w, int64_t stride, 
     return 0;
 }
 
-/* h (B, hidden) advances through the attention in place; cos, sin (B, rope): this token's
+/* DeepSeek's multi-head latent attention (models/deepseek_v2.py, absorbed) for a decode step,
+ * packed matrices, one new token per row. The half of DeepSeek's layer before its MoE, which
+ * as a layer of torch operations and kernel calls spends more time in dispatch than in
+ * its products at batch 1:
+ *   x = norm(h); [q_a | c_kv | k_pe] = x Wqkv_a; q = norm_q(q_a) Wq_b (without q_rank: q_a);
+ *   per head: q = [q_nope | q_pe]; row = [norm_kv(c_kv) | rope(k_pe)] into the cache;
+ *   q_lat = k_b_head q_nope; o_lat = attention([q_lat | rope(q_pe)], rows) (values: the
+ *   rows' first kv_rank numbers); o = v_b_head o_lat; h += [o per head] Wo
+ * with RoPE pairs adjacent (DeepSeek's rope_interleave), k_b (heads * kv_rank, nope) and v_b
+ * (heads * v_dim, kv_rank) llama.cpp's per-head blocks.
+ *
+ * h (B, hidden) advances through the attention in place; cos, sin (B, rope): this token's
  * rotation per row (halves equal); the cache's row of batch row b, slot s at cache + b cs[0]
  * + s cs[2] (numbers; float32, or float16 where kv16 is set), the new token's at `slot`;
  * attention reads slots [0, S) where mask (B, S) allows. Returns as tg_decode_layer. */
@@ -387,14 +345,6 @@ done:
     free(buf);
     return err;
 }
-
-/* A router (tg_route's arguments, for tg_moe_row) */
-typedef struct {
-    int64_t hidden, experts, groups, topk_groups, k;
-    int32_t scoring, method, norm;
-    float scale;
-    const float *W, *bias;
-} tg_router;
 
 /* One token's mixture of experts in one call, where its experts are at hand: x (hidden)
  * routed as tg_route does (ids, weights: k each); then, if table (two matrices per expert:

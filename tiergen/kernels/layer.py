@@ -33,6 +33,8 @@ _ptr = ctypes.c_void_p
 
 
 class _Layer(ctypes.Structure):
+    """tiergen.h's tg_layer, field for field."""
+
     _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
                 + [(n, ctypes.c_float) for n in ("eps", "shift", "q_scale")]
                 + [(n, ctypes.c_int32) for n in ("gelu", "qa", "wide", "pairs")]
@@ -203,6 +205,8 @@ def route_rows(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.
 
 
 class _Router(ctypes.Structure):
+    """tiergen.h's tg_router, field for field."""
+
     _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "experts", "groups", "topk_groups", "k")]
                 + [(n, ctypes.c_int32) for n in ("scoring", "method", "norm")]
                 + [("scale", ctypes.c_float), ("W", _ptr), ("bias", _ptr)])
@@ -266,6 +270,8 @@ def moe_row(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor, bias: torch.Ten
 
 
 class _Mla(ctypes.Structure):
+    """tiergen.h's tg_mla, field for field."""
+
     _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "heads", "q_rank", "kv_rank", "nope",
                                                 "rope", "v_dim")]
                 + [(n, ctypes.c_float) for n in ("eps", "scale")]

@@ -9,6 +9,7 @@
  * runtime torch has already loaded, it shares torch's thread pool.
  */
 #include "blocks.h"
+#include "tiergen.h"
 
 /* ---- y[i, r] = sum_k W[r, k] x[i, k] --------------------------------------------------
  * Blocks are decoded to float32 vectors (a * q + c) by widen(). Few activation rows (decode):

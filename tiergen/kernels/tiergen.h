@@ -1,0 +1,100 @@
+/* The C kernels' interface: every function the library exports, and the structures they
+ * take. Declared here once: each .c file includes this header, so the compiler holds the
+ * definitions to these prototypes, and tiergen/kernels/__init__.py reads the prototypes to
+ * give ctypes its argument and return types (tests/test_kernels_interface.py checks both
+ * ends). Each function is described where it is defined.
+ *
+ * Kept to what that reader parses: one prototype per declaration, ending in ");", the
+ * types built of the names below, pointers, const, void, int, float, int8_t .. int64_t and
+ * uint8_t .. uint16_t; structures with one type per line of fields.
+ */
+#ifndef TG_TIERGEN_H
+#define TG_TIERGEN_H
+
+#include <stdint.h>
+
+/* A packed matrix (n rows of k values): {n, k, parts, then (ggml type, rows, address, kept
+ * tiles' address or 0: tg_build_tiles) for each part, its rows in order}. */
+typedef const int64_t *tg_matrix;
+
+/* A decode layer (layer.c; kernels/layer.py's _Layer). */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    float eps, shift, q_scale;
+    int32_t gelu;        /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
+    int32_t qa, wide;    /* activations: qa = 0 float32, else int8 blocks of qa (wide: 16-bit) */
+    int32_t pairs;       /* rotary pairs adjacent (tg_rope) */
+    const float *attn_norm, *q_norm, *k_norm, *attn_out_norm, *ffn_norm, *ffn_out_norm;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    tg_matrix qkv, o, gate_up, down;
+} tg_layer;
+
+/* DeepSeek's latent attention (layer.c's tg_mla_attention; kernels/layer.py's _Mla). */
+typedef struct {
+    int64_t hidden, heads, q_rank, kv_rank, nope, rope, v_dim;
+    float eps, scale;
+    int32_t qa, wide;
+    int32_t kb_type, vb_type;      /* GGML types of k_b and v_b */
+    int64_t kb_stride, vb_stride;  /* bytes from one head's block of k_b (v_b) to the next */
+    const float *attn_norm, *q_norm, *kv_norm;
+    tg_matrix qkv_a, q_b, o;
+    const uint8_t *k_b, *v_b;
+} tg_mla;
+
+/* A router (tg_route's arguments, for tg_moe_row; kernels/layer.py's _Router). */
+typedef struct {
+    int64_t hidden, experts, groups, topk_groups, k;
+    int32_t scoring, method, norm;
+    float scale;
+    const float *W, *bias;
+} tg_router;
+
+/* packed.c: float products on packed blocks */
+int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+              float *y, int64_t ldy);
+int tg_dequant(int type, const uint8_t *w, int64_t nblocks, float *out);
+
+/* int8.c: integer products on packed blocks */
+void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
+                     float *xs4, float *xsum);
+int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float *xs4,
+               const float *xsum, int qa, int64_t m, float *y);
+int tg_qmatmul_grouped(int type, const uint8_t *w, int64_t groups, int64_t n, int64_t k,
+                       int64_t stride, const int8_t *xq, const int8_t *xl, const float *xs4,
+                       const float *xsum, int qa, int64_t m, float *y);
+int64_t tg_tile_bytes(int64_t n, int64_t k);
+int tg_build_tiles(const int64_t *w, uint8_t *out);
+int tg_takes_tiles(int type, int64_t k, int64_t m, int wide);
+int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16,
+                 int *is_signed);
+int tg_int8_isa(void);
+
+/* decode.c: a decode step's small operations */
+void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t n, float eps,
+                 float *out);
+void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T, int64_t D,
+             const float *cos, const float *sin, int pairs, float *out);
+int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
+                        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
+                        const int64_t *ks, const int64_t *vs, float scale, int kv16, float *out);
+void tg_to_half(const float *x, int64_t n, uint16_t *out);
+void tg_argmax(const float *x, int64_t rows, int64_t n, int64_t *out);
+void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, float *out);
+
+/* layer.c: a whole layer, or most of one, in one call */
+int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, const float *sin,
+                    void *kc, void *vc, const int64_t *ks, const int64_t *vs, int64_t slot,
+                    int64_t S, const uint8_t *mask, int kv16);
+int tg_experts_row(const tg_layer *L, const int64_t *const *mats, int64_t E, const float *mix,
+                   const float *x, float *out);
+int tg_route(const float *x, int64_t N, int64_t H, const float *W, int64_t E, const float *bias,
+             int scoring, int method, int64_t groups, int64_t topk_groups, int64_t k, int norm,
+             float scale, int64_t *ids, float *weights);
+int tg_mla_attention(const tg_mla *L, float *h, int64_t B, const float *cos, const float *sin,
+                     void *cache, const int64_t *cs, int64_t slot, int64_t S,
+                     const uint8_t *mask, int kv16);
+int tg_moe_row(const tg_layer *L, const tg_router *R, const float *x,
+               const int64_t *const *table, const int64_t *const *shared, float shared_mix,
+               int64_t *ids, float *weights, float *out);
+
+#endif
