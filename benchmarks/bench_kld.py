@@ -102,11 +102,11 @@ def main() -> None:
     ap.add_argument("--runs", default="int8,int16,int8-rows,int16-rows,llama.cpp",
                     help="which runs besides the float path: int8, int16 (prompt chunks), "
                          "int8-rows, int16-rows (token by token), llama.cpp")
-    ap.add_argument("--int8-block", type=int, default=None, choices=[4, 8, 16],
+    ap.add_argument("--int8-group", type=int, default=None, choices=[4, 8, 16],
                     help="values per scale of the int8 runs (default: tiergen's, 8)")
     args = ap.parse_args()
-    if args.int8_block:  # the kernels take 4, 8 or 16; tiergen uses 8
-        kernels.ACTIVATION_FORMATS["int8"] = (args.int8_block, False)
+    if args.int8_group:  # the kernels take 4, 8 or 16; tiergen uses 8
+        kernels.ACTIVATION_FORMATS["int8"] = (args.int8_group, False)
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}); {TEXT.name}, windows of {args.ctx}, "
           f"{args.windows} windows; int8: a scale per {kernels.ACTIVATION_FORMATS['int8'][0]}")

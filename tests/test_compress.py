@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiergen.errors import TiergenError
-from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
+from tiergen.offload.compress import Compressed, decompress, compress, compressed_nbytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -21,7 +21,7 @@ def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.T
 
 
 def grouped(t: torch.Tensor, group_size: int, dim: int = -1) -> torch.Tensor:
-    """``t`` in float32 as (groups, group_size), groups in the order quantize() uses."""
+    """``t`` in float32 as (groups, group_size), groups in the order compress() uses."""
     return t.movedim(dim, -1).reshape(-1, group_size).float()
 
 
@@ -31,8 +31,8 @@ def tolerance(x: torch.Tensor, group_size: int, dim: int = -1) -> torch.Tensor:
     return (torch.finfo(x.dtype).eps + 1e-6) * absmax
 
 
-def check_bound(x: torch.Tensor, q: Quantized, dim: int = -1) -> None:
-    err = (grouped(x, q.group_size, dim) - grouped(dequantize(q), q.group_size, dim)).abs()
+def check_bound(x: torch.Tensor, q: Compressed, dim: int = -1) -> None:
+    err = (grouped(x, q.group_size, dim) - grouped(decompress(q), q.group_size, dim)).abs()
     bound = q.scale / 2 + tolerance(x, q.group_size, dim)
     worst = (err - bound).amax()
     assert worst <= 0, f"error exceeds scale/2 by {worst.item():.3g}"
@@ -44,7 +44,7 @@ def check_bound(x: torch.Tensor, q: Quantized, dim: int = -1) -> None:
 def test_error_within_half_a_step_per_group(dtype, bits, group_size):
     for shape in [(24, 256), (2, 3, 5, 128)]:  # a weight (out, in); a KV cache (..., head_dim)
         x = sample(shape, dtype)
-        q = quantize(x, bits=bits, group_size=group_size)
+        q = compress(x, bits=bits, group_size=group_size)
         assert q.scale.shape == (x.numel() // group_size, 1)
         check_bound(x, q)
         # the bound is per group: the reference scale is (max - min) / (2**bits - 1)
@@ -60,8 +60,8 @@ def test_constant_groups_round_trip_exactly(dtype, bits):
     x[0, :64] = 0
     x[1, 64:] = 3.7
     x[2] = -1e3
-    q = quantize(x, bits=bits, group_size=64)
-    y = dequantize(q)
+    q = compress(x, bits=bits, group_size=64)
+    y = decompress(q)
     assert torch.equal(y[0, :64], x[0, :64])
     assert torch.equal(y[1, 64:], x[1, 64:])
     assert torch.equal(y[2], x[2])
@@ -73,8 +73,8 @@ def test_constant_groups_round_trip_exactly(dtype, bits):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_group_min_and_max_are_reproduced(dtype, bits):
     x = sample((16, 256), dtype, seed=3)
-    q = quantize(x, bits=bits, group_size=64)
-    g, y = grouped(x, 64), grouped(dequantize(q), 64)
+    q = compress(x, bits=bits, group_size=64)
+    g, y = grouped(x, 64), grouped(decompress(q), 64)
     lo, hi = g.argmin(dim=1, keepdim=True), g.argmax(dim=1, keepdim=True)
     assert torch.equal(y.gather(1, lo), g.gather(1, lo))  # code 0 gives the minimum exactly
     slack = 1e-6 * g.abs().amax(dim=1, keepdim=True)  # float32 rounding of scale * 2**bits-1
@@ -85,20 +85,20 @@ def test_group_min_and_max_are_reproduced(dtype, bits):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_shape_dtype_device_and_out_buffer(dtype, device):
     x = sample((3, 7, 64), dtype).to(device)
-    q = quantize(x, bits=4, group_size=32)
+    q = compress(x, bits=4, group_size=32)
     assert q.data.dtype == torch.uint8 and q.data.device == x.device
     assert (q.shape, q.dtype, q.bits, q.group_size, q.dim) == ((3, 7, 64), dtype, 4, 32, 2)
-    y = dequantize(q)
+    y = decompress(q)
     assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
     assert y.is_contiguous()
     out = torch.full_like(x, float("nan"))
-    result = dequantize(q, out=out)
+    result = decompress(q, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert torch.equal(out, y)
     with pytest.raises(TiergenError, match="out buffer"):
-        dequantize(q, out=torch.empty(3, 7, 64, dtype=torch.float64, device=device))
+        decompress(q, out=torch.empty(3, 7, 64, dtype=torch.float64, device=device))
     with pytest.raises(TiergenError, match="out buffer"):
-        dequantize(q, out=torch.empty(3, 64, 7, dtype=dtype, device=device))
+        decompress(q, out=torch.empty(3, 64, 7, dtype=dtype, device=device))
 
 
 @pytest.mark.parametrize("shape,group_size", [((1536, 576), 64), ((2, 4, 10, 64), 64),
@@ -106,8 +106,8 @@ def test_shape_dtype_device_and_out_buffer(dtype, device):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_nbytes_matches_planner(shape, group_size, bits):
     x = torch.randn(shape, dtype=torch.float16)
-    q = quantize(x, bits=bits, group_size=group_size)
-    assert quantized_nbytes(shape, bits, group_size) == q.nbytes
+    q = compress(x, bits=bits, group_size=group_size)
+    assert compressed_nbytes(shape, bits, group_size) == q.nbytes
     n = x.numel()
     # codes at bits/8 bytes per element, plus a float32 scale and minimum per group
     assert q.nbytes == n * bits // 8 + (n // group_size) * 8
@@ -121,58 +121,58 @@ def test_bad_arguments_say_what_to_change():
     x = torch.randn(4, 96)
     for bits in (2, 3, 16):
         with pytest.raises(TiergenError, match="use bits=4 or bits=8"):
-            quantize(x, bits=bits)
+            compress(x, bits=bits)
         with pytest.raises(TiergenError, match="use bits=4 or bits=8"):
-            quantized_nbytes((4, 96), bits, 32)
+            compressed_nbytes((4, 96), bits, 32)
     with pytest.raises(TiergenError, match=r"96 elements, not a multiple of the group size 64"):
-        quantize(x, group_size=64)
+        compress(x, group_size=64)
     with pytest.raises(TiergenError, match="multiple of the group size"):
-        quantized_nbytes((4, 96), 4, 64)
+        compressed_nbytes((4, 96), 4, 64)
     with pytest.raises(TiergenError, match="group size"):
-        quantize(x, group_size=0)
+        compress(x, group_size=0)
     with pytest.raises(TiergenError, match="even group size"):
-        quantize(torch.randn(4, 99), bits=4, group_size=33)
+        compress(torch.randn(4, 99), bits=4, group_size=33)
     with pytest.raises(TiergenError, match="dim that exists"):
-        quantize(x, group_size=32, dim=2)
+        compress(x, group_size=32, dim=2)
     with pytest.raises(TiergenError, match="floating-point"):
-        quantize(torch.ones(4, 64, dtype=torch.int32))
-    quantize(torch.randn(4, 99), bits=8, group_size=33)  # odd groups are fine at 8 bits
+        compress(torch.ones(4, 64, dtype=torch.int32))
+    compress(torch.randn(4, 99), bits=8, group_size=33)  # odd groups are fine at 8 bits
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grouping_another_dim(dtype, bits):
     x = sample((5, 128, 3), dtype).transpose(0, 1)  # (128, 5, 3), non-contiguous
-    q = quantize(x, bits=bits, group_size=32, dim=0)
+    q = compress(x, bits=bits, group_size=32, dim=0)
     assert q.dim == 0
-    y = dequantize(q)
+    y = decompress(q)
     assert y.shape == x.shape and y.dtype == dtype
     check_bound(x, q, dim=0)
     # same codes as grouping the last dim of the moved tensor
-    moved = quantize(x.movedim(0, -1).contiguous(), bits=bits, group_size=32)
+    moved = compress(x.movedim(0, -1).contiguous(), bits=bits, group_size=32)
     assert torch.equal(q.data, moved.data) and torch.equal(q.scale, moved.scale)
-    assert torch.equal(y, dequantize(moved).movedim(-1, 0))
-    assert torch.equal(dequantize(quantize(x, bits=bits, group_size=32, dim=-3)), y)
+    assert torch.equal(y, decompress(moved).movedim(-1, 0))
+    assert torch.equal(decompress(compress(x, bits=bits, group_size=32, dim=-3)), y)
     with pytest.raises(TiergenError, match="not a multiple"):
-        quantize(x, group_size=32, dim=1)
+        compress(x, group_size=32, dim=1)
 
 
 def test_four_bit_nibble_layout():
     x = torch.arange(16, dtype=torch.float32).view(1, 16)  # min 0, scale 1: codes are x
-    q = quantize(x, bits=4, group_size=16)
+    q = compress(x, bits=4, group_size=16)
     assert q.data.tolist() == [[0x01, 0x23, 0x45, 0x67, 0x89, 0xAB, 0xCD, 0xEF]]
-    assert torch.equal(dequantize(q), x)
+    assert torch.equal(decompress(q), x)
 
 
 def test_to_and_tensors_round_trip():
     x = sample((6, 128), torch.bfloat16)
-    q = quantize(x, bits=4, group_size=64)
+    q = compress(x, bits=4, group_size=64)
     moved = q.to("cpu")
-    assert torch.equal(dequantize(moved), dequantize(q))
+    assert torch.equal(decompress(moved), decompress(q))
     parts = {k: v.clone() for k, v in q.tensors().items()}
     assert set(parts) == {"data", "scale", "minimum"}
     assert sum(t.numel() * t.element_size() for t in parts.values()) == q.nbytes
-    back = Quantized.from_tensors(parts, (6, 128), torch.bfloat16, 4, 64)
-    assert torch.equal(dequantize(back), dequantize(q))
+    back = Compressed.from_tensors(parts, (6, 128), torch.bfloat16, 4, 64)
+    assert torch.equal(decompress(back), decompress(q))
     with pytest.raises(TiergenError, match="do not match"):
-        Quantized.from_tensors(parts, (6, 128), torch.bfloat16, 8, 64)
+        Compressed.from_tensors(parts, (6, 128), torch.bfloat16, 8, 64)

@@ -1,4 +1,4 @@
-"""The integer kernels (int8.c): activations quantised to int8 in blocks of 16 equal a plain
+"""The integer kernels (int8.c): activations quantised to int8 in scale groups of 16 equal a plain
 torch quantiser bit for bit, and every packed type's integer product equals the same
 arithmetic done plainly (decoded weights times the quantised activations in float64, and for
 the 8-bit tiles their float32 reading of each block's sum, see tile_reference), up to float
@@ -24,35 +24,35 @@ FORMATS = [(4, False), (8, False), (16, False), (16, True)]
 FORMAT_IDS = ["int8/4", "int8/8", "int8/16", "int16/16"]
 
 
-def quantize_reference(x: torch.Tensor, block: int, wide: bool
+def quantize_reference(x: torch.Tensor, group: int, wide: bool
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Integer values (int32) and one scale per ``block`` values, and the sums of scale *
+    """Integer values (int32) and one scale per ``group`` values, and the sums of scale *
     value per 16: the arithmetic int8.c does."""
     m, k = x.shape
     top = 32512.0 if wide else 127.0
-    blocks = x.view(m, k // block, block)
-    amax = blocks.abs().amax(-1, keepdim=True)
+    groups = x.view(m, k // group, group)
+    amax = groups.abs().amax(-1, keepdim=True)
     # a true division (a number over a tensor is a reciprocal times it in torch)
     inv = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros(()))
-    q = torch.round(blocks * inv)
+    q = torch.round(groups * inv)
     scale = (amax / top).squeeze(-1)
-    sums = (scale.double() * q.sum(-1).double()).view(m, k // 16, 16 // block)
+    sums = (scale.double() * q.sum(-1).double()).view(m, k // 16, 16 // group)
     total = sums[..., 0]
-    for j in range(1, 16 // block):  # in order, as int8.c adds them
+    for j in range(1, 16 // group):  # in order, as int8.c adds them
         total = total + sums[..., j]
     return q.to(torch.int32).view(m, k), scale, total.float()
 
 
-@pytest.mark.parametrize("block,wide", FORMATS, ids=FORMAT_IDS)
-def test_activations_quantise_as_the_plain_reference(block, wide):
+@pytest.mark.parametrize("group,wide", FORMATS, ids=FORMAT_IDS)
+def test_activations_quantise_as_the_plain_reference(group, wide):
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(0)) * 3
-    x[2, :16] = 0  # an all-zero block: scale 0, values 0
-    x[3, 5] = 40.0  # an outlier sets its block's scale alone
-    got = kernels.quantize_activations(x, block, wide)
-    q, scale, sums = quantize_reference(x, block, wide)
+    x[2, :16] = 0  # an all-zero group: scale 0, values 0
+    x[3, 5] = 40.0  # an outlier sets its group's scale alone
+    got = kernels.quantize_activations(x, group, wide)
+    q, scale, sums = quantize_reference(x, group, wide)
     values = got.q.int() if got.low is None else 255 * got.q.int() + got.low.int()
     assert torch.equal(values, q)
-    assert torch.equal(got.scales, scale.repeat_interleave(block // 4, dim=1))
+    assert torch.equal(got.scales, scale.repeat_interleave(group // 4, dim=1))
     assert torch.equal(got.sums, sums)
     assert got.q[2, :16].abs().sum() == 0 and got.q.abs().max() <= 127
     assert (got.low is None) == (not wide)
@@ -63,17 +63,17 @@ def test_activations_quantise_as_the_plain_reference(block, wide):
 def test_activation_formats_that_do_not_exist_are_refused():
     with pytest.raises(ValueError, match="4, 8 or 16"):
         kernels.quantize_activations(torch.randn(1, 32), 32)
-    with pytest.raises(ValueError, match="16-bit activations come in blocks of 16"):
+    with pytest.raises(ValueError, match="16-bit activations come in groups of 16"):
         kernels.quantize_activations(torch.randn(1, 32), 8, wide=True)
 
 
-def integer_reference(x: torch.Tensor, w, block: int, wide: bool) -> torch.Tensor:
+def integer_reference(x: torch.Tensor, w, group: int, wide: bool) -> torch.Tensor:
     """The product as the kernels do it: the row-by-row kernels and the 16-bit tiles exactly,
     up to float rounding; the 8-bit tiles as :func:`tile_reference`, for the parts whose
     product takes them (the library says which: more than a few rows, and with AVX-512 a few
     more for the types its row kernels take into registers)."""
-    q, scale, _ = quantize_reference(x, block, wide)
-    xd = (q.double().view(x.shape[0], -1, block) * scale.double()[..., None]).view(x.shape)
+    q, scale, _ = quantize_reference(x, group, wide)
+    xd = (q.double().view(x.shape[0], -1, group) * scale.double()[..., None]).view(x.shape)
     dense = torch.cat([dequantize(raw, t, (n, w.shape[1])) for t, _, n, raw in w.segments()])
     exact = (xd @ dense.double().T).float()
     tiled = [not wide and bool(kernels.library().tg_takes_tiles(t, w.shape[1], x.shape[0], 0))
@@ -81,7 +81,7 @@ def integer_reference(x: torch.Tensor, w, block: int, wide: bool) -> torch.Tenso
     if not any(tiled):
         return exact
     where = torch.cat([torch.full((n,), tile) for (_, _, n, _), tile in zip(w.segments(), tiled)])
-    return torch.where(where, tile_reference(x, w, block), exact)
+    return torch.where(where, tile_reference(x, w, group), exact)
 
 
 MAGIC = 12582912.0  # int8.c's MAGIC: 1.5 * 2^23
@@ -107,21 +107,21 @@ def tile_view(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.cat(qs), torch.cat(scales), torch.cat(offsets)
 
 
-def tile_reference(x: torch.Tensor, w, block: int) -> torch.Tensor:
-    """The 8-bit tiles' arithmetic done plainly: each activation block's integer sum D,
-    read as the float32 MAGIC + D, multiply-added with the block's scale into a part per 16
+def tile_reference(x: torch.Tensor, w, group: int) -> torch.Tensor:
+    """The 8-bit tiles' arithmetic done plainly: each activation group's integer sum D,
+    read as the float32 MAGIC + D, multiply-added with the group's scale into a part per 16
     values that starts at -MAGIC times the sum of their scales; the parts take the weights'
     scales and offsets in float64 (the kernels add them in float32, whose rounding alone
     stays below the comparison's tolerance). Each float32 multiply-add is one float64 one
     rounded to float32."""
-    q, scale, sums = quantize_reference(x, block, False)
+    q, scale, sums = quantize_reference(x, group, False)
     wq, a, c = tile_view(w)
     m, k = q.shape
-    d = torch.einsum("mbl,nbl->mnb", q.double().view(m, k // block, block),
-                     wq.view(-1, k // block, block)).view(m, -1, k // 16, 16 // block)
-    s = scale.view(m, k // 16, 16 // block)
+    d = torch.einsum("mbl,nbl->mnb", q.double().view(m, k // group, group),
+                     wq.view(-1, k // group, group)).view(m, -1, k // 16, 16 // group)
+    s = scale.view(m, k // 16, 16 // group)
     part = (-MAGIC * s.double().sum(-1)).float()[:, None].expand(-1, d.shape[1], -1)
-    for b in range(16 // block):
+    for b in range(16 // group):
         part = ((MAGIC + d[..., b]) * s[:, None, :, b].double() + part.double()).float()
     return (part.double() * a.double() + c.double() * sums.double()[:, None]).sum(-1).float()
 
@@ -137,18 +137,18 @@ def assert_close_relative(got: torch.Tensor, want: torch.Tensor, tol: float = 1e
 # remainder or not, and prefill-sized products
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33, 100])
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
-@pytest.mark.parametrize("block,wide_act", FORMATS, ids=FORMAT_IDS)
-def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, block, wide_act):
+@pytest.mark.parametrize("group,wide_act", FORMATS, ids=FORMAT_IDS)
+def test_integer_product_equals_the_plain_arithmetic(ggml_type, rows, wide, group, wide_act):
     qk = ggml_type_sizes(ggml_type)[0]
     # 67 output rows: the last 8-row tile holds 3; wide rows run past the 1024-value chunk
     cols = 1280 if wide else qk * (11 if qk == 32 else 3)
     w = random_packed(ggml_type, 67, cols, seed=ggml_type)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
-    x[0, :7] *= 30  # outliers in one block
-    got = kernels.integer_linear(x, w, None, block, wide_act)
+    x[0, :7] *= 30  # outliers in one group
+    got = kernels.integer_linear(x, w, None, group, wide_act)
     bias = torch.randn(67)
-    got3 = kernels.integer_linear(x.view(1, rows, cols), w, bias, block, wide_act)
-    want = integer_reference(x, w, block, wide_act)
+    got3 = kernels.integer_linear(x.view(1, rows, cols), w, bias, group, wide_act)
+    want = integer_reference(x, w, group, wide_act)
     assert_close_relative(got, want)
     assert_close_relative(got3, (want + bias).view(1, rows, 67))
 
@@ -237,16 +237,16 @@ def test_every_instruction_set_build_does_the_same_arithmetic(isa_library, ggml_
     w = random_packed(ggml_type, 19, cols, seed=ggml_type)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     monkeypatch.setattr(kernels, "_lib", isa_library)
-    for block, wide in FORMATS:
-        got = kernels.quantize_activations(x, block, wide)
-        q, scale, sums = quantize_reference(x, block, wide)
+    for group, wide in FORMATS:
+        got = kernels.quantize_activations(x, group, wide)
+        q, scale, sums = quantize_reference(x, group, wide)
         values = got.q.int() if got.low is None else 255 * got.q.int() + got.low.int()
         assert torch.equal(values, q) and torch.equal(got.sums, sums)
-        y = kernels.integer_linear(x, w, None, block, wide)
-        assert_close_relative(y, integer_reference(x, w, block, wide))
+        y = kernels.integer_linear(x, w, None, group, wide)
+        assert_close_relative(y, integer_reference(x, w, group, wide))
         kept = Packed(w.data, w.shape, w.parts, may_keep_tiles=True)
         assert kernels.keep_tiles(kept)
-        assert torch.equal(kernels.integer_linear(x, kept, None, block, wide), y)
+        assert torch.equal(kernels.integer_linear(x, kept, None, group, wide), y)
 
 
 def test_a_prompt_whose_panels_outgrow_the_kept_buffer_multiplies_the_same():
@@ -275,9 +275,9 @@ def test_kept_tiles_multiply_as_the_tiles_built_at_each_product(ggml_type):
     assert kernels.tile_bytes(kept) >= 3 * w.shape[0] * cols // 2
     for rows in (1, 3, 5, 32, 300):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
-        for block, wide in FORMATS:
-            assert torch.equal(kernels.integer_linear(x, kept, None, block, wide),
-                               kernels.integer_linear(x, w, None, block, wide))
+        for group, wide in FORMATS:
+            assert torch.equal(kernels.integer_linear(x, kept, None, group, wide),
+                               kernels.integer_linear(x, w, None, group, wide))
     # a copy elsewhere, or over other bytes, does not carry them
     assert kept.to("cpu").tiles is None and kept.with_data(w.data.clone()).tiles is None
 

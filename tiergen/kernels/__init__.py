@@ -59,9 +59,9 @@ _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
 _arith = threading.local()  # .kind: this thread's activations (set_activations)
 # The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 8
-# values: about 2x closer to the float path than blocks of 16, where a scale per 4 is 2x
+# values: about 2x closer to the float path than scale groups of 16, where a scale per 4 is 2x
 # closer again but costs the tiles a multiply-add per integer product, 1.1x the time of a
-# batch-32 generation (KL divergence: benchmarks/bench_kld.py --int8-block; speed:
+# batch-32 generation (KL divergence: benchmarks/bench_kld.py --int8-group; speed:
 # benchmarks/bench_int8.py; docs/BENCHMARKS.md). 16-bit ones, two int8 halves dotted apart,
 # land below 5e-6.
 ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
@@ -174,8 +174,8 @@ def dequantize_into(w: Packed, out: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int8Rows:
-    """Activation rows quantised for ``int8.c``: integers in blocks of ``block`` values (4, 8
-    or 16) with a scale each, the scale of every four values' block, and the sum of scale *
+    """Activation rows quantised for ``int8.c``: integers in scale groups of ``group`` values
+    (4, 8 or 16) with a scale each, the scale of every four values, and the sum of scale *
     value over every 16 values. 8-bit: ``q`` in [-127, 127], scale max |x| / 127. 16-bit
     (``low`` given): 255 * q + low, both in [-127, 127], scale max |x| / 32512."""
 
@@ -183,24 +183,24 @@ class Int8Rows:
     low: torch.Tensor | None  # (m, k) int8
     scales: torch.Tensor  # (m, k // 4) float32
     sums: torch.Tensor  # (m, k // 16) float32
-    block: int
+    group: int  # values per scale
 
 
-def quantize_activations(x: torch.Tensor, block: int, wide: bool = False) -> Int8Rows:
+def quantize_activations(x: torch.Tensor, group: int, wide: bool = False) -> Int8Rows:
     """``x`` (m, k), float32 CPU, k a multiple of 32, as :class:`Int8Rows` (C library)."""
     lib = library()
     if lib is None:
         raise RuntimeError("the C kernels are unavailable")
     m, k = x.shape
     x = x.float().contiguous()
-    if block not in (4, 8, 16):
-        raise ValueError(f"activation blocks of 4, 8 or 16 values, not {block}")
-    if wide and block != 16:
-        raise ValueError("16-bit activations come in blocks of 16 values")
+    if group not in (4, 8, 16):
+        raise ValueError(f"activation scale groups of 4, 8 or 16 values, not {group}")
+    if wide and group != 16:
+        raise ValueError("16-bit activations come in groups of 16 values")
     rows = Int8Rows(torch.empty(m, k, dtype=torch.int8),
                     torch.empty(m, k, dtype=torch.int8) if wide else None,
-                    torch.empty(m, k // 4), torch.empty(m, k // 16), block)
-    lib.tg_quantize_act(x.data_ptr(), m, k, block, rows.q.data_ptr(),
+                    torch.empty(m, k // 4), torch.empty(m, k // 16), group)
+    lib.tg_quantize_act(x.data_ptr(), m, k, group, rows.q.data_ptr(),
                         None if rows.low is None else rows.low.data_ptr(),
                         rows.scales.data_ptr(), rows.sums.data_ptr())
     return rows
@@ -300,7 +300,7 @@ def keep_tiles_for(w: Packed, rows: int, wide: bool = False) -> None:
 
 
 def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
-                   block: int = 4, wide: bool = False, out: torch.Tensor | None = None
+                   group: int = 4, wide: bool = False, out: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """``x @ w.T + bias`` by the integer kernels, ``x`` quantised as
     :func:`quantize_activations` does (CPU, ``w.shape[1]`` a multiple of 32); into ``out``
@@ -311,11 +311,11 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     rows = x.shape[:-1].numel()
     if x.dim() == 2 or x.shape[-2] == 1:  # a token of each sequence
         keep_tiles_for(w, rows, wide)
-    a = quantize_activations(x.reshape(rows, x.shape[-1]), block, wide)
+    a = quantize_activations(x.reshape(rows, x.shape[-1]), group, wide)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32) if out is None else out
     err = lib.tg_qmatmul(matrix_descriptor(w), a.q.data_ptr(),
                          None if a.low is None else a.low.data_ptr(), a.scales.data_ptr(),
-                         a.sums.data_ptr(), a.block, rows, y.data_ptr())
+                         a.sums.data_ptr(), a.group, rows, y.data_ptr())
     if err == -2:
         raise MemoryError(f"integer product of {rows} rows: out of memory for its panels")
     if err:
@@ -353,7 +353,7 @@ def grouped_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     ggml_type = w.parts[0][0]
     if lib.tg_qmatmul_grouped(ggml_type, w.data.data_ptr(), G, N, K, stride,
                               a.q.data_ptr(), None if a.low is None else a.low.data_ptr(),
-                              a.scales.data_ptr(), a.sums.data_ptr(), a.block, M, y.data_ptr()):
+                              a.scales.data_ptr(), a.sums.data_ptr(), a.group, M, y.data_ptr()):
         raise MemoryError(f"grouped integer product of {G} x {M} rows: out of memory")
     return y.to(x.dtype)
 

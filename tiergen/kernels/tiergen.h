@@ -22,7 +22,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     float eps, shift, q_scale;
     int32_t gelu;        /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
-    int32_t qa, wide;    /* activations: qa = 0 float32, else int8 blocks of qa (wide: 16-bit) */
+    int32_t qa, wide;    /* activations: qa = 0 float32, else int8 scale groups of qa (wide: 16-bit) */
     int32_t pairs;       /* rotary pairs adjacent (tg_rope) */
     const float *attn_norm, *q_norm, *k_norm, *attn_out_norm, *ffn_norm, *ffn_out_norm;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;

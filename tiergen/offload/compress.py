@@ -16,7 +16,7 @@ Scale and minimum are float32 (8 bytes per group, 1/8 byte per element at group 
 in float16 the minimum alone is off by up to |m| * 2**-11, which exceeds the code step of
 a group whose range is small next to its offset, and float16 overflows past 65504.
 
-Error bound: |x - dequantize(quantize(x))| <= scale / 2 per group, plus float32 rounding
+Error bound: |x - decompress(compress(x))| <= scale / 2 per group, plus float32 rounding
 and the final rounding to the original dtype (half a unit in its last place).
 """
 
@@ -33,8 +33,9 @@ PARAM_DTYPE = torch.float32  # dtype of scale and minimum
 
 
 @dataclass
-class Quantized:
-    """A tensor in quantised form; ``dim`` is the grouped dimension (non-negative)."""
+class Compressed:
+    """A compressed tensor: its codes, and a scale and minimum per group; ``dim`` is the grouped
+    dimension (non-negative)."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -52,7 +53,7 @@ class Quantized:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.minimum))
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Quantized:
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Compressed:
         return replace(self, **{k: t.to(device, non_blocking=non_blocking)
                                 for k, t in self.tensors().items()})
 
@@ -67,7 +68,7 @@ class Quantized:
 
     @classmethod
     def from_bytes(cls, flat: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, bits: int,
-                   group_size: int) -> Quantized:
+                   group_size: int) -> Compressed:
         """The inverse of :meth:`to_bytes` (views into ``flat``, no copy)."""
         groups = prod(shape) // group_size
         codes = groups * group_size * bits // 8
@@ -79,8 +80,8 @@ class Quantized:
 
     @classmethod
     def from_tensors(cls, parts: dict[str, torch.Tensor], shape: tuple[int, ...],
-                     dtype: torch.dtype, bits: int, group_size: int, dim: int = -1) -> Quantized:
-        """The inverse of :meth:`tensors`, given the metadata quantize() was called with."""
+                     dtype: torch.dtype, bits: int, group_size: int, dim: int = -1) -> Compressed:
+        """The inverse of :meth:`tensors`, given the metadata compress() was called with."""
         dim = _check(tuple(shape), bits, group_size, dim)
         groups = prod(shape) // group_size
         if tuple(parts["data"].shape) != (groups, group_size * bits // 8):
@@ -109,17 +110,17 @@ def _check(shape: tuple[int, ...], bits: int, group_size: int, dim: int) -> int:
     return dim
 
 
-def quantized_nbytes(shape: tuple[int, ...], bits: int, group_size: int, dim: int = -1) -> int:
-    """Exact bytes quantize() gives for a tensor of this shape, without quantising it."""
+def compressed_nbytes(shape: tuple[int, ...], bits: int, group_size: int, dim: int = -1) -> int:
+    """Exact bytes compress() gives for a tensor of this shape, without compressing it."""
     _check(tuple(shape), bits, group_size, dim)
     n = prod(shape)
     return n * bits // 8 + (n // group_size) * 2 * PARAM_DTYPE.itemsize
 
 
-def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 64, dim: int = -1) -> Quantized:
-    """Quantise floating-point ``x`` group-wise along ``dim`` (see the module docstring)."""
+def compress(x: torch.Tensor, bits: int = 4, group_size: int = 64, dim: int = -1) -> Compressed:
+    """Compress floating-point ``x`` group-wise along ``dim`` (see the module docstring)."""
     if not x.is_floating_point():
-        raise TiergenError(f"only floating-point tensors can be quantised, not {x.dtype}")
+        raise TiergenError(f"only floating-point tensors can be compressed, not {x.dtype}")
     dim = _check(tuple(x.shape), bits, group_size, dim)
     groups = x.movedim(dim, -1).reshape(-1, group_size).to(torch.float32)
     qmax = 2**bits - 1
@@ -130,11 +131,11 @@ def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 64, dim: int = -1
     if bits == 4:
         pairs = codes.view(codes.shape[0], group_size // 2, 2)
         codes = (pairs[..., 0] << 4) | pairs[..., 1]
-    return Quantized(codes.contiguous(), scale, minimum, tuple(x.shape), x.dtype, bits,
+    return Compressed(codes.contiguous(), scale, minimum, tuple(x.shape), x.dtype, bits,
                      group_size, dim)
 
 
-def dequantize(q: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
+def decompress(q: Compressed, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild the tensor (q.shape, q.dtype, on q.data's device), into ``out`` if given."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.data.device)
@@ -155,31 +156,31 @@ def dequantize(q: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def quantized_width(width: int, bits: int, group_size: int) -> int:
-    """Bytes per row of ``width`` numbers in the :func:`quantize_rows` form."""
-    return quantized_nbytes((width,), bits, group_size)
+def compressed_width(width: int, bits: int, group_size: int) -> int:
+    """Bytes per row of ``width`` numbers in the :func:`compress_rows` form."""
+    return compressed_nbytes((width,), bits, group_size)
 
 
-def quantize_rows(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Quantise x (..., width) row by row into one uint8 tensor (..., quantized_width): each
+def compress_rows(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Compress x (..., width) row by row into one uint8 tensor (..., compressed_width): each
     row's codes, then its scales, then its minima. Rows stay independent, so a KV cache can
     be written and read a slot range at a time like an ordinary tensor."""
-    q = quantize(x, bits, group_size)
+    q = compress(x, bits, group_size)
     lead = x.shape[:-1]
     parts = [q.data.view(*lead, -1), q.scale.view(*lead, -1).view(torch.uint8),
              q.minimum.view(*lead, -1).view(torch.uint8)]
     return torch.cat(parts, dim=-1)
 
 
-def dequantize_rows(rows: torch.Tensor, width: int, bits: int, group_size: int,
+def decompress_rows(rows: torch.Tensor, width: int, bits: int, group_size: int,
                     dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The inverse of :func:`quantize_rows`: (..., quantized_width) uint8 -> (..., width)
+    """The inverse of :func:`compress_rows`: (..., compressed_width) uint8 -> (..., width)
     ``dtype``."""
     lead = rows.shape[:-1]
     codes, groups = width * bits // 8, width // group_size
     data, scale, minimum = rows.split([codes, 4 * groups, 4 * groups], dim=-1)
     n = rows[..., 0].numel()
-    q = Quantized(data.reshape(n * groups, -1), scale.contiguous().view(PARAM_DTYPE).reshape(-1, 1),
+    q = Compressed(data.reshape(n * groups, -1), scale.contiguous().view(PARAM_DTYPE).reshape(-1, 1),
                   minimum.contiguous().view(PARAM_DTYPE).reshape(-1, 1), (*lead, width), dtype,
                   bits, group_size)
-    return dequantize(q, out)
+    return decompress(q, out)

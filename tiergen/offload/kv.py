@@ -11,7 +11,7 @@ import torch
 from tiergen.cache.kv import KVView, LatentKVView, RollingKVView
 from tiergen.config import ModelConfig
 from tiergen.cache.step import StepMeta
-from tiergen.offload.compress import dequantize_rows, quantize_rows, quantized_width
+from tiergen.offload.compress import decompress_rows, compress_rows, compressed_width
 from tiergen.offload.disk import SpillFile
 
 
@@ -29,7 +29,7 @@ def stored_width(cfg: ModelConfig, dtype: torch.dtype, compress: tuple[int, int]
     if compress is None:
         return width, dtype
     bits, group = compress
-    return quantized_width(width, bits, cache_group_size(width, group)), torch.uint8
+    return compressed_width(width, bits, cache_group_size(width, group)), torch.uint8
 
 
 def cache_dtype(cfg: ModelConfig, dtype: torch.dtype, device_type: str, integer: bool
@@ -53,7 +53,7 @@ def layer_slots(capacity: int, window: int | None) -> int:
 def cache_moves(tier: str, device_type: str, compressed: bool, cpu_attention: bool) -> bool:
     """Whether a layer's cache on ``tier`` is loaded into a device working buffer before use
     and stored back after: from disk, from host RAM behind a GPU (unless attention runs
-    there), and always when compressed (it is dequantised for use)."""
+    there), and always when compressed (it is decompressed for use)."""
     return compressed or tier == "disk" or (
         tier == "host" and device_type != "cpu" and not cpu_attention)
 
@@ -131,9 +131,9 @@ class TieredKV:
                  compress: tuple[int, int] | None = None, sparsity: float = 1.0) -> None:
         self.batch = batch
         self.parts, self.heads, self.head_dim = cfg.kv_layout()
-        # compressed (bits, group size): every tier holds quantised rows (see
-        # compress.quantize_rows) and the layer works on a dense buffer, dequantised before use
-        # and quantised after
+        # compressed (bits, group size): every tier holds compressed rows (see
+        # compress.compress_rows) and the layer works on a dense buffer, decompressed before use
+        # and compressed after
         self.compress = None if compress is None else (
             compress[0], cache_group_size(self.head_dim, compress[1]))
         self.stored_width, self.stored_dtype = stored_width(cfg, dtype, compress)
@@ -167,7 +167,7 @@ class TieredKV:
         return (self.parts, self.batch, self.heads, self.slots[j], self.head_dim)
 
     def stored_shape(self, j: int) -> tuple[int, ...]:
-        """Layer j's cache as its tier holds it (quantised rows when compressed)."""
+        """Layer j's cache as its tier holds it (compressed rows when compressed)."""
         return (self.parts, self.batch, self.heads, self.slots[j], self.stored_width)
 
     def _numel(self, j: int) -> int:
@@ -223,7 +223,7 @@ class TieredKV:
             rows = store[:, :, :, :used].to(self.device, non_blocking=True)
         if self.compress:
             bits, group = self.compress
-            rows = dequantize_rows(rows, self.head_dim, bits, group, self.dtype)
+            rows = decompress_rows(rows, self.head_dim, bits, group, self.dtype)
         work[:, :, :, :used].copy_(rows)
         return self._view(j, work)
 
@@ -243,14 +243,14 @@ class TieredKV:
         for lo, hi in self._runs(j, meta):
             new = view.kv[:, :, :, lo:hi]
             if self.compress:
-                new = quantize_rows(new, *self.compress)
+                new = compress_rows(new, *self.compress)
             if isinstance(store, SpillFile):
                 store.write(new.permute(3, 0, 1, 2, 4).cpu(), lo * self._slot_bytes())
             elif self.moves(j):
                 store[:, :, :, lo:hi].copy_(new)
 
     def read_layer(self, j: int) -> torch.Tensor:
-        """Layer j as its tier holds it (stored shape; quantised rows when compressed)."""
+        """Layer j as its tier holds it (stored shape; compressed rows when compressed)."""
         store = self.layers[j]
         if not isinstance(store, SpillFile):
             return store

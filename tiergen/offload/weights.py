@@ -15,7 +15,7 @@ from tiergen.errors import TiergenError
 from tiergen.paths import cache_dir
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
-from tiergen.offload.compress import Quantized, dequantize, quantize, quantized_nbytes
+from tiergen.offload.compress import Compressed, decompress, compress, compressed_nbytes
 from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights,
                                   Segments, all_segments, in_place_entries, in_place_rows)
 from tiergen.offload.experts import (NAMES as EXPERT_NAMES, ExpertCache, HostRates,
@@ -128,12 +128,12 @@ class WeightPlan:
         if self.packed(j, name):
             return packed_nbytes(self.shapes[j][name], self.blocks[j][name])
         if self.compressed(j, name):
-            return quantized_nbytes(self.shapes[j][name], *self.compress)
+            return compressed_nbytes(self.shapes[j][name], *self.compress)
         return self.dense_bytes(j, name)
 
     def stored_spec(self, j: int, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
         """Shape and dtype of a tensor as stored: itself (dtype None: the compute dtype), or,
-        compressed, one flat uint8 piece (codes, scales, minima: Quantized.to_bytes), or
+        compressed, one flat uint8 piece (codes, scales, minima: Compressed.to_bytes), or
         packed, its blocks as one flat uint8 piece (routed experts: a row per expert)."""
         if not self.compressed(j, name) and not self.packed(j, name):
             return self.shapes[j][name], None
@@ -226,7 +226,7 @@ class TieredWeights:
             """A tensor in stored form (compressed ones quantised, and packed ones their
             blocks, as flat bytes)."""
             return (t.data.view(plan.stored_spec(j, n)[0]) if isinstance(t, Packed) else
-                    quantize(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t)
+                    compress(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t)
 
         def produce(j: int) -> Weights:
             """Layer j's tensors in stored form."""
@@ -350,11 +350,11 @@ class TieredWeights:
             if self.plan.packed(j, n):
                 weights[n] = Packed(stored[n], shape, self.plan.blocks[j][n])
             elif self.plan.compressed(j, n):
-                q = Quantized.from_bytes(stored[n], shape, self.dtype, *self.plan.compress)
+                q = Compressed.from_bytes(stored[n], shape, self.dtype, *self.plan.compress)
                 out = self._dense.get(n)
                 if out is None or tuple(out.shape) != shape:
                     out = self._dense[n] = torch.empty(shape, dtype=self.dtype, device=self.device)
-                weights[n] = dequantize(q, out)
+                weights[n] = decompress(q, out)
         if self.plan.compress is None and self._in_place[j]:  # (compressed: shared buffers)
             self._views[j] = weights
             self.allow_tiles(weights)

@@ -16,7 +16,7 @@ from tiergen.devices import resolve_activations
 from tiergen.kernels import activations_set
 from tiergen.models import layers
 from tiergen.models.llama import Llama
-from tiergen.offload.compress import dequantize, dequantize_rows, quantize, quantize_rows
+from tiergen.offload.compress import decompress, decompress_rows, compress, compress_rows
 from tiergen.planner.calibrate.timing import seconds
 from tiergen.weights.packed import Packed
 from tiergen.weights.quant import GGMLType
@@ -129,17 +129,17 @@ def measure_dequant(dev: torch.device, dtype: torch.dtype) -> tuple[float, float
     """Bytes/s of ``dtype`` output that unpacking 4-bit groups of 64 writes: for weight
     matrices the size of a small model's MLP, and for a KV cache's rows (a layer of 32
     sequences x 96 slots)."""
-    q = quantize(torch.randn(3072, 576, device=dev).to(dtype), 4, 64)
+    q = compress(torch.randn(3072, 576, device=dev).to(dtype), 4, 64)
     out = torch.empty(3072, 576, device=dev, dtype=dtype)
     count = max(1, math.ceil(GEMV_BYTES / 8 / out.nbytes))
-    rows = quantize_rows(torch.randn(2, 32, 4, 96, 64, device=dev).to(dtype), 4, 64)
+    rows = compress_rows(torch.randn(2, 32, 4, 96, 64, device=dev).to(dtype), 4, 64)
 
     def run() -> None:
         for _ in range(count):
-            dequantize(q, out)
+            decompress(q, out)
 
     def run_rows() -> None:
-        dequantize_rows(rows, 64, 4, 64, dtype)
+        decompress_rows(rows, 64, 4, 64, dtype)
 
     return (count * out.nbytes / seconds(run, dev),
             2 * 32 * 4 * 96 * 64 * dtype.itemsize / seconds(run_rows, dev))
