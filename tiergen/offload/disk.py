@@ -19,6 +19,7 @@ directory that a later run trusts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -33,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen.errors import TiergenError
+from tiergen.models.base import ModelFamily
 from tiergen.weights import WeightSource
 from tiergen.weights.quant import tensor_nbytes
 
@@ -415,6 +417,39 @@ class CheckpointWeights:
 
     def __del__(self) -> None:
         self.close()
+
+
+def open_store(root: Path, model_id: str, source: WeightSource, model: ModelFamily,
+               dtype: torch.dtype, shapes: list[dict[str, tuple[int, ...]]],
+               blocks: list[dict], compress: tuple[int, int] | None,
+               is_expert: Callable[[str], bool],
+               convert: Callable[[int, list[str], dict[str, Segments]], dict[str, torch.Tensor]]
+               ) -> OffloadedWeights | CheckpointWeights:
+    """The disk tier of a model's fused layer tensors (``shapes``, per layer): read in place
+    from the checkpoint's files where they lie there as they are used (routed experts expert
+    by expert), the rest converted once into ``root``. ``convert(j, names, segments)`` gives
+    layer j's tensors ``names`` in stored form (``segments``: see :func:`layer_segments`)."""
+    n = model.cfg.num_layers
+    key = hashlib.sha256(f"{model_id}|{dtype}|{compress}|{blocks}|{FORMAT}"
+                         .encode()).hexdigest()[:16]
+    specs = [model.layer_specs(j) for j in range(n)]
+    both = [all_segments(lambda raw, j=j: model.fuse_layer(j, raw), specs[j]) for j in range(n)]
+    segments = [plain for plain, _ in both]
+    found = {} if compress else in_place_entries(
+        source, specs, [{t: r for t, r in layer.items() if not is_expert(t)} for layer in segments],
+        dtype, blocks)
+    rows = {}  # routed experts, read expert by expert where each lies in the checkpoint as used
+    if not compress and any(is_expert(t) for layer in shapes for t in layer):
+        rows = in_place_rows(source, specs, [stacked for _, stacked in both], dtype, blocks)
+    rest = [[t for t in shapes[j] if OffloadedWeights.key(j, t) not in found | rows]
+            for j in range(n)]
+    converted = None
+    if any(rest):  # what the checkpoint does not hold as it is used is converted
+        if found or rows:
+            key += "-" + hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
+        converted = OffloadedWeights.open_or_convert(
+            root, key, n, lambda j: convert(j, rest[j], segments[j]))
+    return CheckpointWeights(found, converted, rows) if found or rows else converted
 
 
 class SpillFile:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import queue
 from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,8 +15,7 @@ from tiergen.paths import cache_dir
 from tiergen.models.base import ModelFamily, Weights
 from tiergen.models.moe import Experts
 from tiergen.offload.compress import Compressed, decompress, compress, compressed_nbytes
-from tiergen.offload.disk import (FORMAT as DISK_FORMAT, CheckpointWeights, OffloadedWeights,
-                                  Segments, all_segments, in_place_entries, in_place_rows)
+from tiergen.offload.disk import CheckpointWeights, OffloadedWeights, Segments, open_store
 from tiergen.offload.experts import (NAMES as EXPERT_NAMES, ExpertCache, HostRates,
                                      OffloadedExperts, is_expert)
 from tiergen.offload.policy import Policy, tier_at
@@ -187,7 +185,7 @@ class WeightPlan:
             return sum(torch.Size(s).numel() * (d.itemsize if d else self.itemsize)
                        for s, d in specs.values())
 
-        # compressed matrices are dequantised into one dense set for the layer in use; packed
+        # compressed matrices are decompressed into one dense set for the layer in use; packed
         # ones, multiplied by many rows, are decoded one at a time into one buffer (a
         # routed expert at a time)
         device = total["device"] + self.global_bytes + max(
@@ -202,6 +200,39 @@ class WeightPlan:
             device += 2 * max((self.layer_bytes(j, "host", False) + self.layer_bytes(j, "disk", False)
                                for j in layers), default=0)
         return {"device": device, "host": host, "disk": total["disk"]}
+
+
+@dataclass
+class StoredLayers:
+    """A model's layers read from its checkpoint in stored form: compressed matrices
+    compressed, packed ones their blocks as flat bytes."""
+
+    model: ModelFamily
+    source: WeightSource
+    dtype: torch.dtype
+    plan: WeightPlan
+
+    def _stored(self, j: int, n: str, t: torch.Tensor | Packed) -> torch.Tensor:
+        plan = self.plan
+        return (t.data.view(plan.stored_spec(j, n)[0]) if isinstance(t, Packed) else
+                compress(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t)
+
+    def layer(self, j: int) -> Weights:
+        """Layer j's tensors."""
+        raw = load_tensors(self.source, self.model.layer_specs(j), self.dtype, "cpu")
+        return {n: self._stored(j, n, t) for n, t in self.model.fuse_layer(j, raw).items()}
+
+    def some(self, j: int, names: list[str], runs: dict[str, Segments]) -> Weights:
+        """Layer j's tensors ``names``, reading only the checkpoint tensors they are made of
+        where each is whole checkpoint tensors one after the other (``runs``: see
+        layer_segments; the rest of the layer is read in place)."""
+        specs = self.model.layer_specs(j)
+        if not all(n in runs and all(first == 0 and count == specs[raw][0]
+                                     for raw, first, count in runs[n]) for n in names):
+            return {n: t for n, t in self.layer(j).items() if n in names}
+        raw = load_tensors(self.source, {r: specs[r] for n in names for r, _, _ in runs[n]},
+                           self.dtype, "cpu")
+        return {n: self._stored(j, n, cat_rows([raw[r] for r, _, _ in runs[n]])) for n in names}
 
 
 class TieredWeights:
@@ -221,68 +252,13 @@ class TieredWeights:
         self.num_layers = cfg.num_layers
         self.tiers = plan.tiers
         self.globals = model.fuse_globals(load_tensors(source, model.global_specs(), dtype, device))
-
-        def stored(j: int, n: str, t: torch.Tensor | Packed) -> torch.Tensor:
-            """A tensor in stored form (compressed ones quantised, and packed ones their
-            blocks, as flat bytes)."""
-            return (t.data.view(plan.stored_spec(j, n)[0]) if isinstance(t, Packed) else
-                    compress(t, *plan.compress).to_bytes() if plan.compressed(j, n) else t)
-
-        def produce(j: int) -> Weights:
-            """Layer j's tensors in stored form."""
-            fused = model.fuse_layer(j, load_tensors(source, model.layer_specs(j), dtype, "cpu"))
-            return {n: stored(j, n, t) for n, t in fused.items()}
-
-        def produce_some(j: int, names: list[str], runs: dict[str, Segments]) -> Weights:
-            """Layer j's tensors ``names`` in stored form, reading only the checkpoint tensors
-            they are made of where each is whole checkpoint tensors one after the other
-            (``runs``: see layer_segments; the rest of the layer is read in place)."""
-            specs = model.layer_specs(j)
-            if not all(n in runs and all(first == 0 and count == specs[raw][0]
-                                         for raw, first, count in runs[n]) for n in names):
-                return {n: t for n, t in produce(j).items() if n in names}
-            raw = load_tensors(source, {r: specs[r] for n in names for r, _, _ in runs[n]},
-                               dtype, "cpu")
-            return {n: stored(j, n, cat_rows([raw[r] for r, _, _ in runs[n]])) for n in names}
-
+        reader = StoredLayers(model, source, dtype, plan)
         self.disk: OffloadedWeights | CheckpointWeights | None = None
         if any("disk" in layer.values() for layer in self.tiers):
-            root = offload_root(policy)
-            key = hashlib.sha256(f"{model_id}|{dtype}|{plan.compress}|{plan.blocks}|{DISK_FORMAT}"
-                                 .encode()).hexdigest()[:16]
-            specs = [model.layer_specs(j) for j in range(cfg.num_layers)]
-            both = [all_segments(lambda raw, j=j: model.fuse_layer(j, raw), specs[j])
-                    for j in range(cfg.num_layers)]
-            segments = [plain for plain, _ in both]
-            found = {} if plan.compress else in_place_entries(
-                source, specs, [{n: r for n, r in layer.items() if not is_expert(n)}
-                                for layer in segments], dtype, plan.blocks)
-            # routed experts, read expert by expert where each lies in the checkpoint as used
-            rows = {}
-            if not plan.compress and any(is_expert(n) for layer in plan.shapes for n in layer):
-                rows = in_place_rows(source, specs, [stacked for _, stacked in both], dtype,
-                                     plan.blocks)
-            rest = [[n for n in plan.shapes[j] if OffloadedWeights.key(j, n) not in found | rows]
-                    for j in range(cfg.num_layers)]
-            converted = None
-            if any(rest):  # what the checkpoint does not hold as it is used is converted
-                if found or rows:
-                    key += "-" + hashlib.sha256(repr(rest).encode()).hexdigest()[:8]
-                converted = OffloadedWeights.open_or_convert(
-                    root, key, cfg.num_layers,
-                    lambda j: produce_some(j, rest[j], segments[j]))
-            self.disk = CheckpointWeights(found, converted, rows) if found or rows else converted
+            self.disk = open_store(offload_root(policy), model_id, source, model, dtype,
+                                   plan.shapes, plan.blocks, plan.compress, is_expert, reader.some)
         pin = policy.pin_memory and device.type == "cuda"
-        self.resident: list[Weights] = []  # device- and host-tier tensors of each layer
-        for j, tiers in enumerate(self.tiers):
-            if self.disk is not None:  # read back only what is not on disk
-                layer = {n: self.disk.read_into(j, n, torch.empty(*self.disk.shape(j, n)[0],
-                                                                  dtype=self.disk.shape(j, n)[1]))
-                         for n, tier in tiers.items() if tier != "disk"}
-            else:
-                layer = produce(j)
-            self.resident.append({n: (t.to(device) if tiers[n] == "device" else
-                                      t.pin_memory() if pin else t) for n, t in layer.items()})
+        self.resident = self._place_resident(reader, pin)
         # what loading read from a mapped file only to make other tensors of goes back
         page_out = getattr(source, "page_out_unused", None)
         if page_out is not None:
@@ -301,7 +277,7 @@ class TieredWeights:
                             for n, (s, d) in shapes.items()})
         self._expert_buffers = {n: torch.empty(s, dtype=d or dtype, pin_memory=pin)
                                 for n, (s, d) in plan.buffer_shapes("disk", experts=True).items()}
-        self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are dequantised
+        self._dense: dict[str, torch.Tensor] = {}  # where compressed matrices are decompressed
         self._views: dict[int, Weights] = {}  # layers read where they live, as handed out
         self._expert_views: dict[int, tuple[Weights, Weights]] = {}  # see _with_experts
         self._experts: dict[int, Experts] = {}  # the layers' resident experts (_with_experts)
@@ -314,6 +290,20 @@ class TieredWeights:
         # by release (buffers, and the copy that must finish before they are reused).
         self._pending: dict[int, Future] = {}
         self._buffers: dict[int, tuple[Weights, torch.cuda.Event | None]] = {}
+
+    def _place_resident(self, reader: StoredLayers, pin: bool) -> list[Weights]:
+        """Each layer's device- and host-tier tensors, on their tier."""
+        resident = []
+        for j, tiers in enumerate(self.tiers):
+            if self.disk is not None:  # read back only what is not on disk
+                layer = {n: self.disk.read_into(j, n, torch.empty(*self.disk.shape(j, n)[0],
+                                                                  dtype=self.disk.shape(j, n)[1]))
+                         for n, tier in tiers.items() if tier != "disk"}
+            else:
+                layer = reader.layer(j)
+            resident.append({n: (t.to(self.device) if tiers[n] == "device" else
+                                 t.pin_memory() if pin else t) for n, t in layer.items()})
+        return resident
 
     # -- the schedule's interface --------------------------------------------------------
     def prefetch(self, j: int) -> None:
@@ -337,7 +327,7 @@ class TieredWeights:
         return self._with_experts(j, self._unpacked(j, weights))
 
     def _unpacked(self, j: int, stored: Weights) -> Weights:
-        """Dequantise compressed matrices on the compute device, into one reused buffer set;
+        """Decompress compressed matrices on the compute device, into one reused buffer set;
         give packed ones their layout (they are multiplied packed)."""
         if self.plan.compress is None and not self.plan.blocks[j]:
             return stored
