@@ -27,7 +27,7 @@ COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--dequantize",
                   "--compress-weights", "--compress-cache", "--compress-bits",
                   "--compress-group-size", "--attn-sparsity", "--verbose",
                   "--max-tokens", "--temperature", "--top-p", "--top-k", "--repetition-penalty",
-                  "--seed", "--stop", "--ignore-eos", "--json-schema", "--regex", "--grammar"]
+                  "--seed", "--stop", "--ignore-eos", "--json-schema", "--flexible-json", "--regex", "--grammar"]
 PARALLEL_OPTIONS = ["--pipeline-parallel", "--tensor-parallel", "--parallel-timeout"]
 GENERATE_OPTIONS = ["--file", "--chat", "--json", *COMMON_OPTIONS, *PARALLEL_OPTIONS]
 CHAT_OPTIONS = ["--system", "--chat-template", *COMMON_OPTIONS, *PARALLEL_OPTIONS]

@@ -12,99 +12,172 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tiergen._platform import on_short_lived_thread  # (first: before torch)
 from tiergen.errors import TiergenError
 
 
+def _opt(*flags: str, **kwargs: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """One option of a table below: add_argument's arguments."""
+    return flags, kwargs
+
+
+def _group(p: argparse.ArgumentParser, title: str,
+           options: list[tuple[tuple[str, ...], dict[str, Any]]]) -> argparse._ArgumentGroup:
+    g = p.add_argument_group(title)
+    for flags, kwargs in options:
+        g.add_argument(*flags, **kwargs)
+    return g
+
+
+MODEL_OPTIONS = [
+    _opt("-m", "--model", default="smollm2",
+         help="short name (smollm2), a Hugging Face model directory, a .gguf file, "
+              "or a hub id org/name (default: smollm2)"),
+    _opt("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+         help="compute dtype (auto: bfloat16 on CPUs with native bfloat16, else float32; "
+              "the checkpoint's half type on GPU)"),
+    _opt("--device", default=None,
+         help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)"),
+    _opt("--dequantize", action="store_true",
+         help="decode a GGUF's quantised matrices to --dtype at load instead of keeping "
+              "them packed (more memory; the float path)"),
+    _opt("--activations", default="auto", choices=["auto", "float32", "int8", "int16"],
+         help="how products with a GGUF's quantised matrices treat their inputs: int8 "
+              "or int16 (quantised per row and multiplied by the integer kernels, on a "
+              "CPU), float32 (decode-then-multiply) or auto (int8 on a CPU; default)"),
+    _opt("--exact", action="store_const", const="float32", dest="activations",
+         help="the float path for quantised matrices: --activations float32"),
+    _opt("--compile", action="store_true",
+         help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
+              "seconds of compilation on first use"),
+    _opt("--prefill-chunk-size", type=int, default=None,
+         help="feed prompts in chunks of this many tokens, bounding prefill memory "
+              "(default: 512)"),
+    _opt("--no-share-prefixes", action="store_false", dest="share_prefixes",
+         help="compute every prompt whole, even the prefix the prompts of a batch "
+              "share (default: once)"),
+    _opt("--max-batch-size", type=int, default=64,
+         help="most prompts run together in one batch when --gpu-batch-size is not "
+              "given (default: 64)"),
+]
+
+
+PARALLEL_OPTIONS = [
+    _opt("--pipeline-parallel", type=int, default=1, metavar="P",
+         help="split the layers over P processes that work at once; under "
+              "torchrun, P defaults to its world size over T (default: 1)"),
+    _opt("--tensor-parallel", type=int, default=1, metavar="T",
+         help="split every layer's heads, MLP columns and experts over T "
+              "processes (P x T in all; default: 1)"),
+    _opt("--parallel-timeout", type=float, default=60.0, metavar="SECONDS",
+         help="stop every rank when one has not answered for SECONDS (default: 60)"),
+]
+
+
+POLICY_OPTIONS = [
+    _opt("--policy", choices=["auto"], default=None,
+         help="auto: plan the fastest policy that fits the budgets for these prompts "
+              "(see `tiergen plan`); also used when no --percent is given and the "
+              "model does not fit the budgets on the device"),
+    _opt("--percent", type=float, nargs=6, metavar=("WD", "WH", "CD", "CH", "HD", "HH"),
+         help="percent of weights, KV cache and hidden states on the device (xD) and in "
+              "host RAM (xH); disk takes the rest (default: 100 0 100 0 100 0)"),
+    _opt("--gpu-batch-size", type=int, default=None,
+         help="sequences per micro-batch (default: --max-batch-size)"),
+    _opt("--num-gpu-batches", type=int, default=1,
+         help="micro-batches per block sharing one trip of each layer's weights (default: 1)"),
+    _opt("--no-pin-memory", action="store_true",
+         help="do not pin host buffers (pinning speeds host-to-GPU copies)"),
+    _opt("--no-keep-tiles", action="store_true",
+         help="do not keep the integer kernels' weight tiles for batched decode steps "
+              "on a CPU (they take 1.5 bytes a weight in host RAM)"),
+    _opt("--cpu-attention", action="store_true",
+         help="keep the KV cache in host RAM and run attention there"),
+    _opt("--offload-dir", default=None,
+         help="directory for weights converted for disk streaming and for spill files "
+              "(default: ~/.cache/tiergen/offload)"),
+    _opt("--device-memory", default=None, metavar="SIZE",
+         help="budget for the compute device, e.g. 8G or 512M; plans that exceed it are refused"),
+    _opt("--host-memory", default=None, metavar="SIZE",
+         help="budget for host RAM, e.g. 16G; plans that exceed it are refused"),
+    _opt("--experts", choices=["device", "host", "disk"], default=None,
+         help="put the routed experts of mixture-of-experts models on this tier (off "
+              "the device they run where they are when few tokens chose them; from "
+              "disk only the chosen experts are read)"),
+    _opt("--expert-cache", default=None, metavar="SIZE",
+         help="host RAM that keeps routed experts read from disk for reuse, e.g. 2G "
+              "(default: half of what --host-memory leaves after the weights)"),
+    _opt("--compress-weights", action="store_true",
+         help="store layer weight matrices quantised (see --compress-bits)"),
+    _opt("--compress-cache", action="store_true",
+         help="store the KV cache quantised (see --compress-bits)"),
+    _opt("--compress-bits", type=int, default=4, choices=[4, 8],
+         help="bits per number of compressed weights and cache (default: 4)"),
+    _opt("--compress-group-size", type=int, default=64,
+         help="numbers sharing one scale and minimum (default: 64)"),
+    _opt("--attn-sparsity", type=float, default=1.0,
+         help="fraction of the largest attention weights each decode query keeps "
+              "(default: 1.0 = dense)"),
+    _opt("--verbose", action="store_true",
+         help="after the run, report time per layer as well as the totals"),
+]
+
+
+CONSTRAINT_OPTIONS = [
+    _opt("--json-schema", default=None, metavar="SCHEMA",
+         help="output JSON valid against this schema: its JSON text, or a file holding it"),
+    _opt("--flexible-json", action="store_true",
+         help="let --json-schema's output hold whitespace between tokens (default: "
+              "compact JSON)"),
+    _opt("--regex", default=None, metavar="PATTERN",
+         help="output that matches this regular expression"),
+    _opt("--grammar", default=None, metavar="LARK",
+         help="output in this Lark grammar: its text, or a file holding it"),
+]
+
+
+SERVER_OPTIONS = [
+    _opt("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"),
+    _opt("--port", type=int, default=8000, help="port to listen on (default: 8000)"),
+    _opt("--max-queue", type=int, default=256,
+         help="most requests waiting for a place in the batch; more are answered with "
+              "429 (default: 256)"),
+    _opt("--default-max-tokens", type=int, default=256,
+         help="max_tokens of requests that give none (default: 256)"),
+    _opt("--chat-template", help="a Jinja chat template to use instead of the model's"),
+    _opt("--api-key", metavar="KEY",
+         help="require 'Authorization: Bearer KEY' on every /v1/ request (default: "
+              "$TIERGEN_API_KEY; none: open)"),
+    _opt("--queue-timeout", type=float, metavar="SECONDS",
+         help="answer a request still waiting for a place after SECONDS with 503 "
+              "(default: wait)"),
+    _opt("--prefix-cache", default="1G", metavar="SIZE",
+         help="prompt prefixes kept for the requests that follow, least recently used "
+              "out first: a repeated system prompt or few-shot preamble skips its "
+              "prefill (default: 1G; 0: none)"),
+    _opt("--prefix-cache-disk", default="0", metavar="SIZE",
+         help="prompt prefixes that leave the prefix cache go on to spill files in "
+              "the offload directory, up to SIZE (default: 0, none)"),
+]
+
+
+BATCH_OPTIONS = [
+    _opt("-i", "--input", required=True, metavar="FILE", help="the requests (JSON lines)"),
+    _opt("-o", "--output", required=True, metavar="FILE",
+         help="the results (JSON lines), appended to; created if missing"),
+    _opt("--default-max-tokens", type=int, default=256,
+         help="max_tokens of requests that give none (default: 256)"),
+    _opt("--chat-template", help="a Jinja chat template to use instead of the model's"),
+]
+
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("-m", "--model", default="smollm2",
-                   help="short name (smollm2), a Hugging Face model directory, a .gguf file, "
-                        "or a hub id org/name (default: smollm2)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (auto: bfloat16 on CPUs with native bfloat16, else float32; "
-                        "the checkpoint's half type on GPU)")
-    g.add_argument("--device", default=None,
-                   help="compute device, e.g. cpu or cuda (default: cuda if present, else cpu)")
-    g.add_argument("--dequantize", action="store_true",
-                   help="decode a GGUF's quantised matrices to --dtype at load instead of keeping "
-                        "them packed (more memory; the float path)")
-    _add_quantize_option(g)
-    g.add_argument("--activations", default="auto", choices=["auto", "float32", "int8", "int16"],
-                   help="how products with a GGUF's quantised matrices treat their inputs: int8 "
-                        "or int16 (quantised per row and multiplied by the integer kernels, on a "
-                        "CPU), float32 (decode-then-multiply) or auto (int8 on a CPU; default)")
-    g.add_argument("--exact", action="store_const", const="float32", dest="activations",
-                   help="the float path for quantised matrices: --activations float32")
-    g.add_argument("--compile", action="store_true",
-                   help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
-                        "seconds of compilation on first use")
-    g.add_argument("--prefill-chunk-size", type=int, default=None,
-                   help="feed prompts in chunks of this many tokens, bounding prefill memory "
-                        "(default: 512)")
-    g.add_argument("--no-share-prefixes", action="store_false", dest="share_prefixes",
-                   help="compute every prompt whole, even the prefix the prompts of a batch "
-                        "share (default: once)")
-    g.add_argument("--max-batch-size", type=int, default=64,
-                   help="most prompts run together in one batch when --gpu-batch-size is not "
-                        "given (default: 64)")
-    d = p.add_argument_group("parallelism (several processes, each with its own share of "
-                             "the cores and of the budgets)")
-    d.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
-                   help="split the layers over P processes that work at once; under "
-                        "torchrun, P defaults to its world size over T (default: 1)")
-    d.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
-                   help="split every layer's heads, MLP columns and experts over T "
-                        "processes (P x T in all; default: 1)")
-    d.add_argument("--parallel-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="stop every rank when one has not answered for SECONDS (default: 60)")
-    o = p.add_argument_group("offloading policy")
-    o.add_argument("--policy", choices=["auto"], default=None,
-                   help="auto: plan the fastest policy that fits the budgets for these prompts "
-                        "(see `tiergen plan`); also used when no --percent is given and the "
-                        "model does not fit the budgets on the device")
-    o.add_argument("--percent", type=float, nargs=6, metavar=("WD", "WH", "CD", "CH", "HD", "HH"),
-                   help="percent of weights, KV cache and hidden states on the device (xD) and in "
-                        "host RAM (xH); disk takes the rest (default: 100 0 100 0 100 0)")
-    o.add_argument("--gpu-batch-size", type=int, default=None,
-                   help="sequences per micro-batch (default: --max-batch-size)")
-    o.add_argument("--num-gpu-batches", type=int, default=1,
-                   help="micro-batches per block sharing one trip of each layer's weights (default: 1)")
-    o.add_argument("--no-pin-memory", action="store_true",
-                   help="do not pin host buffers (pinning speeds host-to-GPU copies)")
-    o.add_argument("--no-keep-tiles", action="store_true",
-                   help="do not keep the integer kernels' weight tiles for batched decode steps "
-                        "on a CPU (they take 1.5 bytes a weight in host RAM)")
-    o.add_argument("--cpu-attention", action="store_true",
-                   help="keep the KV cache in host RAM and run attention there")
-    o.add_argument("--offload-dir", default=None,
-                   help="directory for weights converted for disk streaming and for spill files "
-                        "(default: ~/.cache/tiergen/offload)")
-    o.add_argument("--device-memory", default=None, metavar="SIZE",
-                   help="budget for the compute device, e.g. 8G or 512M; plans that exceed it are refused")
-    o.add_argument("--host-memory", default=None, metavar="SIZE",
-                   help="budget for host RAM, e.g. 16G; plans that exceed it are refused")
-    o.add_argument("--experts", choices=["device", "host", "disk"], default=None,
-                   help="put the routed experts of mixture-of-experts models on this tier (off "
-                        "the device they run where they are when few tokens chose them; from "
-                        "disk only the chosen experts are read)")
-    o.add_argument("--expert-cache", default=None, metavar="SIZE",
-                   help="host RAM that keeps routed experts read from disk for reuse, e.g. 2G "
-                        "(default: half of what --host-memory leaves after the weights)")
-    o.add_argument("--compress-weights", action="store_true",
-                   help="store layer weight matrices quantised (see --compress-bits)")
-    o.add_argument("--compress-cache", action="store_true",
-                   help="store the KV cache quantised (see --compress-bits)")
-    o.add_argument("--compress-bits", type=int, default=4, choices=[4, 8],
-                   help="bits per number of compressed weights and cache (default: 4)")
-    o.add_argument("--compress-group-size", type=int, default=64,
-                   help="numbers sharing one scale and minimum (default: 64)")
-    o.add_argument("--attn-sparsity", type=float, default=1.0,
-                   help="fraction of the largest attention weights each decode query keeps "
-                        "(default: 1.0 = dense)")
-    o.add_argument("--verbose", action="store_true",
-                   help="after the run, report time per layer as well as the totals")
+    _add_quantize_option(_group(p, "model", MODEL_OPTIONS))
+    _group(p, "parallelism (several processes, each with its own share of the cores and of "
+              "the budgets)", PARALLEL_OPTIONS)
+    _group(p, "offloading policy", POLICY_OPTIONS)
 
 
 def _add_quantize_option(g: argparse._ActionsContainer) -> None:
@@ -129,16 +202,7 @@ def _add_sampling_options(p: argparse.ArgumentParser, temperature: float) -> Non
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when this text appears (repeatable); the text is not returned")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    c = p.add_argument_group("constrained output (at most one)")
-    c.add_argument("--json-schema", default=None, metavar="SCHEMA",
-                   help="output JSON valid against this schema: its JSON text, or a file holding it")
-    c.add_argument("--flexible-json", action="store_true",
-                   help="let --json-schema's output hold whitespace between tokens (default: "
-                        "compact JSON)")
-    c.add_argument("--regex", default=None, metavar="PATTERN",
-                   help="output that matches this regular expression")
-    c.add_argument("--grammar", default=None, metavar="LARK",
-                   help="output in this Lark grammar: its text, or a file holding it")
+    _group(p, "constrained output (at most one)", CONSTRAINT_OPTIONS)
 
 
 def _params(args: argparse.Namespace):
@@ -719,28 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "/detokenize, /health and /metrics "
                                      "(Prometheus). Requests are batched continuously; --verbose logs "
                                      "every request.")
-    g = srv.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    g.add_argument("--max-queue", type=int, default=256,
-                   help="most requests waiting for a place in the batch; more are answered with "
-                        "429 (default: 256)")
-    g.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens of requests that give none (default: 256)")
-    g.add_argument("--chat-template", help="a Jinja chat template to use instead of the model's")
-    g.add_argument("--api-key", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every /v1/ request (default: "
-                        "$TIERGEN_API_KEY; none: open)")
-    g.add_argument("--queue-timeout", type=float, metavar="SECONDS",
-                   help="answer a request still waiting for a place after SECONDS with 503 "
-                        "(default: wait)")
-    g.add_argument("--prefix-cache", default="1G", metavar="SIZE",
-                   help="prompt prefixes kept for the requests that follow, least recently used "
-                        "out first: a repeated system prompt or few-shot preamble skips its "
-                        "prefill (default: 1G; 0: none)")
-    g.add_argument("--prefix-cache-disk", default="0", metavar="SIZE",
-                   help="prompt prefixes that leave the prefix cache go on to spill files in "
-                        "the offload directory, up to SIZE (default: 0, none)")
+    _group(srv, "server", SERVER_OPTIONS)
     _add_model_options(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -752,13 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "output as tiergen serve would answer it. Results are saved group by group: "
                     "running the same command again resumes, skipping the custom_ids the "
                     "output already has.")
-    g = rb.add_argument_group("batch")
-    g.add_argument("-i", "--input", required=True, metavar="FILE", help="the requests (JSON lines)")
-    g.add_argument("-o", "--output", required=True, metavar="FILE",
-                   help="the results (JSON lines), appended to; created if missing")
-    g.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens of requests that give none (default: 256)")
-    g.add_argument("--chat-template", help="a Jinja chat template to use instead of the model's")
+    _group(rb, "batch", BATCH_OPTIONS)
     _add_model_options(rb)
     rb.set_defaults(func=cmd_run_batch)
 
