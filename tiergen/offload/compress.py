@@ -132,7 +132,7 @@ def compress(x: torch.Tensor, bits: int = 4, group_size: int = 64, dim: int = -1
         pairs = codes.view(codes.shape[0], group_size // 2, 2)
         codes = (pairs[..., 0] << 4) | pairs[..., 1]
     return Compressed(codes.contiguous(), scale, minimum, tuple(x.shape), x.dtype, bits,
-                     group_size, dim)
+                      group_size, dim)
 
 
 def decompress(q: Compressed, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,6 +181,6 @@ def decompress_rows(rows: torch.Tensor, width: int, bits: int, group_size: int,
     data, scale, minimum = rows.split([codes, 4 * groups, 4 * groups], dim=-1)
     n = rows[..., 0].numel()
     q = Compressed(data.reshape(n * groups, -1), scale.contiguous().view(PARAM_DTYPE).reshape(-1, 1),
-                  minimum.contiguous().view(PARAM_DTYPE).reshape(-1, 1), (*lead, width), dtype,
-                  bits, group_size)
+                   minimum.contiguous().view(PARAM_DTYPE).reshape(-1, 1), (*lead, width), dtype,
+                   bits, group_size)
     return decompress(q, out)

@@ -1,6 +1,6 @@
 """The disk tier: a model's fused layer weights read straight from the checkpoint where they
 lie there as they are used, else from a converted copy; and spill files for KV cache and
-activations.
+hidden states.
 
 Read in place (``CheckpointWeights``): a fused tensor that is a concatenation of row ranges of
 checkpoint tensors stored as it is used (a Llama layer's fused q/k/v is q, k and v one after
@@ -454,7 +454,7 @@ def open_store(root: Path, model_id: str, source: WeightSource, model: ModelFami
 
 class SpillFile:
     """A fixed-size scratch file for tensors that the policy puts on disk (KV cache,
-    activations). Reads and writes go straight between tensors and the file."""
+    hidden states). Reads and writes go straight between tensors and the file."""
 
     def __init__(self, directory: Path, nbytes: int) -> None:
         try:

@@ -53,9 +53,9 @@ class HostRates:
                 itemsize: int) -> bool:
         """Whether running an expert (``params`` weights in ``weight_bytes``) on ``tokens``
         tokens is cheaper on the host than moving its weights to the device (device compute
-        is taken as free); ``itemsize``: of the activations."""
+        is taken as free); ``itemsize``: of the hidden states."""
         host = max(weight_bytes / self.host_bandwidth, 2 * params * tokens / self.host_flops)
-        host += 2 * tokens * hidden * itemsize / self.link_bandwidth  # activations there and back
+        host += 2 * tokens * hidden * itemsize / self.link_bandwidth  # hidden states there and back
         return host < weight_bytes / self.link_bandwidth
 
 
