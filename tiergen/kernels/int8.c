@@ -279,7 +279,7 @@ block_dot(const int ROWS, const int SIGNED, const int WIDE, const int QK, const 
                     if (WIDE) e += wv * xl[i * k + j + h + l];
                 }
                 if (WIDE) d = 255 * d + e;
-                acc[i] += (float)d * (a[(j + h) / L] * xs4[(i * k + j + h) / 4]);
+                acc[i] = fmaf((float)d, a[(j + h) / L] * xs4[(i * k + j + h) / 4], acc[i]);
             }
 #endif
     }
@@ -287,7 +287,9 @@ block_dot(const int ROWS, const int SIGNED, const int WIDE, const int QK, const 
         for (int s = 0; s < QK / L; s++)
             for (int i = 0; i < ROWS; i++) {
                 const float *xs = xsum + (i * k + s * L) / SB;
-                mins[i] += c[s] * (L == 32 ? xs[0] + xs[1] : xs[0]);
+                /* fmaf, not a contraction the compiler may make or not as it unrolls (one
+                 * row or two): a row's numbers the same in either */
+                mins[i] = fmaf(c[s], L == 32 ? xs[0] + xs[1] : xs[0], mins[i]);
             }
 }
 

@@ -1,0 +1,67 @@
+"""A row's numbers alone and in a batch, on the packaged models' integer path: its greedy
+tokens and log-probabilities (prompt and generated) whatever the batch around it, of other
+prompts of other lengths. Products of few rows (a decode step alone or in a small batch) take
+the row kernels, of more rows (prompts, batches) the tiles (kernels/int8.c)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiergen import LLM, SamplingParams, kernels
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(kernels.library() is None, reason="needs the C kernels")]
+
+WORDS = ("the river ran past the old mill where seven crows argued about the weather and a "
+         "small dog slept in the sun while the baker counted loaves for the market").split()
+# 64 prompts of 1 to 27 words (no two neighbours of one length)
+OTHERS = [" ".join(WORDS[i % 7: i % 7 + 1 + (5 * i) % 27]) for i in range(64)]
+PROMPT = "Once upon a time, in a land far away, there lived"
+BATCHES = [2, 7, 16, 33, 64]
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3,
+                        prompt_logprobs=2)
+
+
+def numbers(result) -> tuple:
+    """Tokens and every log-probability the row gave, as exact floats."""
+    def entries(rows):
+        return [None if e is None else sorted((t, lp.logprob, lp.rank) for t, lp in e.items())
+                for e in rows]
+    return result.token_ids, entries(result.logprobs), entries(result.prompt_logprobs)
+
+
+def in_batches(model: str, activations: str) -> dict[int, tuple]:
+    """The row alone (1) and placed among the others in batches of each size."""
+    llm = LLM(model, device="cpu", activations=activations)
+    got = {1: numbers(llm.generate([PROMPT], PARAMS)[0])}
+    for m in BATCHES:
+        at = m // 2
+        prompts = OTHERS[:at] + [PROMPT] + OTHERS[at:m - 1]
+        got[m] = numbers(llm.generate(prompts, PARAMS)[at])
+    return got
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3-270m"])
+def rows(request):
+    return in_batches(request.param, "int8")
+
+
+def test_a_rows_greedy_tokens_are_the_same_alone_and_in_any_batch(rows):
+    for m in BATCHES:
+        assert rows[m][0] == rows[1][0], f"{m} rows"
+
+
+def test_a_rows_generated_numbers_are_the_same_in_batches_that_take_the_tiles(rows):
+    """Decode steps of 7 and 16 rows: every product takes the tiles (prompts' rows too)."""
+    assert rows[16][:2] == rows[7][:2]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "alone, or beside one other row, a decode step's products take the row kernels, whose "
+    "float sums run in another order than the tiles' (kernels/int8.c); and a prompt's "
+    "attention in a batch of prompts rounds otherwise than alone (as on the float path), so "
+    "the last bits of log-probabilities differ; and from 33 rows on, the generated tokens' "
+    "log-probabilities differ from those at 7 and 16 rows (cause not yet found)"))
+def test_a_rows_numbers_are_the_same_alone_and_in_any_batch(rows):
+    for m in BATCHES:
+        assert rows[m] == rows[1], f"{m} rows"
