@@ -4,6 +4,8 @@ plus the context length of models whose every layer is windowed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -14,6 +16,8 @@ from tiergen.cache.step import StepMeta
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf_map import GEMMA3_LAYER_NAMES, GLOBAL_NAMES
 from gguf_writer import write_gguf
+
+PROSE = Path(__file__).with_name("data") / "perplexity.txt"
 from test_parity import hf_greedy
 from tiny_models import build
 
@@ -275,3 +279,15 @@ def test_gemma_270m_base_model_refuses_chat(gemma):
     with pytest.raises(TiergenError, match="no chat template"):
         gemma.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=4))
+
+
+@pytest.mark.slow
+def test_gemma_270m_integer_path_takes_prompts_past_its_window(gemma_path):
+    """Its local layers' rolling cache holds float16 on the integer path: a prompt chunk past
+    the window (512) writes into it (a float32 chunk once went in unconverted)."""
+    llm = LLM("gemma3-270m", activations="int8")
+    ids = llm.encode(PROSE.read_text())[:700]
+    assert llm.logits(ids).shape == (700, llm.config.vocab_size)
+    r = llm.generate([ids], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(r.token_ids) == 4
+

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tiergen import kernels
+from tiergen._platform import amx_usable
 from tiergen.weights.packed import INTEGER_TYPES, Packed, cat_rows
 from tiergen.weights.quant import GGMLType, dequantize, ggml_type_sizes
 from test_packed import random_packed
@@ -175,6 +176,45 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind):
     assert_close_relative(got_many, integer_reference(many, w, *fmt))
     with pytest.raises(ValueError, match="float32, int8, int16"):
         kernels.set_activations("int4")
+
+
+@pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
+def test_a_prompts_product_on_amx_tiles_is_the_plain_bfloat16_arithmetic(ggml_type):
+    """Products of AMX_ROWS rows or more on the integer path, where AMX works: the matrix
+    decoded, it and the rows rounded to bfloat16, their products summed in float32 (by
+    oneDNN, in its own order) and rounded to bfloat16, the bias added in float32. The
+    arithmetic is checked on every machine."""
+    w = random_packed(ggml_type, 96, 256, 2)
+    x = torch.randn(kernels.AMX_ROWS, 256, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(96)
+    dense = w.dequantize().bfloat16().double()
+    sums = x.bfloat16().double() @ dense.T
+    got = kernels._bfloat16_linear(x, w, bias)
+    assert got.dtype == torch.float32
+    # the float32 sums may round to the neighbouring bfloat16 of the exact sums' (2**-7)
+    assert ((got - bias).double() - sums).abs().le(sums.abs() * 2**-7 + 1e-6).all()
+    with kernels.activations_set("int8"):
+        taken = kernels.packed_linear(x, w, bias)
+    if amx_usable():
+        assert torch.equal(taken, got)
+    else:
+        assert torch.equal(taken, kernels.integer_linear(x, w, bias, 8))
+
+
+def test_a_prompt_chunks_attention_on_the_integer_path_runs_in_bfloat16_where_amx_works():
+    from tiergen.cache.attention import attention
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, kernels.AMX_ROWS, 64, generator=g)
+    k, v = (torch.randn(1, 2, kernels.AMX_ROWS, 64, generator=g) for _ in range(2))
+    with kernels.activations_set("int8"):
+        got = attention(q, k, v, None)
+    exact = attention(q, k, v, None)  # the float path: float32 throughout
+    if amx_usable():
+        half = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None).float()
+        assert torch.equal(got, half) and not torch.equal(got, exact)
+    else:
+        assert torch.equal(got, exact)
 
 
 @pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergen import kernels
+from tiergen._platform import amx_usable
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -45,6 +46,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if sparsity < 1:
             return _sparse_output(probs, v, sparsity).view(B, H, 1, v.shape[-1])
         return torch.matmul(probs.to(q.dtype), v).view(B, H, 1, v.shape[-1])
+    if (T >= kernels.AMX_ROWS and q.dtype == torch.float32 and q.device.type == "cpu"
+            and kernels.activations() != "float32" and amx_usable()):
+        # a prompt chunk on the integer path: in bfloat16 on AMX tiles, 2.4x faster than in
+        # float32 (512 queries over 4,096 keys, SmolLM2's heads, 2-core Xeon)
+        half = [t.to(torch.bfloat16) for t in (q, k, v)]
+        return attention(*half, mask, key_valid=key_valid).float()
     gqa = H != kvh
     if key_valid is not None and k.shape[2] > T and q.device.type == "cpu":
         return _chunk_attention(q, k, v, mask, key_valid)

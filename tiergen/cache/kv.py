@@ -102,8 +102,8 @@ class RollingKVView(KVView):
     def _write(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> None:
         keep = min(k.shape[2], self.window)
         idx = torch.arange(meta.end - keep, meta.end, device=k.device) % self.window
-        self.k[:, :, idx] = k[:, :, -keep:]
-        self.v[:, :, idx] = v[:, :, -keep:]
+        self.k[:, :, idx] = k[:, :, -keep:].to(self.k.dtype)  # (a float16 cache, see kv_dtype)
+        self.v[:, :, idx] = v[:, :, -keep:].to(self.v.dtype)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta,
                 sinks: torch.Tensor | None) -> torch.Tensor:

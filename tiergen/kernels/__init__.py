@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tiergen._platform import amx_usable
 from tiergen.kernels.header import HEADER, prototypes
 from tiergen.weights.packed import INTEGER_TYPES, Packed, layout
 from tiergen.weights.quant import ggml_type_sizes
@@ -65,6 +66,10 @@ _arith = threading.local()  # .kind: this thread's activations (set_activations)
 # benchmarks/bench_int8.py; docs/BENCHMARKS.md). 16-bit ones, two int8 halves dotted apart,
 # land below 5e-6.
 ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
+# Integer-path products of this many rows or more run on AMX tiles where they work: the matrix
+# decoded to bfloat16 once per product, then torch's bfloat16 matmul, which oneDNN runs on
+# the tiles. A prompt's chunk is thousands of rows, so the decoding is paid once for them all.
+AMX_ROWS = 128
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 TILE_ROWS = 3  # integer products of this many rows or more may read tiles (takes_tiles says)
 
@@ -366,6 +371,8 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     rows = x.shape[:-1].numel()
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     if fmt is not None and x.device.type == "cpu" and integer_kernels_take(w) and library():
+        if rows >= AMX_ROWS and not fmt[1] and amx_usable():
+            return _bfloat16_linear(x, w, bias)
         return integer_linear(x, w, bias, *fmt, out=out)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
@@ -386,6 +393,17 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     if bias is not None:
         y += bias
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def _bfloat16_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + bias`` with ``w`` decoded and ``x`` rounded to bfloat16, summed in float32
+    (AMX tiles through oneDNN)."""
+    dense = dequantize_into(w, _scratch_buffer(w.shape, torch.float32, x.device))
+    half = _scratch_buffer(w.shape, torch.bfloat16, x.device).copy_(dense)
+    y = F.linear(x.to(torch.bfloat16), half).float()
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype)
 
 
 def _cpu_float32(*ts: torch.Tensor) -> bool:
