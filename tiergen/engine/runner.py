@@ -30,7 +30,7 @@ from tiergen.offload.policy import Policy
 from tiergen.parallel.group import TOKENS, Group, under_torchrun
 from tiergen.parallel.shard import Shard
 from tiergen.parallel.stage import Stage, layer_costs, split_layers
-from tiergen.weights import ModelFiles
+from tiergen.weights import ModelFiles, WeightSource
 
 
 class Runner:
@@ -264,10 +264,13 @@ def open_runner(config: EngineConfig, files: ModelFiles, group: Group | None = N
         release_freed_memory()
         return runner
     group = group or start_ranks(files, config, serve_rank)
+
+    def share() -> Executor:  # on every rank at once: one that fails stops all
+        return _executor(config, files, *_rank_share(family, files, group),
+                         config.policy_for(group.rank, group.size))
+
     try:
-        executor = group.agree(lambda: _executor(config, files, *_rank_share(family, files, group),
-                                                 config.policy_for(group.rank, group.size)),
-                               patient=True)
+        executor = group.agree(share, patient=True)
     except BaseException:
         group.close(graceful=False)
         raise
@@ -285,7 +288,8 @@ def serve_rank(config: EngineConfig, group: Group) -> None:
     open_runner(config, config.open(), group).serve()
 
 
-def _rank_share(family: ModelFamily, files: ModelFiles, group: Group) -> tuple:
+def _rank_share(family: ModelFamily, files: ModelFiles, group: Group
+                ) -> tuple[ModelFamily, WeightSource, str]:
     """This rank's stage of the layers (and shard of each layer), its tensors, and the name
     of that share (for the weights' cache files)."""
     source, model_id = files.source, files.fingerprint
@@ -299,7 +303,7 @@ def _rank_share(family: ModelFamily, files: ModelFiles, group: Group) -> tuple:
     return Stage(family, span), source, model_id
 
 
-def _executor(config: EngineConfig, files: ModelFiles, family: ModelFamily, source,
+def _executor(config: EngineConfig, files: ModelFiles, family: ModelFamily, source: WeightSource,
               model_id: str, policy: Policy) -> Executor:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, files.default_dtype, files.packed)

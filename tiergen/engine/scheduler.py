@@ -193,8 +193,8 @@ class Scheduler:
         _, (seq,) = self.llm.prepare([prompt], [params])
         # alone in the block, could it ever run? (raises, saying what does not fit)
         self.runner.executor.check_block([(1, capacity([seq]))], self._step_tokens([seq]),
-                                      f"a request of {len(seq.prompt_ids)} prompt tokens and "
-                                      f"max_tokens={params.max_tokens}")
+                                         f"a request of {len(seq.prompt_ids)} prompt tokens "
+                                         f"and max_tokens={params.max_tokens}")
         with self._lock:
             if self._stopping:
                 raise TiergenError("the scheduler is shutting down")
