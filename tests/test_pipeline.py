@@ -149,6 +149,29 @@ def test_bad_settings_are_refused_before_any_rank_starts(llama):
         LLM(llama, pipeline_parallel=2, parallel_timeout=0)
 
 
+def test_the_ranks_load_from_the_whole_config(llama, monkeypatch):
+    """Every rank gets rank 0's EngineConfig whole (share_prefixes included), the model as
+    rank 0 opened it."""
+    from tiergen.engine import pipeline
+    from tiergen.engine.config import EngineConfig
+    from tiergen.engine.runner import serve_rank
+
+    started = []
+
+    def launch(size, tensor, timeout, worker, threads):
+        started.append(worker)
+        raise TiergenError("no rank started")
+
+    monkeypatch.setattr(pipeline, "launch", launch)
+    settings = dict(OPTIONS, pipeline_parallel=2, share_prefixes=False, host_memory="1G",
+                    activations="float32", parallel_timeout=20)
+    with pytest.raises(TiergenError, match="no rank started"):
+        LLM(llama, **settings)
+    (worker,) = started
+    assert worker.func is serve_rank
+    assert worker.args == (EngineConfig(str(llama.resolve()), **settings),)
+
+
 def test_a_rank_that_cannot_load_stops_all_with_its_reason(llama, tmp_path):
     """Rank 1 streams from disk and its buffers do not fit its host budget."""
     with pytest.raises(TiergenError, match="parallel rank 1: .*host budget"):
@@ -159,14 +182,16 @@ def test_a_rank_that_cannot_load_stops_all_with_its_reason(llama, tmp_path):
 def test_a_stream_left_early_keeps_the_ranks_in_step(llama, held, monkeypatch):
     """Closing the stream finishes its run on every rank at once, also where something
     still holds the run (on CUDA something did, and the ranks fell out of step)."""
-    held_runs, run = [], LLM._run
+    from tiergen.engine.runner import RankedRunner
+
+    held_runs, run = [], RankedRunner.run
 
     def held_run(self, seqs):
         held_runs.append(run(self, seqs))
         return held_runs[-1]
 
     if held:
-        monkeypatch.setattr(LLM, "_run", held_run)
+        monkeypatch.setattr(RankedRunner, "run", held_run)
     with LLM(llama, **OPTIONS, pipeline_parallel=2, parallel_timeout=20) as llm:
         expected = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
         stream = llm.stream(PROMPTS, GREEDY)

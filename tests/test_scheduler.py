@@ -44,6 +44,27 @@ def test_staggered_requests_match_offline(llm):
         sched.stop()
 
 
+def test_each_step_hands_the_runner_what_the_loop_did(llm, monkeypatch):
+    """The scheduler drives the LLM's runner: each step gets the admissions, merges and
+    cancellations made since the last one (other ranks replay them), and none pile up."""
+    replays, step = [], llm.runner.step
+
+    def recording(states, works, chunk, replay):
+        replays.append(replay)
+        return step(states, works, chunk, replay)
+
+    monkeypatch.setattr(llm.runner, "step", recording)
+    sched = Scheduler(llm).start()
+    try:
+        for req in [sched.submit([1, 2, 3 + i], greedy(4)) for i in range(3)]:
+            list(req.events(timeout=60))
+    finally:
+        sched.stop()
+    admitted = [r[0] for replay in replays for op, *args in replay if op == "admit"
+                for r in args[1]]
+    assert sorted(admitted) == [0, 1, 2] and sched._replay == []
+
+
 def test_block_limit_is_kept_and_places_are_reused(llm):
     sched = Scheduler(llm, max_running=3).start()
     try:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from tiergen.engine.config import EngineConfig
 from tiergen.engine.executor import Executor, MicroBatch
 from tiergen.engine.generate import MicroBatchState, Sequence, StepEvent, capacity, prefill_chunk
 from tiergen.errors import TiergenError
@@ -189,14 +191,14 @@ class Replica:
         self.seqs = {k: q for k, q in self.seqs.items() if q.finish_reason is None}
 
 
-def start_ranks(files, stages: int, tensor: int, timeout: float, options: dict,
-                serve: Callable[[dict, Group], None]) -> Group:
-    """This process's place in a grid of ``stages`` x ``tensor`` ranks: under torchrun, the
-    rank it was given; otherwise rank 0, with ranks 1.. started here, each running
-    ``serve(spec, group)`` (spec: the model and ``options``), the cores shared among all.
-    Settings that cannot work are refused before any rank starts."""
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise TiergenError(f"parallel_timeout must be a number of seconds > 0, got {timeout!r}")
+def start_ranks(files, config: EngineConfig, serve: Callable[[EngineConfig, Group], None]
+                ) -> Group:
+    """This process's place in the grid of ``config``'s pipeline stages x tensor shards:
+    under torchrun, the rank it was given; otherwise rank 0, with ranks 1.. started here,
+    each running ``serve(config, group)`` (the model as ``files`` was opened), the cores
+    shared among all. Settings that cannot work are refused before any rank starts."""
+    stages, tensor = config.pipeline_parallel, config.tensor_parallel
+    timeout = config.parallel_timeout
     for r in range(tensor if isinstance(tensor, int) and tensor > 0 else 1):
         ShardPlan.make(files.config, tensor, r)
     if under_torchrun():
@@ -215,10 +217,8 @@ def start_ranks(files, stages: int, tensor: int, timeout: float, options: dict,
     threads_before = torch.get_num_threads()
     threads = max(1, threads_before // (stages * tensor))
     model, packed, quantize = files.opened_as
-    spec = dict(model=model, packed=packed, quantize=quantize, pipeline_parallel=stages,
-                tensor_parallel=tensor, parallel_timeout=timeout, **options)
-    group = launch(stages * tensor, tensor, timeout, partial(serve, spec), threads)
+    shipped = replace(config, model=model, packed=packed, quantize=quantize)
+    group = launch(stages * tensor, tensor, timeout, partial(serve, shipped), threads)
     group.threads_before = threads_before
     torch.set_num_threads(threads)
     return group
-

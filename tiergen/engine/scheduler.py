@@ -23,7 +23,6 @@ from tiergen.engine.executor import MicroBatch
 from tiergen.engine.generate import (MIN_SHARED_PREFIX, MicroBatchState, Sequence, SharedPrefix,
                                      StepEvent, capacity, shared_length)
 from tiergen.engine.prefix_cache import PrefixCache
-from tiergen.engine.pipeline import step_ranks
 from tiergen.engine.llm import LLM, Prompt, StreamEvent
 from tiergen.engine.sampler import SamplingParams
 from tiergen.errors import TiergenError
@@ -136,7 +135,8 @@ class SchedulerMetrics:
 
 
 class Scheduler:
-    """Runs an :class:`LLM` on a background thread for requests submitted from any thread.
+    """Runs an :class:`LLM` on a background thread for requests submitted from any thread:
+    the LLM checks and encodes each request, and its runner runs each step.
 
     Admission respects the LLM's memory budgets: a request whose cache and activations could
     never fit is refused at submission, and one that does not fit beside the running
@@ -146,15 +146,15 @@ class Scheduler:
     def __init__(self, llm: LLM, max_queue: int = 256, max_running: int | None = None,
                  queue_timeout: float | None = None, prefix_cache: int = 0,
                  prefix_cache_disk: int = 0) -> None:
-        self.llm = llm
+        self.llm, self.runner = llm, llm.runner
         # prompt prefixes kept for the requests that follow: up to ``prefix_cache`` bytes
         # where the policy keeps caches, then up to ``prefix_cache_disk`` in spill files
         self.prefixes = PrefixCache(prefix_cache, prefix_cache_disk,
-                                    llm.executor.spill_dir / "prefixes") \
-            if prefix_cache and llm.share_prefixes else None
+                                    self.runner.executor.spill_dir / "prefixes") \
+            if prefix_cache and self.runner.prefixes_shared else None
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.max_running = max_running or llm.block_size
+        self.max_running = max_running or self.runner.block_size
         self.metrics = SchedulerMetrics()
         self._waiting: deque[Request] = deque()
         self._requests: dict[int, Request] = {}  # by id(Sequence)
@@ -165,7 +165,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="tiergen-scheduler", daemon=True)
         self._error: BaseException | None = None
         self._pacer = Pacer()
-        self._replay: list[tuple] = []  # over several ranks: what they replay before a step
+        self._replay: list[tuple] = []  # what other ranks replay before the next step
 
     def start(self) -> Scheduler:
         self._thread.start()
@@ -192,9 +192,9 @@ class Scheduler:
         params = params or SamplingParams()
         _, (seq,) = self.llm.prepare([prompt], [params])
         # alone in the block, could it ever run? (raises, saying what does not fit)
-        self.llm.executor.check_block([(1, capacity([seq]))], self._step_tokens([seq]),
-                                      f"a request of {len(seq.prompt_ids)} prompt tokens and "
-                                      f"max_tokens={params.max_tokens}")
+        self.runner.executor.check_block([(1, capacity([seq]))], self._step_tokens([seq]),
+                                         f"a request of {len(seq.prompt_ids)} prompt tokens "
+                                         f"and max_tokens={params.max_tokens}")
         with self._lock:
             if self._stopping:
                 raise TiergenError("the scheduler is shutting down")
@@ -226,7 +226,7 @@ class Scheduler:
     def _step_tokens(self, seqs: list[Sequence]) -> int:
         """Most tokens per row a step of these sequences feeds (their prefill chunk)."""
         longest = max(len(s.prompt_ids) for s in seqs)
-        return self.llm.prefill_chunk(longest)
+        return self.runner.prefill_chunk(longest)
 
     def _fits(self, group: list[Sequence], merging: tuple[MicroBatchState, ...] = ()) -> bool:
         """Whether the running micro-batches, with a new one of ``group`` or with the two of
@@ -235,7 +235,7 @@ class Scheduler:
         shapes.append(merging[0].merged_shape(merging[1]) if merging else
                       (len(group), capacity(group)))
         tokens = self._step_tokens([q for s in self._states for q in s.live] + group)
-        return self.llm.executor.fits(shapes, tokens)
+        return self.runner.executor.fits(shapes, tokens)
 
     def _merge(self) -> None:
         """Merge decoding micro-batches while two fit in one: requests that joined at
@@ -243,7 +243,7 @@ class Scheduler:
         while True:
             decoding = sorted((s for s in self._states if s.decoding), key=lambda s: len(s.live))
             pair = next(((a, b) for i, a in enumerate(decoding) for b in decoding[i + 1:]
-                         if len(a.live) + len(b.live) <= self.llm.micro_batch
+                         if len(a.live) + len(b.live) <= self.runner.micro_batch
                          and self._fits([], (a, b))), None)
             if pair is None:
                 return
@@ -270,7 +270,7 @@ class Scheduler:
         self._expire()
         running = sum(len(s.live) for s in self._states)
         while self._waiting and running < self.max_running:
-            take = min(self.llm.micro_batch, self.max_running - running, len(self._waiting))
+            take = min(self.runner.micro_batch, self.max_running - running, len(self._waiting))
             while take and not self._fits([self._waiting[i].seq for i in range(take)]):
                 take -= 1
             if not take:  # wait for running sequences to finish and free memory
@@ -293,9 +293,9 @@ class Scheduler:
         cache to keep. (Beside running streams a prompt goes in chunk by chunk between their
         steps instead: computing a prefix here would hold them up for all of it.) On one rank
         only: over several, every row computes its own prompt."""
-        llm, seqs, key = self.llm, [r.seq for r in group], group[0].id
-        ex, chunk = llm.executor, llm.prefill_chunk_size
-        if not llm.share_prefixes or llm.group is not None:
+        seqs, key = [r.seq for r in group], group[0].id
+        ex, chunk = self.runner.executor, self.runner.prefill_chunk_size
+        if not self.runner.prefixes_shared:
             return MicroBatchState(ex, seqs, chunk, key=key)
         found = self.prefixes.find(ex.cfg, seqs) if self.prefixes is not None else None
         idle = not self._states
@@ -394,19 +394,10 @@ class Scheduler:
 
     def _step(self, states: list[MicroBatchState], works: list[MicroBatch],
               chunk: int | None) -> list[StepEvent]:
-        """Run one step of ``states``; over several ranks, every rank replays this loop's
-        admissions, merges and cancellations first, then runs the step with this one."""
-        llm = self.llm
-        if llm.group is None:
-            logits = llm.executor.forward_block(works)
-            return [ev for s, lg in zip(states, logits) for ev in s.advance(lg)]
+        """Run one step of ``states``, handing the runner what this loop did since the last
+        (admissions, merges, cancellations: over several ranks, every rank replays them)."""
         replay, self._replay = self._replay, []
-        llm._command("step", replay, [s.key for s in states], chunk)
-        try:
-            return list(step_ranks(llm.executor, llm.group, states, works))
-        except BaseException:
-            llm.group.close(graceful=False)
-            raise
+        return self.runner.step(states, works, chunk, replay)
 
     def _deliver(self, ev: StepEvent) -> None:
         seq = ev.seq

@@ -1,0 +1,86 @@
+"""What an LLM is asked to load and how to run it: one record, checked once, and shipped
+whole to the other parallel ranks, which load their share of the model from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tiergen.devices import resolve_activations, resolve_device
+from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK
+from tiergen.errors import TiergenError
+from tiergen.offload.memory import Budgets
+from tiergen.offload.policy import Policy, parse_size
+from tiergen.parallel.group import under_torchrun
+from tiergen.weights import ModelFiles, open_model, quantized
+
+
+@dataclass
+class EngineConfig:
+    """The arguments of :class:`~tiergen.engine.llm.LLM`, which documents each. They stay as
+    given ("auto", None): each rank resolves the device, dtype and activations on its own
+    machine."""
+
+    model: str | Path | ModelFiles
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None
+    max_batch_size: int = 64
+    policy: Policy | list[Policy] | None = None  # a list: one per parallel rank
+    device_memory: int | str | None = None
+    host_memory: int | str | None = None
+    compile: bool = False
+    prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK
+    packed: bool = True
+    activations: str = "auto"
+    pipeline_parallel: int = 1
+    tensor_parallel: int = 1
+    parallel_timeout: float = 60.0
+    quantize: str | None = None
+    share_prefixes: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuse what cannot work before anything loads or any rank starts."""
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise TiergenError("max_batch_size must be a positive integer, got "
+                               f"{self.max_batch_size!r}")
+        chunk = self.prefill_chunk_size
+        if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
+            raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "
+                               f"whole prompt at once), got {chunk!r}")
+        resolve_activations(self.activations, resolve_device(self.device))
+        if isinstance(self.policy, (list, tuple)):
+            if not self.parallel:
+                raise TiergenError("a list of policies is for pipeline_parallel or "
+                                   "tensor_parallel > 1 (one per rank)")
+            if len({(p.gpu_batch_size, p.num_gpu_batches) for p in self.policy}) > 1:
+                raise TiergenError("the parallel ranks' policies must cut the batch alike: give "
+                                   "them the same gpu_batch_size and num_gpu_batches")
+        timeout = self.parallel_timeout
+        if self.parallel and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise TiergenError(f"parallel_timeout must be a number of seconds > 0, got {timeout!r}")
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the model runs over several ranks (under torchrun, always)."""
+        return self.pipeline_parallel != 1 or self.tensor_parallel != 1 or under_torchrun()
+
+    def open(self) -> ModelFiles:
+        """The model's config, tokenizer and tensors."""
+        if isinstance(self.model, ModelFiles):
+            return self.model if self.quantize is None else quantized(self.model, self.quantize)
+        return open_model(self.model, self.packed, self.quantize)
+
+    def policy_for(self, rank: int, ranks: int) -> Policy:
+        """Rank ``rank``'s policy, of ``ranks`` in all (one process: rank 0 of 1)."""
+        if not isinstance(self.policy, (list, tuple)):
+            return self.policy or Policy()
+        if len(self.policy) != ranks:
+            raise TiergenError(f"got {len(self.policy)} policies for {ranks} parallel ranks; "
+                               "give one per rank, or one for all")
+        return self.policy[rank]
+
+    def budgets(self) -> Budgets:
+        return Budgets(None if self.device_memory is None else parse_size(self.device_memory),
+                       None if self.host_memory is None else parse_size(self.host_memory))
