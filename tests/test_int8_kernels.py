@@ -180,7 +180,8 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind):
 
 @pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
 def test_a_prompts_product_on_amx_tiles_is_the_plain_bfloat16_arithmetic(ggml_type):
-    """Products of AMX_ROWS rows or more on the integer path, where AMX works: the matrix
+    """Products of a prompt chunk of AMX_ROWS tokens or more on the integer path, where AMX
+    works (a decode step's rows, however many, take the integer kernels): the matrix
     decoded, it and the rows rounded to bfloat16, their products summed in float32 (by
     oneDNN, in its own order) and rounded to bfloat16, the bias added in float32. The
     arithmetic is checked on every machine."""
@@ -194,11 +195,10 @@ def test_a_prompts_product_on_amx_tiles_is_the_plain_bfloat16_arithmetic(ggml_ty
     # the float32 sums may round to the neighbouring bfloat16 of the exact sums' (2**-7)
     assert ((got - bias).double() - sums).abs().le(sums.abs() * 2**-7 + 1e-6).all()
     with kernels.activations_set("int8"):
-        taken = kernels.packed_linear(x, w, bias)
-    if amx_usable():
-        assert torch.equal(taken, got)
-    else:
-        assert torch.equal(taken, kernels.integer_linear(x, w, bias, 8))
+        taken = kernels.packed_linear(x[None], w, bias)[0]
+        rows = kernels.packed_linear(x[:, None], w, bias)[:, 0]  # one token of each sequence
+    assert torch.equal(rows, kernels.integer_linear(x, w, bias, 8))
+    assert torch.equal(taken, got if amx_usable() else rows)
 
 
 def test_a_prompt_chunks_attention_on_the_integer_path_runs_in_bfloat16_where_amx_works():

@@ -66,9 +66,10 @@ _arith = threading.local()  # .kind: this thread's activations (set_activations)
 # benchmarks/bench_int8.py; docs/BENCHMARKS.md). 16-bit ones, two int8 halves dotted apart,
 # land below 5e-6.
 ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
-# Integer-path products of this many rows or more run on AMX tiles where they work: the matrix
-# decoded to bfloat16 once per product, then torch's bfloat16 matmul, which oneDNN runs on
-# the tiles. A prompt's chunk is thousands of rows, so the decoding is paid once for them all.
+# Integer-path products of a prompt chunk of this many tokens or more run on AMX tiles where
+# they work: the matrix decoded to bfloat16 once per product, then torch's bfloat16 matmul,
+# which oneDNN runs on the tiles; the decoding is paid once for the chunk's rows. Decided by a
+# sequence's tokens, not the batch's rows, so a decode step's row rounds alike in any batch.
 AMX_ROWS = 128
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 TILE_ROWS = 3  # integer products of this many rows or more may read tiles (takes_tiles says)
@@ -371,7 +372,7 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     rows = x.shape[:-1].numel()
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     if fmt is not None and x.device.type == "cpu" and integer_kernels_take(w) and library():
-        if rows >= AMX_ROWS and not fmt[1] and amx_usable():
+        if x.dim() > 2 and x.shape[-2] >= AMX_ROWS and not fmt[1] and amx_usable():
             return _bfloat16_linear(x, w, bias)
         return integer_linear(x, w, bias, *fmt, out=out)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
