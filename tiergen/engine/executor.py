@@ -29,7 +29,8 @@ from tiergen.offload.hidden import HiddenStates
 from tiergen.offload.experts import HostRates
 from tiergen.offload.kv import TieredKV, cache_dtype, cache_needs
 from tiergen.offload.memory import (Budgets, add, available_ram, device_peak, fmt,
-                                    reset_peak_resident_set, resident_set)
+                                    largest_step, reset_peak_resident_set, resident_set,
+                                    step_transient)
 from tiergen.offload.policy import Policy, tiers_for
 from tiergen.offload.weights import TieredWeights, WeightPlan, offload_root
 from tiergen.weights.packed import INTEGER_TYPES
@@ -116,18 +117,35 @@ def cache_compression(policy: Policy) -> tuple[int, int] | None:
 
 
 def block_needs(weights: WeightPlan, cfg: ModelConfig, dtype: torch.dtype, policy: Policy,
-                micro_batches: list[tuple[int, int]], prompt_len: int,
+                micro_batches: list[tuple[int, int]], tokens: int,
                 kv_dtype: torch.dtype | None = None) -> dict[str, int]:
-    """Bytes per tier that running a block needs: the weights as placed (with their streaming
-    buffers), the KV cache of micro-batches given as (rows, capacity) in ``kv_dtype``
-    (default: ``dtype``), and the hidden states of ``prompt_len`` tokens per row."""
-    hidden = cfg.hidden_size * dtype.itemsize
-    acts = {"device": 0, "host": 0, "disk": 0}
-    for (rows, _), tier in zip(micro_batches, tiers_for(len(micro_batches), policy.hidden_split)):
-        acts[tier] += rows * prompt_len * hidden
+    """Bytes per tier that running a block needs at its largest step: the weights as placed
+    (with their streaming buffers), the KV cache of micro-batches given as (rows, capacity)
+    in ``kv_dtype`` (default: ``dtype``), and what its steps of ``tokens`` per row (the
+    prefill chunk) add (``step_needs``)."""
     cache = cache_needs(cfg, kv_dtype or dtype, tiers_for(cfg.num_layers, policy.cache_split),
                         micro_batches, weights.device_type, cache_compression(policy))
-    return add(weights.needs(), cache, acts)
+    return add(weights.needs(), cache,
+               step_needs(cfg, dtype, policy, micro_batches, tokens, weights.device_type))
+
+
+def step_needs(cfg: ModelConfig, dtype: torch.dtype, policy: Policy,
+               micro_batches: list[tuple[int, int]], tokens: int, device_type: str
+               ) -> dict[str, int]:
+    """Bytes per tier that a block's steps add to its weights and cache: the float32 hidden
+    states of ``tokens`` per row on their tiers, and on the device the largest transient of
+    one micro-batch's step (``step_transient``: a prefill step of ``tokens`` or a decode
+    step, over the capacity)."""
+    acts = {"device": 0, "host": 0, "disk": 0}
+    for (rows, _), tier in zip(micro_batches, tiers_for(len(micro_batches), policy.hidden_split)):
+        acts[tier] += rows * tokens * cfg.hidden_size * 4  # the residual stream is float32
+    decode_here = device_type == "cpu" or not policy.cpu_attention or any(
+        t != "host" for t in tiers_for(cfg.num_layers, policy.cache_split))
+    acts["device"] += max((max(step_transient(cfg, dtype, rows, tokens, slots, True, device_type),
+                               step_transient(cfg, dtype, rows, 1, slots, decode_here,
+                                              device_type))
+                           for rows, slots in set(micro_batches)), default=0)
+    return acts
 
 
 class Executor:
@@ -141,7 +159,7 @@ class Executor:
         self.dtype = dtype
         self.device = device
         self.policy = policy or Policy()
-        self.budgets = budgets or Budgets()
+        self.budgets = (budgets or Budgets()).for_tensors(device.type)
         self.weight_plan = WeightPlan.make(model, dtype, self.policy, device, source)
         self.weight_plan.size_expert_cache(self.policy, self.budgets.host)
         integer = activations == "int8" and any(  # (packed matrices the int8 kernels take)
@@ -177,22 +195,33 @@ class Executor:
         self.stats.peak_device = device_peak(self.device)
         return self.stats
 
-    def _block_needs(self, micro_batches: list[tuple[int, int]], prompt_len: int):
+    def _block_needs(self, micro_batches: list[tuple[int, int]], tokens: int):
         return block_needs(self.weight_plan, self.cfg, self.dtype, self.policy, micro_batches,
-                           prompt_len, self.kv_dtype)
+                           tokens, self.kv_dtype)
 
-    def fits(self, micro_batches: list[tuple[int, int]], prompt_len: int) -> bool:
-        """Whether a block of micro-batches given as (rows, capacity) fits the budgets."""
-        return self.budgets.fits(self._block_needs(micro_batches, prompt_len))
+    def fits(self, micro_batches: list[tuple[int, int]], tokens: int) -> bool:
+        """Whether a block of micro-batches given as (rows, capacity) fits the budgets with
+        steps of ``tokens`` per row."""
+        return self.budgets.fits(self._block_needs(micro_batches, tokens))
 
-    def check_block(self, micro_batches: list[tuple[int, int]], prompt_len: int,
+    def step_tokens(self, micro_batches: list[tuple[int, int]], tokens: int) -> int:
+        """The prefill chunk for a block: the most tokens per row per step, at most
+        ``tokens``, with which each step fits the budgets (at least 1: check_block then
+        says what does not fit)."""
+        return max(1, largest_step(lambda n: self.fits(micro_batches, n), tokens))
+
+    def check_block(self, micro_batches: list[tuple[int, int]], tokens: int,
                     what: str | None = None) -> None:
-        """Refuse, before it starts, a block whose cache and hidden states do not fit."""
-        needs = self._block_needs(micro_batches, prompt_len)
+        """Refuse, before it starts, a block whose steps of ``tokens`` per row do not fit:
+        its cache, hidden states and largest transient beside the weights."""
+        needs = self._block_needs(micro_batches, tokens)
         what = what or f"a block of {sum(r for r, _ in micro_batches)} sequences"
+        if tokens > 1:
+            what += f" in steps of {tokens} tokens"
         self.budgets.check(needs, what, {
             "device": "move KV cache off the device (--percent), use smaller micro-batches "
-                      "(--gpu-batch-size) or fewer per block, or raise --device-memory",
+                      "(--gpu-batch-size) or fewer per block, a smaller prefill chunk, or "
+                      "raise --device-memory",
             "host": "move KV cache to disk (--percent), use smaller blocks, or raise --host-memory"})
         self.stats.planned = {t: max(self.stats.planned.get(t, 0), n) for t, n in needs.items()}
 

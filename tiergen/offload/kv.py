@@ -50,12 +50,15 @@ def layer_slots(capacity: int, window: int | None) -> int:
     return min(capacity, window) if window else capacity
 
 
-def cache_moves(tier: str, device_type: str, compressed: bool, cpu_attention: bool) -> bool:
+def cache_moves(tier: str, device_type: str, compressed: bool, cpu_attention: bool,
+                prompt: bool = False) -> bool:
     """Whether a layer's cache on ``tier`` is loaded into a device working buffer before use
-    and stored back after: from disk, from host RAM behind a GPU (unless attention runs
-    there), and always when compressed (it is decompressed for use)."""
+    and stored back after: from disk, from host RAM behind a GPU (unless a decode step's
+    attention runs there, ``cpu_attention``: a prompt step's runs on the device, where its
+    hidden states are, and only its new K/V go down), and always when compressed (it is
+    decompressed for use)."""
     return compressed or tier == "disk" or (
-        tier == "host" and device_type != "cpu" and not cpu_attention)
+        tier == "host" and device_type != "cpu" and (prompt or not cpu_attention))
 
 
 def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
