@@ -250,8 +250,8 @@ class Executor:
 
     def _forward_block(self, block: list[MicroBatch], all_positions: bool,
                        hidden: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        model, t = self.model, self.stats
-        started = time.perf_counter()
+        model, t, clock = self.model, self.stats, self._clock
+        started = clock()
         # callers may build ids and metadata on the CPU: bring them to the device (no-op there)
         block = [replace(mb, ids=mb.ids.to(self.device), meta=mb.meta.to(self.device))
                  for mb in block]
@@ -265,25 +265,26 @@ class Executor:
         stored: list[Future | None] = [None] * len(block)
         try:
             for j in range(self.cfg.num_layers):
-                t0 = time.perf_counter()
+                t0 = clock()
                 w = self.weights.take(j)
                 self.weights.prefetch(j + 1)
-                t.wait_weights[j] += time.perf_counter() - t0
+                t.wait_weights[j] += clock() - t0
                 loading = self._load_cache(block, 0, j)
                 for k, mb in enumerate(block):
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     kv = loading.result() if isinstance(loading, Future) else loading
                     if k + 1 < len(block):
                         loading = self._load_cache(block, k + 1, j)
-                    t1 = time.perf_counter()
+                    t1 = clock()
                     h = model.layer(j, w, acts.take(k), mb.meta, kv, shared[k])
                     acts.put(k, h)
-                    if mb.cache.moves(j) and self._inline(mb.cache, j):
+                    moves = mb.cache.moves(j, mb.is_prompt)
+                    if moves and self._inline(mb.cache, j):
                         mb.cache.store(j, kv, mb.meta)
-                    elif mb.cache.moves(j):
+                    elif moves:
                         stored[k] = self._cache_io.submit(mb.cache.store, j, kv, mb.meta)
                     t.wait_cache[j] += t1 - t0
-                    t.compute[j] += time.perf_counter() - t1
+                    t.compute[j] += clock() - t1
                 self.weights.release(j)
             for f in stored:
                 if f is not None:
@@ -298,7 +299,7 @@ class Executor:
                     if mb.positions is not None:
                         self._position_logits(h, mb.positions)
                     logits.append(model.head(self.globals, h[:, last]).float())
-            seconds = time.perf_counter() - started
+            seconds = clock() - started
             is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
             t.decode_tokens += sum(mb.ids.shape[0] for mb, p in zip(block, is_prompt) if not p)
@@ -323,9 +324,17 @@ class Executor:
         """Micro-batch k's cache of layer j: loaded here, or its load started on the cache
         thread (queued after its previous store)."""
         mb = block[k]
-        if not mb.cache.moves(j) or self._inline(mb.cache, j):
-            return mb.cache.load(j, mb.meta.start)
-        return self._cache_io.submit(mb.cache.load, j, mb.meta.start)
+        if not mb.cache.moves(j, mb.is_prompt) or self._inline(mb.cache, j):
+            return mb.cache.load(j, mb.meta.start, mb.is_prompt)
+        return self._cache_io.submit(mb.cache.load, j, mb.meta.start, mb.is_prompt)
+
+    def _clock(self) -> float:
+        """Seconds for RunStats: on a GPU once the compute stream has done what was queued
+        on it (copy streams go on), so that a layer's compute and waits are the GPU's and
+        add up to the wall time; on a CPU the plain clock."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
 
     def _inline(self, cache: TieredKV, j: int) -> bool:
         """Whether layer j's cache work runs on the compute thread: on a CPU, unpacking a
