@@ -44,11 +44,14 @@ def placement(p: Policy) -> tuple:
     return p.weights, p.cache, p.hidden
 
 
-def needs_of(cfg, dtype, policy, work, device_type="cpu"):
+def needs_of(cfg, dtype, policy, work, device_type="cpu", chunk=None):
+    """block_needs of the policy's first block, with prefill steps of ``chunk`` tokens
+    (default: the whole prompt)."""
     weights = WeightPlan.make(build_model(cfg), dtype, policy, torch.device(device_type))
     rows = blocks(policy, work.batch, 64)[0]
     capacity = work.prompt_len + work.gen_len
-    return block_needs(weights, cfg, dtype, policy, [(r, capacity) for r in rows], work.prompt_len)
+    return block_needs(weights, cfg, dtype, policy, [(r, capacity) for r in rows],
+                       chunk or work.prompt_len)
 
 
 def ram_used(needs, device_type="cpu"):
@@ -96,7 +99,7 @@ def test_chosen_plan_fits_the_budget(device_type, cal, fraction):
     budgets = (Budgets(host=int(fraction * ram_used(full))) if device_type == "cpu" else
                Budgets(device=int(fraction * full["device"]), host=int(fraction * full["device"])))
     for e in plan(SMOL, BF16, WORK, cal, device_type, budgets):
-        assert e.memory == needs_of(SMOL, BF16, e.policy, WORK, device_type)
+        assert e.memory == needs_of(SMOL, BF16, e.policy, WORK, device_type, e.prefill_chunk)
         assert not search.over_budget(e.memory, budgets, device_type)
         assert budgets.host is None or ram_used(e.memory, device_type) <= budgets.host
     policy, _ = choose_policy(SMOL, BF16, WORK, cal, device_type, budgets)

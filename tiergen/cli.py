@@ -306,7 +306,8 @@ def _plan(args: argparse.Namespace, files, prompts: list[str]):
         text = format_parallel(estimate, files.config, dtype)
     else:
         policy, estimate = choose_policy(files.config, dtype, workload, cal, device.type,
-                                         budgets, args.max_batch_size, source=files.source)
+                                         budgets.for_tensors(device.type), args.max_batch_size,
+                                         source=files.source)
         text = format_plan(estimate, files.config, dtype)
     for p in policy if isinstance(policy, list) else [policy]:
         p.offload_dir = args.offload_dir or p.offload_dir
@@ -509,8 +510,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           budgets, stages, tensor, allow_compression=compress, source=source)
         print(format_parallel(e, cfg, dtype))
         return 0
-    request = SearchRequest(cfg, dtype, workload, cal, device_type, budgets,
-                            allow_compression=compress, source=source)
+    request = SearchRequest(cfg, dtype, workload, cal, device_type,
+                            budgets.for_tensors(device_type), allow_compression=compress,
+                            source=source)
     found = search(request)
     if not found.fits:
         raise nothing_fits(found, request)

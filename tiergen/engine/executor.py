@@ -29,7 +29,8 @@ from tiergen.offload.hidden import HiddenStates
 from tiergen.offload.experts import HostRates
 from tiergen.offload.kv import TieredKV, cache_dtype, cache_needs
 from tiergen.offload.memory import (Budgets, add, available_ram, device_peak, fmt,
-                                    reset_peak_resident_set, resident_set)
+                                    largest_step, reset_peak_resident_set, resident_set,
+                                    step_transient)
 from tiergen.offload.policy import Policy, tiers_for
 from tiergen.offload.weights import TieredWeights, WeightPlan, offload_root
 from tiergen.weights.packed import INTEGER_TYPES
@@ -116,18 +117,35 @@ def cache_compression(policy: Policy) -> tuple[int, int] | None:
 
 
 def block_needs(weights: WeightPlan, cfg: ModelConfig, dtype: torch.dtype, policy: Policy,
-                micro_batches: list[tuple[int, int]], prompt_len: int,
+                micro_batches: list[tuple[int, int]], tokens: int,
                 kv_dtype: torch.dtype | None = None) -> dict[str, int]:
-    """Bytes per tier that running a block needs: the weights as placed (with their streaming
-    buffers), the KV cache of micro-batches given as (rows, capacity) in ``kv_dtype``
-    (default: ``dtype``), and the hidden states of ``prompt_len`` tokens per row."""
-    hidden = cfg.hidden_size * dtype.itemsize
-    acts = {"device": 0, "host": 0, "disk": 0}
-    for (rows, _), tier in zip(micro_batches, tiers_for(len(micro_batches), policy.hidden_split)):
-        acts[tier] += rows * prompt_len * hidden
+    """Bytes per tier that running a block needs at its largest step: the weights as placed
+    (with their streaming buffers), the KV cache of micro-batches given as (rows, capacity)
+    in ``kv_dtype`` (default: ``dtype``), and what its steps of ``tokens`` per row (the
+    prefill chunk) add (``step_needs``)."""
     cache = cache_needs(cfg, kv_dtype or dtype, tiers_for(cfg.num_layers, policy.cache_split),
                         micro_batches, weights.device_type, cache_compression(policy))
-    return add(weights.needs(), cache, acts)
+    return add(weights.needs(), cache,
+               step_needs(cfg, dtype, policy, micro_batches, tokens, weights.device_type))
+
+
+def step_needs(cfg: ModelConfig, dtype: torch.dtype, policy: Policy,
+               micro_batches: list[tuple[int, int]], tokens: int, device_type: str
+               ) -> dict[str, int]:
+    """Bytes per tier that a block's steps add to its weights and cache: the float32 hidden
+    states of ``tokens`` per row on their tiers, and on the device the largest transient of
+    one micro-batch's step (``step_transient``: a prefill step of ``tokens`` or a decode
+    step, over the capacity)."""
+    acts = {"device": 0, "host": 0, "disk": 0}
+    for (rows, _), tier in zip(micro_batches, tiers_for(len(micro_batches), policy.hidden_split)):
+        acts[tier] += rows * tokens * cfg.hidden_size * 4  # the residual stream is float32
+    decode_here = device_type == "cpu" or not policy.cpu_attention or any(
+        t != "host" for t in tiers_for(cfg.num_layers, policy.cache_split))
+    acts["device"] += max((max(step_transient(cfg, dtype, rows, tokens, slots, True, device_type),
+                               step_transient(cfg, dtype, rows, 1, slots, decode_here,
+                                              device_type))
+                           for rows, slots in set(micro_batches)), default=0)
+    return acts
 
 
 class Executor:
@@ -141,7 +159,7 @@ class Executor:
         self.dtype = dtype
         self.device = device
         self.policy = policy or Policy()
-        self.budgets = budgets or Budgets()
+        self.budgets = (budgets or Budgets()).for_tensors(device.type)
         self.weight_plan = WeightPlan.make(model, dtype, self.policy, device, source)
         self.weight_plan.size_expert_cache(self.policy, self.budgets.host)
         integer = activations == "int8" and any(  # (packed matrices the int8 kernels take)
@@ -177,22 +195,33 @@ class Executor:
         self.stats.peak_device = device_peak(self.device)
         return self.stats
 
-    def _block_needs(self, micro_batches: list[tuple[int, int]], prompt_len: int):
+    def _block_needs(self, micro_batches: list[tuple[int, int]], tokens: int):
         return block_needs(self.weight_plan, self.cfg, self.dtype, self.policy, micro_batches,
-                           prompt_len, self.kv_dtype)
+                           tokens, self.kv_dtype)
 
-    def fits(self, micro_batches: list[tuple[int, int]], prompt_len: int) -> bool:
-        """Whether a block of micro-batches given as (rows, capacity) fits the budgets."""
-        return self.budgets.fits(self._block_needs(micro_batches, prompt_len))
+    def fits(self, micro_batches: list[tuple[int, int]], tokens: int) -> bool:
+        """Whether a block of micro-batches given as (rows, capacity) fits the budgets with
+        steps of ``tokens`` per row."""
+        return self.budgets.fits(self._block_needs(micro_batches, tokens))
 
-    def check_block(self, micro_batches: list[tuple[int, int]], prompt_len: int,
+    def step_tokens(self, micro_batches: list[tuple[int, int]], tokens: int) -> int:
+        """The prefill chunk for a block: the most tokens per row per step, at most
+        ``tokens``, with which each step fits the budgets (at least 1: check_block then
+        says what does not fit)."""
+        return max(1, largest_step(lambda n: self.fits(micro_batches, n), tokens))
+
+    def check_block(self, micro_batches: list[tuple[int, int]], tokens: int,
                     what: str | None = None) -> None:
-        """Refuse, before it starts, a block whose cache and hidden states do not fit."""
-        needs = self._block_needs(micro_batches, prompt_len)
+        """Refuse, before it starts, a block whose steps of ``tokens`` per row do not fit:
+        its cache, hidden states and largest transient beside the weights."""
+        needs = self._block_needs(micro_batches, tokens)
         what = what or f"a block of {sum(r for r, _ in micro_batches)} sequences"
+        if tokens > 1:
+            what += f" in steps of {tokens} tokens"
         self.budgets.check(needs, what, {
             "device": "move KV cache off the device (--percent), use smaller micro-batches "
-                      "(--gpu-batch-size) or fewer per block, or raise --device-memory",
+                      "(--gpu-batch-size) or fewer per block, a smaller prefill chunk, or "
+                      "raise --device-memory",
             "host": "move KV cache to disk (--percent), use smaller blocks, or raise --host-memory"})
         self.stats.planned = {t: max(self.stats.planned.get(t, 0), n) for t, n in needs.items()}
 
@@ -221,8 +250,8 @@ class Executor:
 
     def _forward_block(self, block: list[MicroBatch], all_positions: bool,
                        hidden: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        model, t = self.model, self.stats
-        started = time.perf_counter()
+        model, t, clock = self.model, self.stats, self._clock
+        started = clock()
         # callers may build ids and metadata on the CPU: bring them to the device (no-op there)
         block = [replace(mb, ids=mb.ids.to(self.device), meta=mb.meta.to(self.device))
                  for mb in block]
@@ -236,25 +265,26 @@ class Executor:
         stored: list[Future | None] = [None] * len(block)
         try:
             for j in range(self.cfg.num_layers):
-                t0 = time.perf_counter()
+                t0 = clock()
                 w = self.weights.take(j)
                 self.weights.prefetch(j + 1)
-                t.wait_weights[j] += time.perf_counter() - t0
+                t.wait_weights[j] += clock() - t0
                 loading = self._load_cache(block, 0, j)
                 for k, mb in enumerate(block):
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     kv = loading.result() if isinstance(loading, Future) else loading
                     if k + 1 < len(block):
                         loading = self._load_cache(block, k + 1, j)
-                    t1 = time.perf_counter()
+                    t1 = clock()
                     h = model.layer(j, w, acts.take(k), mb.meta, kv, shared[k])
                     acts.put(k, h)
-                    if mb.cache.moves(j) and self._inline(mb.cache, j):
+                    moves = mb.cache.moves(j, mb.is_prompt)
+                    if moves and self._inline(mb.cache, j):
                         mb.cache.store(j, kv, mb.meta)
-                    elif mb.cache.moves(j):
+                    elif moves:
                         stored[k] = self._cache_io.submit(mb.cache.store, j, kv, mb.meta)
                     t.wait_cache[j] += t1 - t0
-                    t.compute[j] += time.perf_counter() - t1
+                    t.compute[j] += clock() - t1
                 self.weights.release(j)
             for f in stored:
                 if f is not None:
@@ -269,7 +299,7 @@ class Executor:
                     if mb.positions is not None:
                         self._position_logits(h, mb.positions)
                     logits.append(model.head(self.globals, h[:, last]).float())
-            seconds = time.perf_counter() - started
+            seconds = clock() - started
             is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
             t.decode_tokens += sum(mb.ids.shape[0] for mb, p in zip(block, is_prompt) if not p)
@@ -294,9 +324,17 @@ class Executor:
         """Micro-batch k's cache of layer j: loaded here, or its load started on the cache
         thread (queued after its previous store)."""
         mb = block[k]
-        if not mb.cache.moves(j) or self._inline(mb.cache, j):
-            return mb.cache.load(j, mb.meta.start)
-        return self._cache_io.submit(mb.cache.load, j, mb.meta.start)
+        if not mb.cache.moves(j, mb.is_prompt) or self._inline(mb.cache, j):
+            return mb.cache.load(j, mb.meta.start, mb.is_prompt)
+        return self._cache_io.submit(mb.cache.load, j, mb.meta.start, mb.is_prompt)
+
+    def _clock(self) -> float:
+        """Seconds for RunStats: on a GPU once the compute stream has done what was queued
+        on it (copy streams go on), so that a layer's compute and waits are the GPU's and
+        add up to the wall time; on a CPU the plain clock."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
 
     def _inline(self, cache: TieredKV, j: int) -> bool:
         """Whether layer j's cache work runs on the compute thread: on a CPU, unpacking a

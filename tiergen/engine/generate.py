@@ -448,7 +448,10 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
     """
     groups = [seqs[i:i + micro_batch] for i in range(0, len(seqs), micro_batch)]
     longest = max(len(s.prompt_ids) for s in seqs)
-    executor.check_block([(len(g), capacity(g)) for g in groups], longest)
+    shapes = [(len(g), capacity(g)) for g in groups]
+    # the prefill chunk: as asked, or cut so that each step fits the budgets
+    chunk_size = executor.step_tokens(shapes, prefill_chunk(chunk_size, longest))
+    executor.check_block(shapes, chunk_size)
     n = shared_length(executor.cfg, seqs) if share else 0
     shared = SharedPrefix.common(executor, seqs, n, chunk_size) if n else None
     executor.stats.shared_prompt_tokens += n * (len(seqs) - 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,12 +51,15 @@ def layer_slots(capacity: int, window: int | None) -> int:
     return min(capacity, window) if window else capacity
 
 
-def cache_moves(tier: str, device_type: str, compressed: bool, cpu_attention: bool) -> bool:
+def cache_moves(tier: str, device_type: str, compressed: bool, cpu_attention: bool,
+                prompt: bool = False) -> bool:
     """Whether a layer's cache on ``tier`` is loaded into a device working buffer before use
-    and stored back after: from disk, from host RAM behind a GPU (unless attention runs
-    there), and always when compressed (it is decompressed for use)."""
+    and stored back after: from disk, from host RAM behind a GPU (unless a decode step's
+    attention runs there, ``cpu_attention``: a prompt step's runs on the device, where its
+    hidden states are, and only its new K/V go down), and always when compressed (it is
+    decompressed for use)."""
     return compressed or tier == "disk" or (
-        tier == "host" and device_type != "cpu" and not cpu_attention)
+        tier == "host" and device_type != "cpu" and (prompt or not cpu_attention))
 
 
 def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
@@ -113,6 +117,79 @@ class Recycled:
 RECYCLED = Recycled()
 
 
+class _Done:
+    """The event of a copy that finished when it was made (a CPU's plain copies)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+@dataclass
+class _Store:
+    """A store in flight: ``staged`` (pinned host RAM) holds the new rows once ``event`` has
+    passed; they then go to ``dest``. ``source`` must not be overwritten before then."""
+
+    event: object
+    staged: torch.Tensor
+    dest: torch.Tensor
+    source: torch.Tensor
+
+
+class Stores:
+    """New K/V rows going down to their host tier without holding up the compute stream.
+
+    On a GPU each store is copied on its own copy stream into pinned staging, with an
+    event; a device buffer it read from is written again only after that event
+    (``before_reuse``), and the host rows are read only once it has passed and the staging
+    has been copied into place (``settle``). On a CPU a store is a plain copy, done at once:
+    the same order with nothing in flight."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending: dict[int, list[_Store]] = {}  # by layer
+        self._lock = threading.Lock()  # the cache thread stores; close may settle elsewhere
+
+    def put(self, j: int, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Store ``source`` (device) into ``dest`` (a view of layer j's host rows)."""
+        if self.stream is None:
+            dest.copy_(source)
+            with self._lock:
+                self.pending.setdefault(j, []).append(_Store(_Done(), dest, dest, source))
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(self.stream):
+            staged = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            staged.copy_(source, non_blocking=True)
+            source.record_stream(self.stream)  # its memory kept until the copy has read it
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        with self._lock:
+            self.pending.setdefault(j, []).append(_Store(event, staged, dest, source))
+
+    def before_reuse(self, buffer: torch.Tensor) -> None:
+        """Hold the next write to ``buffer`` (on the current stream) until every store that
+        reads it has been copied out."""
+        with self._lock:
+            stores = [s for layer in self.pending.values() for s in layer]
+        for s in stores:
+            if s.source.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                s.event.wait(None if self.stream is None else
+                             torch.cuda.current_stream(buffer.device))
+
+    def settle(self, j: int | None = None) -> None:
+        """Finish the stores of layer j (all layers: None): its host rows are then whole."""
+        with self._lock:
+            done = [s for layer in ([j] if j is not None else list(self.pending))
+                    for s in self.pending.pop(layer, [])]
+        for s in done:
+            s.event.synchronize()
+            if s.staged is not s.dest:
+                s.dest.copy_(s.staged)
+
+
 class TieredKV:
     """K/V for every layer of one micro-batch, sized for its longest sequence (a
     sliding-window layer: for its window, as a ring).
@@ -160,6 +237,9 @@ class TieredKV:
         self._work: dict[int, torch.Tensor] = {}  # device working buffers by slot count
         self._moves = [cache_moves(t, device.type, self.compress is not None, cpu_attention)
                        for t in tiers]
+        self._prompt_moves = [cache_moves(t, device.type, self.compress is not None,
+                                          cpu_attention, prompt=True) for t in tiers]
+        self.stores = Stores(device)  # new rows on their way to host RAM
         self._resident: dict[int, KVView] = {}  # views of the layers used where they live
 
     def shape(self, j: int) -> tuple[int, ...]:
@@ -184,9 +264,10 @@ class TieredKV:
     def on_disk(self, j: int) -> bool:
         return isinstance(self.layers[j], SpillFile)
 
-    def moves(self, j: int) -> bool:
-        """Whether layer j's K/V must travel to and from the device around its use."""
-        return self._moves[j]
+    def moves(self, j: int, prompt: bool = False) -> bool:
+        """Whether layer j's K/V must travel to and from the device around its use in a
+        prompt step or a decode step (see ``cache_moves``)."""
+        return (self._prompt_moves if prompt else self._moves)[j]
 
     def _view(self, j: int, kv: torch.Tensor) -> KVView:
         ring, sparsity = self.rings[j], self.sparsity
@@ -201,17 +282,19 @@ class TieredKV:
         return self._work[n]
 
     @torch.inference_mode()  # on the compute thread or the cache thread alike
-    def load(self, j: int, end: int) -> KVView:
+    def load(self, j: int, end: int, prompt: bool = False) -> KVView:
         """Layer j's K/V on the device, holding the slots before ``end`` (the step's new
-        slots are written by the layer itself)."""
+        slots are written by the layer itself), for a prompt step or a decode step."""
         store = self.layers[j]
         used = min(end, self.slots[j])  # a ring fills indices 0.. in order, then wraps
-        if not self._moves[j]:
+        self.stores.settle(j)  # its host rows whole before they are read
+        if not self.moves(j, prompt):
             view = self._resident.get(j)
             if view is None:
                 view = self._resident[j] = self._view(j, store)
             return view
         work = self._working(j)
+        self.stores.before_reuse(work)
         if not used:
             return self._view(j, work)
         if isinstance(store, SpillFile):
@@ -238,19 +321,22 @@ class TieredKV:
 
     @torch.inference_mode()
     def store(self, j: int, view: KVView, meta: StepMeta) -> None:
-        """Write the step's new slots back to layer j's tier."""
+        """Write the step's new slots back to layer j's tier (to host RAM: asynchronously,
+        see ``Stores``)."""
         store = self.layers[j]
+        prompt = meta.start == 0 or meta.positions.shape[1] > 1
         for lo, hi in self._runs(j, meta):
             new = view.kv[:, :, :, lo:hi]
             if self.compress:
                 new = compress_rows(new, *self.compress)
             if isinstance(store, SpillFile):
                 store.write(new.permute(3, 0, 1, 2, 4).cpu(), lo * self._slot_bytes())
-            elif self.moves(j):
-                store[:, :, :, lo:hi].copy_(new)
+            elif self.moves(j, prompt):
+                self.stores.put(j, new, store[:, :, :, lo:hi])
 
     def read_layer(self, j: int) -> torch.Tensor:
         """Layer j as its tier holds it (stored shape; compressed rows when compressed)."""
+        self.stores.settle(j)
         store = self.layers[j]
         if not isinstance(store, SpillFile):
             return store
@@ -297,6 +383,7 @@ class TieredKV:
     def spilled(self, spill_dir: Path) -> TieredKV:
         """A copy of this cache with every layer in a spill file under ``spill_dir``, to read
         rows back from (:meth:`read_layer`)."""
+        self.stores.settle()
         other = copy.copy(self)
         other.layers = []
         try:
@@ -308,6 +395,7 @@ class TieredKV:
             raise
         other.tiers = ["disk"] * len(self.layers)
         other._moves, other._work, other._resident = [True] * len(self.layers), {}, {}
+        other._prompt_moves, other.stores = other._moves, Stores(self.device)
         return other
 
     def share_prefix(self, src: TieredKV, slots: int) -> None:
@@ -322,6 +410,7 @@ class TieredKV:
         self._work = {}
 
     def close(self) -> None:
+        self.stores.settle()
         for store in self.layers:
             if isinstance(store, SpillFile):
                 store.close()

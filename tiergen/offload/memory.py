@@ -3,14 +3,20 @@ budgets it must fit, and what the process really used."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import TIERS
 
 Bytes = dict[str, int]
+
+# what a GPU's matmul libraries take from the allocator on their first calls (cuBLAS keeps a
+# workspace per handle and stream) beside tiergen's tensors
+GPU_WORKSPACE = 64 << 20
 
 
 def fmt(n: float) -> str:
@@ -28,6 +34,13 @@ class Budgets:
     device: int | None = None
     host: int | None = None
 
+    def for_tensors(self, device_type: str) -> Budgets:
+        """What is left of the budgets for tiergen's own tensors: on a GPU the device budget
+        less the workspace its matmul libraries take (``GPU_WORKSPACE``)."""
+        if device_type != "cuda" or self.device is None:
+            return Budgets(self.device, self.host)
+        return Budgets(max(0, self.device - GPU_WORKSPACE), self.host)
+
     def over(self, needs: Bytes) -> list[str]:
         """The tiers whose needs exceed their budgets."""
         return [t for t in ("device", "host")
@@ -43,6 +56,94 @@ class Budgets:
             raise TiergenError(
                 f"{what} needs {fmt(needs[tier])} of {tier} memory but the {tier} budget is "
                 f"{fmt(limit)} (over by {fmt(needs[tier] - limit)}); {hint[tier]}")
+
+
+def _attention_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """Numbers per token of the queries and of the new K/V a layer makes (MLA: absorbed
+    queries against its latent row)."""
+    parts, heads, width = cfg.kv_layout()
+    if cfg.mla is not None:
+        m = cfg.mla
+        return cfg.num_heads * max(m.kv_lora_rank + m.qk_rope_head_dim,
+                                   m.qk_nope_head_dim + m.qk_rope_head_dim), parts * heads * width
+    return cfg.num_heads * cfg.head_dim, parts * heads * width
+
+
+def _mlp_width(cfg: ModelConfig) -> int:
+    """Widest intermediate a token's MLP makes: the dense one, or its routed experts' (each
+    token's top-k gathered) beside the shared experts'."""
+    width = cfg.intermediate_size
+    if cfg.moe is not None:
+        m = cfg.moe
+        width = max(width, m.top_k * m.intermediate_size + m.shared_intermediate_size)
+    return width
+
+
+def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: int) -> int:
+    """Bytes attention itself makes for one step: the decode path's scores and probabilities,
+    or a prompt step's mask in the compute dtype, K/V repeated for the query heads of a
+    group, a ring's K/V joined with the step's own, gpt-oss's spelled-out scores, the float32
+    partial outputs a chunk merges, and MLA's latents expanded into per-head keys and values."""
+    q, _ = _attention_widths(cfg)
+    parts, heads, width = cfg.kv_layout()
+    expanded = 0
+    if cfg.mla is not None:  # a prompt's latents expanded into each head's keys and values,
+        m = cfg.mla  # or a decode step's absorbed queries, outputs and their float32 copies
+        expanded = (rows * keys * cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim
+                                                   + m.v_head_dim) * dt if tokens > 1 else
+                    20 * rows * cfg.num_heads * (m.kv_lora_rank + m.qk_rope_head_dim) * 4)
+    if tokens == 1:
+        return rows * cfg.num_heads * keys * (2 * dt + 4) + expanded
+    need = rows * tokens * keys * (dt + 1) + 3 * rows * tokens * q * 4
+    need += 2 * rows * cfg.num_heads * keys * width * dt  # K/V repeated (GQA) or joined (ring)
+    if cfg.attention_sinks:
+        need += rows * cfg.num_heads * min(tokens, 256) * keys * (8 + dt)
+    return need + expanded
+
+
+def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int, keys: int,
+                   attends: bool = True, device_type: str = "cuda") -> int:
+    """Most bytes one step of ``rows`` x ``tokens`` holds on the compute device at once
+    beyond its input hidden states, over ``keys`` cache slots: a layer's largest moment or
+    the LM head's. ``attends``: the step's attention runs on the device (not the CPU's).
+
+    A layer keeps its normed input, q/k/v and their rotated copies, the attention output
+    and the float32 residual after attention to its end; on top of those comes the largest
+    of the norms' float32 copies, RoPE's temporaries, attention's own bytes, the MLP's
+    gate|up output, activation and product, or its output with the new residual. The head
+    makes the last position's logits in the compute dtype and their float32 copy. A CPU
+    multiplying half precision packs the layer matrix it multiplies. (A GPU's matmul
+    workspace comes off the budget instead: ``Budgets.for_tensors``.)"""
+    dt, n, hidden = dtype.itemsize, rows * tokens, cfg.hidden_size
+    q, kv = _attention_widths(cfg)
+    held = n * (hidden * dt + 2 * (q + kv) * dt + 2 * q * dt + hidden * 4)
+    held += rows * tokens * (keys + 2 * cfg.head_dim * dt)  # the step's mask, RoPE's tables
+    moments = [n * hidden * (8 + dt),  # a norm: float32 copy, its squares, the result
+               3 * n * q * dt,  # RoPE
+               n * (hidden * dt + 4 * _mlp_width(cfg) * dt),  # normed input, gate|up, act, product
+               n * hidden * (dt + 4),  # down's output, the new residual
+               _attention_bytes(cfg, dt, rows, tokens, keys) if attends else 0]
+    if cfg.moe is not None:  # router scores, and the float32 sum the experts add into
+        moments.append(n * (cfg.moe.num_experts * 8 + hidden * 8))
+    head = rows * (hidden * (4 + dt) + cfg.vocab_size * (dt + 4))
+    extra = 0
+    if device_type == "cpu" and dtype.itemsize < 4:
+        extra = hidden * max(q + kv, 2 * _mlp_width(cfg)) * dtype.itemsize
+    return max(held + max(moments), head) + extra
+
+
+def largest_step(fits: Callable[[int], bool], tokens: int) -> int:
+    """The most tokens per step, at most ``tokens``, for which ``fits`` holds (its needs grow
+    with the tokens), or 0 when not even one token fits."""
+    if fits(tokens):
+        return tokens
+    if tokens == 1 or not fits(1):
+        return 0
+    lo, hi = 1, tokens  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def add(*parts: Bytes) -> Bytes:

@@ -38,6 +38,7 @@ from tiergen.calibration import Calibration
 from tiergen.config import ModelConfig
 from tiergen.engine.executor import block_needs, cache_compression
 from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK, chunks
+from tiergen.engine.generate import prefill_chunk as prefill_chunk_of
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.base import ModelFamily
@@ -79,6 +80,7 @@ class Estimate:
     per_layer: dict[str, float]  # mean seconds per layer of one decode step, by part
     workload: Workload | None = None
     device_type: str = "cpu"
+    prefill_chunk: int | None = None  # prompt tokens per prefill step (``memory`` is at it)
 
     @property
     def binds(self) -> str:
@@ -212,11 +214,13 @@ class _Env:
             t += 1 / (self.cal.device_to_host if out else self.cal.host_to_device)
         return t
 
-    def cache_moves(self, tier: str) -> bool:
-        """Whether a layer's cache on ``tier`` is loaded and stored around its use (the
-        executor unpacks a compressed cache wherever it lives)."""
+    def cache_moves(self, tier: str, prompt: bool = False) -> bool:
+        """Whether a layer's cache on ``tier`` is loaded and stored around its use in a
+        prompt step or a decode step (the executor unpacks a compressed cache wherever it
+        lives; a prompt's attention runs on the device even with cpu_attention)."""
         p = self.policy
-        return cache_moves(tier, "cuda" if self.cuda else "cpu", p.compress_cache, p.cpu_attention)
+        return cache_moves(tier, "cuda" if self.cuda else "cpu", p.compress_cache,
+                           p.cpu_attention, prompt)
 
 
 def _weight_traffic(layer: LayerShape, tokens: int, env: _Env) -> tuple[float, float]:
@@ -231,7 +235,7 @@ def _cache_io(layer: LayerShape, tier: str, rows: int, new: int, before: float,
               env: _Env) -> tuple[float, float, float, float]:
     """Seconds one micro-batch's cache of a layer takes on the cache thread to load (the
     slots before the step) and to store (the new ones), and its disk and host-to-GPU bytes."""
-    if not env.cache_moves(tier):
+    if not env.cache_moves(tier, new > 1):
         return 0.0, 0.0, 0.0, 0.0
     dense = env.slot_bytes * rows
     old, fresh = min(before, layer.window or before), min(new, layer.window or new)
@@ -256,7 +260,7 @@ def _compute(layer: LayerShape, tier: str, rows: int, new: int, before: float,
     attn_flops = 4 * rows * c.num_heads * c.kv_layout()[2] * pairs
     slots = min(before + new, layer.window or before + new)
     read = rows * slots * env.slot_bytes * (1 + env.policy.attn_sparsity) / 2
-    on_cpu = not env.cuda or (tier == "host" and not env.cache_moves(tier))  # cpu_attention
+    on_cpu = not env.cuda or (tier == "host" and not env.cache_moves(tier, new > 1))
     t += max(attn_flops / env.matmul, read / (env.cal.cpu_attention if on_cpu else env.gemv))
     hidden = 2 * tokens * c.hidden_size * env.itemsize  # into the layer and out of it
     return t + hidden * (env.per_byte(act_tier) + env.per_byte(act_tier, out=True)) / 2
@@ -326,10 +330,11 @@ def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Wor
         seconds, parts = _step(groups, rows, acts, 1, p + g / 2, env)  # mean context
         decode += (g - 1) * seconds
         per_layer = per_layer or parts
-    memory = block_needs(placed.plan, cfg, dtype, policy, [(r, p + g) for r in cut[0]], p)
+    memory = block_needs(placed.plan, cfg, dtype, policy, [(r, p + g) for r in cut[0]],
+                         prefill_chunk_of(prefill_chunk, p))
     return Estimate(policy, memory, prefill, decode, batch * p / prefill,
                     batch * (g - 1) / decode if decode else 0.0, batch * g / (prefill + decode),
-                    per_layer, workload, device_type)
+                    per_layer, workload, device_type, prefill_chunk_of(prefill_chunk, p))
 
 
 def _cache_ratio(cfg: ModelConfig, dtype: torch.dtype, policy: Policy) -> float:

@@ -8,11 +8,12 @@ import torch
 
 from tiergen.calibration import Calibration
 from tiergen.config import ModelConfig
-from tiergen.engine.executor import block_needs
+from tiergen.engine.executor import block_needs, step_needs
 from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.models.base import ModelFamily
-from tiergen.offload.memory import Budgets, fmt
+from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK, prefill_chunk
+from tiergen.offload.memory import Budgets, add, fmt, largest_step
 from tiergen.offload.policy import Policy
 from tiergen.planner.cost import Estimate, PlacedWeights, Workload, blocks, estimate
 from tiergen.weights import WeightSource
@@ -86,6 +87,7 @@ class SearchRequest:
     bits: tuple[int, ...] = (4,)
     model: ModelFamily | None = None
     source: WeightSource | None = None
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK  # the LLM's prefill_chunk_size
 
 
 @dataclass
@@ -112,12 +114,21 @@ def search(request: SearchRequest) -> Found:
         of the weights), with their estimate."""
         for n in counts:
             policy = replace(policy, gpu_batch_size=size, num_gpu_batches=n)
-            rows = blocks(policy, batch, max_batch_size)[0]
-            needs = block_needs(placed.plan, cfg, dtype, policy, [(r, p + g) for r in rows], p)
+            shapes = [(rows, p + g) for rows in blocks(policy, batch, max_batch_size)[0]]
+
+            fixed = block_needs(placed.plan, cfg, dtype, policy, shapes, 0)
+
+            def needs_at(tokens: int) -> dict[str, int]:
+                return add(fixed, step_needs(cfg, dtype, policy, shapes, tokens, device_type))
+
+            # the executor's own cut of the prefill chunk (Executor.step_tokens)
+            chunk = max(1, largest_step(lambda t: budgets.fits(needs_at(t)),
+                                        prefill_chunk(r.prefill_chunk, p)))
+            needs = needs_at(chunk)
             over = sum(over_budget(needs, budgets, device_type).values())
             if not over:
                 return estimate(cfg, dtype, policy, workload, cal, device_type, max_batch_size,
-                                placed)
+                                placed, chunk)
             if found.closest is None or over < found.closest[0]:
                 found.closest = (over, policy, needs)
         return None
