@@ -136,7 +136,7 @@ def test_plan_command_prints_every_rank(tmp_path, monkeypatch, capsys):
 
 
 def test_plan_command_on_paper_for_a_machine_profile(monkeypatch, capsys):
-    assert run_plan(["--config", "llama-3.1-70b", "--machine", "epyc-2core-24g", "--batch", "4",
+    assert run_plan(["--config", "llama-3.1-8b", "--machine", "epyc-2core-24g", "--batch", "4",
                      "--prompt-len", "64", "--gen-len", "8", "--pipeline-parallel", "4"],
                     monkeypatch) == 0
     out = capsys.readouterr().out
