@@ -30,16 +30,29 @@ T = TypeVar("T")
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (read once: they do not change while the process runs)."""
+def _cpuinfo() -> dict[str, str]:
+    """/proc/cpuinfo's fields of the first CPU (read once; empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (they do not change while the process runs)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name, or the machine's type where /proc/cpuinfo gives none."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_has_fast_bfloat16() -> bool:
@@ -123,13 +136,7 @@ def run_amx_probe(code: str = AMX_PROBE, timeout: float = 120.0) -> tuple[bool, 
 
 def _probe_key() -> str:
     """What the verdict depends on: the CPU as described, the kernel, the interpreter."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            model = next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    ident = f"{model}|{sorted(cpu_flags())}|{platform.release()}|{sys.executable}"
+    ident = f"{cpu_model()}|{sorted(cpu_flags())}|{platform.release()}|{sys.executable}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

@@ -9,11 +9,10 @@ measured on the same machine).
 
 from __future__ import annotations
 
-import platform
 import resource
 import time
 
-from tiergen._platform import cpu_flags
+from tiergen._platform import cpu_flags, cpu_model
 from tiergen.engine.sampler import SamplingParams
 
 SIMD_FLAGS = ("sse4_2", "avx", "f16c", "fma", "avx2", "avx512f", "avx512bw", "avx512_vnni",
@@ -22,15 +21,8 @@ SIMD_FLAGS = ("sse4_2", "avx", "f16c", "fma", "avx2", "avx512f", "avx512bw", "av
 
 def cpu_description() -> dict:
     """CPU model name and the SIMD flags that decide which kernels run fast."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), model)
-    except OSError:
-        pass
     flags = cpu_flags()
-    return {"cpu": model, "simd": [f for f in SIMD_FLAGS if f in flags]}
+    return {"cpu": cpu_model(), "simd": [f for f in SIMD_FLAGS if f in flags]}
 
 
 def peak_rss_mb() -> float:

@@ -138,15 +138,20 @@ CONSTRAINT_OPTIONS = [
 ]
 
 
-SERVER_OPTIONS = [
+# what the server and batch files take for requests that do not say
+REQUEST_DEFAULTS = [
+    _opt("--default-max-tokens", type=int, default=256,
+         help="max_tokens of requests that give none (default: 256)"),
+    _opt("--chat-template", help="a Jinja chat template to use instead of the model's"),
+]
+
+
+SERVER_OPTIONS = [*REQUEST_DEFAULTS,
     _opt("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"),
     _opt("--port", type=int, default=8000, help="port to listen on (default: 8000)"),
     _opt("--max-queue", type=int, default=256,
          help="most requests waiting for a place in the batch; more are answered with "
               "429 (default: 256)"),
-    _opt("--default-max-tokens", type=int, default=256,
-         help="max_tokens of requests that give none (default: 256)"),
-    _opt("--chat-template", help="a Jinja chat template to use instead of the model's"),
     _opt("--api-key", metavar="KEY",
          help="require 'Authorization: Bearer KEY' on every /v1/ request (default: "
               "$TIERGEN_API_KEY; none: open)"),
@@ -163,13 +168,10 @@ SERVER_OPTIONS = [
 ]
 
 
-BATCH_OPTIONS = [
+BATCH_OPTIONS = [*REQUEST_DEFAULTS,
     _opt("-i", "--input", required=True, metavar="FILE", help="the requests (JSON lines)"),
     _opt("-o", "--output", required=True, metavar="FILE",
          help="the results (JSON lines), appended to; created if missing"),
-    _opt("--default-max-tokens", type=int, default=256,
-         help="max_tokens of requests that give none (default: 256)"),
-    _opt("--chat-template", help="a Jinja chat template to use instead of the model's"),
 ]
 
 
