@@ -3,9 +3,13 @@ the tiles work) against oneDNN capped at AVX512_CORE_BF16, each in a fresh proce
 oneDNN reads its ceiling once.
 
     python benchmarks/bench_amx.py [--threads N]
+    python benchmarks/bench_amx.py --attention   # a prompt chunk's attention by dtype
+    python benchmarks/bench_amx.py --prompt      # one 4,096-token prompt, tiles on and off
+    python benchmarks/bench_amx.py --kld         # KL divergence from the float path, off and on
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
-of 512 tokens.
+of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
+``kernels.AMX_ROWS`` past any chunk.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import tiergen  # noqa: F401  (first: its probe decides oneDNN's ceiling)
 from tiergen._platform import ONEDNN_CAP, amx_usable
@@ -48,13 +54,80 @@ def rates(threads: int, cap: str | None) -> list[float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def attention() -> None:
+    """512 queries over 4,096 keys with SmolLM2's heads (9 query heads, 3 K/V heads)."""
+    import torch
+    import torch.nn.functional as F
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        q = torch.randn(1, 9, 512, 64, dtype=dtype)
+        k, v = (torch.randn(1, 3, 4096, 64, dtype=dtype).repeat_interleave(3, 1) for _ in "kv")
+        mask = torch.ones(512, 4096, dtype=torch.bool).tril(4096 - 512)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        start = time.perf_counter()
+        for _ in range(5):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        print(f"{dtype}: {(time.perf_counter() - start) / 5 * 1000:.1f} ms")
+
+
+def prompt(tiles: bool) -> None:
+    import torch
+
+    from tiergen import LLM, SamplingParams, kernels
+
+    if not tiles:
+        kernels.AMX_ROWS = 10**9
+    llm = LLM("smollm2")
+    ids = torch.randint(100, 40000, (4096,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate([ids[:600]], params)  # warm-up
+    start = time.perf_counter()
+    llm.generate([ids], params)
+    print(f"tiles {'on' if tiles else 'off'}: {4096 / (time.perf_counter() - start):.0f} tok/s")
+
+
+def kld(model: str) -> None:
+    """The first 1,024 tokens of tests/data/perplexity.txt, prompt chunks of 512."""
+    from tiergen import LLM, kernels
+
+    text = (Path(__file__).resolve().parent.parent / "tests" / "data" / "perplexity.txt").read_text()
+    ref = LLM(model, activations="float32")
+    ids = ref.encode(text)[:1024]
+    f = ref.logits(ids).float().log_softmax(-1)
+    del ref
+    llm = LLM(model, activations="int8")
+    for name, rows in (("int8 tiles", 10**9), ("AMX bfloat16", 128)):
+        kernels.AMX_ROWS = rows
+        q = llm.logits(ids).float().log_softmax(-1)
+        kl = (f.exp() * (f - q)).sum(-1)
+        top = (f.argmax(-1) == q.argmax(-1)).float().mean()
+        print(f"{model} {name}: mean KLD {kl.mean():.5f}, p99 {kl.quantile(0.99):.4f}, "
+              f"same top token {100 * top:.1f} %")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--prompt", action="store_true")
+    ap.add_argument("--kld", action="store_true")
+    ap.add_argument("--child-prompt", choices=["on", "off"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child_prompt:
+        return prompt(args.child_prompt == "on")
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}), {args.threads} threads; "
           f"AMX usable: {amx_usable()}")
+    if args.attention:
+        return attention()
+    if args.prompt:  # each in a fresh process
+        for mode in ("on", "off"):
+            subprocess.run([sys.executable, __file__, "--child-prompt", mode], check=True)
+        return
+    if args.kld:
+        for model in ("smollm2", "gemma3-270m"):
+            kld(model)
+        return
     capped, free = rates(args.threads, ONEDNN_CAP), rates(args.threads, None)
     print("\n| m x k x n | capped at AVX512_CORE_BF16 TFLOP/s | tiergen's choice TFLOP/s | ratio |")
     print("|---|---:|---:|---:|")
