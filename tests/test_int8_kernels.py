@@ -182,9 +182,9 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind):
 def test_a_prompts_product_on_amx_tiles_is_the_plain_bfloat16_arithmetic(ggml_type):
     """Products of a prompt chunk of AMX_ROWS tokens or more on the integer path, where AMX
     works (a decode step's rows, however many, take the integer kernels): the matrix
-    decoded, it and the rows rounded to bfloat16, their products summed in float32 (by
-    oneDNN, in its own order) and rounded to bfloat16, the bias added in float32. The
-    arithmetic is checked on every machine."""
+    decoded, it and the rows rounded to bfloat16, their products summed in float32 (on the
+    tiles by amx.c, or by oneDNN, each in its own order; oneDNN rounds the sums to bfloat16),
+    the bias added in float32. The arithmetic is checked on every machine."""
     w = random_packed(ggml_type, 96, 256, 2)
     x = torch.randn(kernels.AMX_ROWS, 256, generator=torch.Generator().manual_seed(4))
     bias = torch.randn(96)

@@ -93,6 +93,49 @@ def test_packed_matmul_on_cuda(ggml_type):
     assert_close_relative(got, reference(x, w))
 
 
+def _amx_engine() -> bool:
+    from tiergen._platform import amx_usable
+
+    lib = kernels.library()
+    return lib is not None and bool(lib.tg_amx_bf16()) and amx_usable()
+
+
+@pytest.mark.skipif(not _amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
+@pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
+# output rows: a whole 32-column panel, and panels cut short (16 + 8, 100 = 3 x 32 + 4);
+# activation rows: one, 32 exactly, and 37 (the engine's rows come in 32s); values: one
+# panel chunk, and 1,536 (three chunks of 512) or 1,280 for the 256-value blocks
+@pytest.mark.parametrize("n,rows", [(32, 32), (24, 1), (100, 37)])
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_amx_product_is_its_plain_bfloat16_arithmetic(ggml_type, n, rows, wide):
+    """amx.c: each weight and activation rounded to bfloat16 once (to nearest even), the
+    products summed in float32: within float32 summation error of the exact sums."""
+    block = ggml_type_sizes(ggml_type)[0]
+    cols = (1280 if block == 256 else 1536) if wide else block * (3 if block == 32 else 1)
+    w = random_packed(ggml_type, n, cols, seed=n + ggml_type)
+    x = torch.randn(1, rows, cols, generator=torch.Generator().manual_seed(rows))
+    got = kernels.amx_linear(x, w)
+    assert got is not None and got.shape == (1, rows, n) and got.dtype == torch.float32
+    dense = reference(torch.eye(cols), w).T.bfloat16().double()  # decoded, rounded once
+    xs = x.bfloat16().double()
+    sums, size = xs @ dense.T, xs.abs() @ dense.abs().T
+    assert ((got.double() - sums).abs() <= 1e-5 * size + 1e-30).all()
+    # and not the float32 product: the rounding is there
+    assert not torch.equal(got, reference(x, w))
+
+
+@pytest.mark.skipif(not _amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
+def test_amx_product_of_mixed_types_writes_each_parts_columns():
+    fused = cat_rows([random_packed(GGMLType.Q4_K, 48, 512, 1),
+                      random_packed(GGMLType.Q6_K, 40, 512, 2),
+                      random_packed(GGMLType.Q8_0, 16, 512, 3)])
+    assert len(fused.parts) == 3
+    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(0))
+    dense = reference(torch.eye(512), fused).T.bfloat16().double()
+    want = x.bfloat16().double() @ dense.T
+    torch.testing.assert_close(kernels.amx_linear(x, fused).double(), want, rtol=1e-5, atol=1e-4)
+
+
 def test_mixed_types_fuse_into_parts(kernel_path):
     q = random_packed(GGMLType.Q4_K, 64, 512, 1)
     kv = random_packed(GGMLType.Q6_K, 32, 512, 2)

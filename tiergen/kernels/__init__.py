@@ -50,7 +50,8 @@ from tiergen.weights.quant import ggml_type_sizes
 
 log = logging.getLogger("tiergen")
 
-SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "decode.c", "int8.c", "layer.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "amx.c", "decode.c", "int8.c",
+                                                    "layer.c")]
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # tiergen.h: the interface; blocks.h
 ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
 # rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
@@ -67,8 +68,8 @@ _arith = threading.local()  # .kind: this thread's activations (set_activations)
 # land below 5e-6.
 ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
 # Integer-path products of a prompt chunk of this many tokens or more run on AMX tiles where
-# they work: the matrix decoded to bfloat16 once per product, then torch's bfloat16 matmul,
-# which oneDNN runs on the tiles; the decoding is paid once for the chunk's rows. Decided by a
+# they work: the matrix decoded to bfloat16 once per product, straight into the tiles' layout
+# (amx.c), and multiplied there; the decoding is paid once for the chunk's rows. Decided by a
 # sequence's tokens, not the batch's rows, so a decode step's row rounds alike in any batch.
 AMX_ROWS = 128
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
@@ -396,12 +397,38 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     return y.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
+def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
+    """``x @ w.T`` (float32, x's shape but the last) with ``w`` decoded and ``x`` rounded to
+    bfloat16, summed in float32 on AMX tiles by ``amx.c`` (each weight block decoded once, into
+    the tiles' layout); None where AMX does not work here, this build has no AMX, or a part's
+    type is not taken."""
+    lib = library()
+    if (lib is None or w.device.type != "cpu" or w.shape[1] % 32 or not amx_usable()
+            or not lib.tg_amx_bf16()):
+        return None
+    N, K = w.shape
+    rows = x.shape[:-1].numel()
+    padded = -(-rows // 32) * 32  # the engine's rows come in 32s
+    xb = torch.empty(padded, K, dtype=torch.bfloat16)
+    xb[:rows].copy_(x.reshape(rows, K))
+    xb[rows:].zero_()
+    y = torch.empty(padded, N)
+    base = w.data.data_ptr()
+    for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
+        if lib.tg_amx_linear(ggml_type, base + start, n, K, xb.data_ptr(), padded,
+                             y.data_ptr() + 4 * row, N):
+            return None
+    return y[:rows].view(*x.shape[:-1], N)
+
+
 def _bfloat16_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ w.T + bias`` with ``w`` decoded and ``x`` rounded to bfloat16, summed in float32
-    (AMX tiles through oneDNN)."""
-    dense = dequantize_into(w, _scratch_buffer(w.shape, torch.float32, x.device))
-    half = _scratch_buffer(w.shape, torch.bfloat16, x.device).copy_(dense)
-    y = F.linear(x.to(torch.bfloat16), half).float()
+    on AMX tiles (tiergen's own, else torch's through oneDNN)."""
+    y = amx_linear(x, w)
+    if y is None:
+        dense = dequantize_into(w, _scratch_buffer(w.shape, torch.float32, x.device))
+        half = _scratch_buffer(w.shape, torch.bfloat16, x.device).copy_(dense)
+        y = F.linear(x.to(torch.bfloat16), half).float()
     if bias is not None:
         y += bias
     return y.to(x.dtype)

@@ -8,6 +8,7 @@
  * llama.cpp's files). Rows are shared among threads with OpenMP; linked against the OpenMP
  * runtime torch has already loaded, it shares torch's thread pool.
  */
+#include "amx.h"
 #include "blocks.h"
 #include "tiergen.h"
 
@@ -168,6 +169,11 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
     static void NAME##_dequant(const uint8_t *w, int64_t nblocks, float *out) {               \
         _Pragma("omp parallel for schedule(static)")                                          \
         for (int64_t b = 0; b < nblocks; b++) NAME##_decode(w + b * BYTES, out + b * QK);     \
+    }                                                                                         \
+    static void NAME##_block(const uint8_t *w, float *out) { NAME##_decode(w, out); }         \
+    static void NAME##_amx(const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,         \
+                           int64_t m, float *y, int64_t ldy) {                                \
+        amx_bf16_linear(NAME##_block, QK, BYTES, w, n, k, x, m, y, ldy);                      \
     }
 
 KERNELS(mm_q4_0, 32, 32, 18, un_q4_0)
@@ -273,4 +279,16 @@ int tg_dequant(int type, const uint8_t *w, int64_t nblocks, float *out) {
         return 0;
     }
     DISPATCH(mm, type, _dequant, (w, nblocks, out))
+}
+
+/* y (m rows, row stride ldy) = x (m, k) bfloat16 @ W(n, k)^T on AMX tiles (amx.c); m a
+ * multiple of 32. -1: no AMX in this build (tg_amx_bf16) or a type it does not take. */
+int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,
+                  int64_t m, float *y, int64_t ldy) {
+    if (!tg_amx_bf16() || m % AMX_ROWS_STEP || k % 32) return -1;
+    if (type == FP8) {
+        mm_fp8_amx(w, n, k, x, m, y, ldy);
+        return 0;
+    }
+    DISPATCH(mm, type, _amx, (w, n, k, x, m, y, ldy))
 }

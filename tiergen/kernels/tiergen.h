@@ -53,6 +53,11 @@ typedef struct {
 int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
               float *y, int64_t ldy);
 int tg_dequant(int type, const uint8_t *w, int64_t nblocks, float *out);
+int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,
+                  int64_t m, float *y, int64_t ldy);
+
+/* amx.c: bfloat16 products on AMX tiles (for tg_amx_linear) */
+int tg_amx_bf16(void);
 
 /* int8.c: integer products on packed blocks */
 void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,

@@ -1,0 +1,168 @@
+/* bfloat16 products on Intel AMX tiles, over packed (GGML block) weights.
+ *
+ * The weights are decoded once per call, a panel of 32 weight rows by up to KC values at a
+ * time, straight into the tiles' bfloat16 pair layout (no float32 copy of the matrix, no
+ * second pass to round it), and every activation row then multiplies the panel: 32 rows at
+ * a time in four 16 x 16 float32 accumulator tiles, which are written out as float32. Sums
+ * are float32, as oneDNN's are; only the inputs are rounded (to nearest even), once.
+ *
+ * Built where the compiler targets AMX (-march=native on such a CPU); a process must also
+ * have asked the kernel for the tile state (tiergen._platform.amx_usable) before calling.
+ * tg_amx_bf16 says whether this build has the engine. */
+#include "amx.h"
+#include "tiergen.h"
+
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+
+#define KC 1024      /* values of a panel decoded at a time: 32 KB of bfloat16, in L1 */
+
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Tiles 0-3: accumulators (rows i..i+15 / i+16..i+31 by columns 0-15 / 16-31); 4-5: the two
+ * row halves of x; 6-7: the panel's two column halves. All 16 rows of 64 bytes. */
+static void load_tiles(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* panel[s][h][p][c] = the bfloat16 pair (k = 2p, 2p + 1 of step s) of column 16h + c: what a
+ * B tile of step s holds for columns 16h..16h+15. Columns past ncols are zero. */
+typedef uint32_t panel_t[KC / 32][2][16][16];
+
+/* One block of each of 16 columns (rows of W) at a time: decoded, rounded to bfloat16 in
+ * place (to nearest even; the pairs then lie in order in memory), then moved across into
+ * the panel's rows, 16 pairs (one vector) per pair of values. */
+static void decode_panel(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t nb,
+                         int64_t r0, int ncols, int64_t k0, int64_t len, panel_t panel) {
+    uint16_t half[16][256] __attribute__((aligned(64)));
+    float v[256] __attribute__((aligned(64)));
+    for (int h = 0; h < 2; h++)
+        for (int64_t b = 0; b < len / qk; b++) {
+            for (int c = 0; c < 16; c++) {
+                const int64_t col = r0 + 16 * h + c;
+                if (16 * h + c >= ncols) {
+                    memset(half[c], 0, sizeof half[c]);
+                    continue;
+                }
+                decode(w + (col * nb + k0 / qk + b) * bytes, v);
+                uint32_t u[256];
+                memcpy(u, v, (size_t)qk * 4);
+                for (int i = 0; i < qk; i++)
+                    half[c][i] = (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
+            }
+            for (int i = 0; i < qk / 2; i++) {
+                const int64_t p = b * qk / 2 + i; /* the pair's index within the panel */
+                uint32_t *row = panel[p >> 4][h][p & 15];
+                for (int c = 0; c < 16; c++) {
+                    uint32_t pair;
+                    memcpy(&pair, &half[c][2 * i], 4);
+                    row[c] = pair;
+                }
+            }
+        }
+}
+
+/* The accumulators of rows i..i+31 by the panel's 32 columns at c (row stride ld floats). */
+static inline void load_acc(const float *c, int64_t ld) {
+    _tile_loadd(0, c, ld * 4);
+    _tile_loadd(1, c + 16, ld * 4);
+    _tile_loadd(2, c + 16 * ld, ld * 4);
+    _tile_loadd(3, c + 16 * ld + 16, ld * 4);
+}
+
+static inline void store_acc(float *c, int64_t ld) {
+    _tile_stored(0, c, ld * 4);
+    _tile_stored(1, c + 16, ld * 4);
+    _tile_stored(2, c + 16 * ld, ld * 4);
+    _tile_stored(3, c + 16 * ld + 16, ld * 4);
+}
+
+/* Rows i..i+31 of x's values k0..k0+len against the panel, into the accumulators. */
+static inline void multiply(const uint16_t *x, int64_t k, int64_t i, int64_t k0, int64_t len,
+                            panel_t panel) {
+    for (int64_t s = 0; s < len / 32; s++) {
+        _tile_loadd(4, x + i * k + k0 + 32 * s, k * 2);
+        _tile_loadd(6, panel[s][0], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, panel[s][1], 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, x + (i + 16) * k + k0 + 32 * s, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
+                     int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy) {
+    const int64_t nb = k / qk, panels = (n + 31) / 32, chunks = (k + KC - 1) / KC;
+    int64_t step = (k + chunks - 1) / chunks; /* even chunks of at most KC, whole blocks */
+    step = (step + qk - 1) / qk * qk;
+#pragma omp parallel
+    {
+        static __thread panel_t panel __attribute__((aligned(64)));
+        float edge[32][32] __attribute__((aligned(64)));
+        load_tiles();
+        for (int64_t k0 = 0; k0 < k; k0 += step) {
+            const int64_t len = k - k0 < step ? k - k0 : step;
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < panels; j++) {
+                const int64_t r0 = 32 * j;
+                const int ncols = n - r0 < 32 ? (int)(n - r0) : 32;
+                decode_panel(decode, qk, bytes, w, nb, r0, ncols, k0, len, panel);
+                for (int64_t i = 0; i < m; i += 32) {
+                    float *c = y + i * ldy + r0;
+                    if (ncols == 32) {
+                        if (k0 == 0) {
+                            _tile_zero(0);
+                            _tile_zero(1);
+                            _tile_zero(2);
+                            _tile_zero(3);
+                        } else {
+                            load_acc(c, ldy);
+                        }
+                        multiply(x, k, i, k0, len, panel);
+                        store_acc(c, ldy);
+                        continue;
+                    }
+                    /* the last, narrower panel: through a 32 x 32 buffer */
+                    memset(edge, 0, sizeof edge);
+                    if (k0 > 0)
+                        for (int r = 0; r < 32; r++) memcpy(edge[r], c + r * ldy, ncols * 4);
+                    load_acc(edge[0], 32);
+                    multiply(x, k, i, k0, len, panel);
+                    store_acc(edge[0], 32);
+                    for (int r = 0; r < 32; r++) memcpy(c + r * ldy, edge[r], ncols * 4);
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+int tg_amx_bf16(void) { return 1; }
+
+#else
+
+void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
+                     int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy) {
+    (void)decode, (void)qk, (void)bytes, (void)w, (void)n, (void)k, (void)x, (void)m, (void)y,
+        (void)ldy;
+}
+
+int tg_amx_bf16(void) { return 0; }
+
+#endif

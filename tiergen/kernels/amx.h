@@ -1,0 +1,18 @@
+/* Intel AMX bfloat16 tiles (amx.c), for packed.c's products: the engine that multiplies,
+ * given the decoder of one block of a GGML type. */
+#ifndef TG_AMX_H
+#define TG_AMX_H
+
+#include <stdint.h>
+
+/* Decodes one block (bytes) into its qk values. */
+typedef void (*block_decoder)(const uint8_t *block, float *out);
+
+/* y (m rows, row stride ldy) = x (m, k) bfloat16 @ W(n, k)^T, W's rows k / qk blocks of
+ * `bytes` each; m a multiple of AMX_ROWS_STEP, k of 32. */
+void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
+                     int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy);
+
+#define AMX_ROWS_STEP 32
+
+#endif
