@@ -6,6 +6,11 @@ Reports generated tokens per second (prefill included), time to first token, pea
 and the ratio, and writes a plot of tokens/s against batch size.
 
     python benchmarks/bench_generate.py [--batches 1 8 32] [--dtypes float32 bfloat16]
+    python benchmarks/bench_generate.py --checkpoint safetensors --batches 32 --dtypes bfloat16
+
+``--checkpoint safetensors``: both engines load the same weights as a Hugging Face checkpoint
+in bfloat16 (the GGUF dequantised and saved once by transformers into tiergen's cache), so
+tiergen runs its float path (``quantize=None``) rather than its packed integer path.
 
 Each (engine, dtype, batch) runs in a fresh process so that peak memory is its own.
 """
@@ -55,9 +60,10 @@ def run_transformers(dtype: str, batch: int, gguf: str) -> dict:
     import torch
     import transformers
 
-    path = Path(gguf)  # transformers reads the same GGUF, dequantised
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=getattr(torch, dtype))
+    path = Path(gguf)  # transformers reads the same GGUF, dequantised, or the same checkpoint
+    extra = {} if path.is_dir() else {"gguf_file": path.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path if path.is_dir() else path.parent, dtype=getattr(torch, dtype), **extra)
     model.eval()
     ids = torch.tensor(prompts(batch, model.config.vocab_size))
     mask = torch.ones_like(ids)
@@ -72,6 +78,28 @@ def run_transformers(dtype: str, batch: int, gguf: str) -> dict:
     gen(4)
     ttft = gen(1)
     return {"seconds": gen(NEW_TOKENS), "ttft": ttft}
+
+
+def safetensors_checkpoint(gguf: str) -> str:
+    """The GGUF's weights as a bfloat16 Hugging Face checkpoint, converted once."""
+    import torch
+    import transformers
+
+    from tiergen.weights import cache_dir
+
+    out = cache_dir() / "bench" / (Path(gguf).stem + "-bf16")
+    if not (out / "config.json").exists():
+        path = Path(gguf)
+        read = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+        config = read.config
+        config.__dict__.pop("quantization_config", None)  # (a GGUF-read model will not save)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.load_state_dict(read.state_dict())
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+    return str(out)
 
 
 def weight_read_bound(gguf: str) -> dict:
@@ -107,6 +135,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--checkpoint", choices=["gguf", "safetensors"], default="gguf")
     p.add_argument("--plot", default=str(HERE.parent / "docs" / "bench_generate.png"))
     p.add_argument("--child", nargs=4, metavar=("ENGINE", "DTYPE", "BATCH", "PATH"))
     args = p.parse_args()
@@ -118,12 +147,13 @@ def main() -> None:
     from tiergen.weights import _packaged_file
 
     gguf = str(_packaged_file("smollm2"))
+    model = gguf if args.checkpoint == "gguf" else safetensors_checkpoint(gguf)
     rows = []
     for dtype in args.dtypes:
         for batch in args.batches:
             for engine in ("tiergen", "transformers"):
                 out = subprocess.run([sys.executable, __file__, "--child", engine, dtype,
-                                      str(batch), gguf], capture_output=True, text=True)
+                                      str(batch), model], capture_output=True, text=True)
                 if out.returncode:
                     sys.exit(f"{engine} {dtype} batch {batch} failed:\n{out.stderr}")
                 r = json.loads(out.stdout.strip().splitlines()[-1])
