@@ -4,12 +4,15 @@ oneDNN reads its ceiling once.
 
     python benchmarks/bench_amx.py [--threads N]
     python benchmarks/bench_amx.py --attention   # a prompt chunk's attention by dtype
-    python benchmarks/bench_amx.py --prompt      # one 4,096-token prompt, tiles on and off
+    python benchmarks/bench_amx.py --prompt      # one 4,096-token prompt: tiergen's tiles,
+                                                 # oneDNN's, none
     python benchmarks/bench_amx.py --kld         # KL divergence from the float path, off and on
+    python benchmarks/bench_amx.py --packed      # a Q4_1 matrix on the tiles: amx.c, oneDNN
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
 of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
-``kernels.AMX_ROWS`` past any chunk.
+``kernels.AMX_ROWS`` past any chunk; --prompt's "onednn" turn decodes each matrix to float32,
+rounds it to bfloat16 and lets torch's matmul (oneDNN) multiply on the tiles instead of amx.c.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from pathlib import Path
 
 import tiergen  # noqa: F401  (first: its probe decides oneDNN's ceiling)
+from tiergen.weights.quant import GGMLType
 from tiergen._platform import ONEDNN_CAP, amx_usable
 from tiergen.bench import cpu_description
 
@@ -70,20 +74,55 @@ def attention() -> None:
         print(f"{dtype}: {(time.perf_counter() - start) / 5 * 1000:.1f} ms")
 
 
-def prompt(tiles: bool) -> None:
+def packed() -> None:
+    """One product of a prompt chunk (512 rows) by a Q4_1 matrix: amx.c (decoding into the
+    tiles' layout, float32 sums out) against decoding to float32, rounding to bfloat16 and
+    torch's matmul on the tiles, best of five each, in turns."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench_int8 import random_packed
+    from tiergen import kernels
+
+    def onednn(x, w):
+        dense = kernels.dequantize_into(w, torch.empty(w.shape))
+        return F.linear(x.bfloat16(), dense.bfloat16()).float()
+
+    print("\n| m x k x n | amx.c ms | oneDNN ms | oneDNN's matmul alone ms | amx.c TFLOP/s |")
+    print("|---|---:|---:|---:|---:|")
+    for m, k, n in SHAPES[1:] + [(512, 1536, 576), (512, 576, 3072)]:
+        w = random_packed(GGMLType.Q4_1, n, k)
+        x = torch.randn(m, k)
+        half, xb = w.dequantize().bfloat16(), x.bfloat16()
+        runs = {"amx": lambda: kernels.amx_linear(x, w), "onednn": lambda: onednn(x, w),
+                "matmul": lambda: F.linear(xb, half)}
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(5):
+            for name, run in runs.items():
+                run()
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+        print(f"| {m} x {k} x {n} | {best['amx']:.2f} | {best['onednn']:.2f} | "
+              f"{best['matmul']:.2f} | {2 * m * k * n / best['amx'] / 1e9:.2f} |")
+
+
+def prompt(tiles: str) -> None:
     import torch
 
     from tiergen import LLM, SamplingParams, kernels
 
-    if not tiles:
+    if tiles == "off":
         kernels.AMX_ROWS = 10**9
+    elif tiles == "onednn":
+        kernels.amx_linear = lambda x, w: None
     llm = LLM("smollm2")
     ids = torch.randint(100, 40000, (4096,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([ids[:600]], params)  # warm-up
     start = time.perf_counter()
     llm.generate([ids], params)
-    print(f"tiles {'on' if tiles else 'off'}: {4096 / (time.perf_counter() - start):.0f} tok/s")
+    print(f"tiles {tiles}: {4096 / (time.perf_counter() - start):.0f} tok/s")
 
 
 def kld(model: str) -> None:
@@ -111,19 +150,22 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--prompt", action="store_true")
     ap.add_argument("--kld", action="store_true")
-    ap.add_argument("--child-prompt", choices=["on", "off"], help=argparse.SUPPRESS)
+    ap.add_argument("--packed", action="store_true")
+    ap.add_argument("--child-prompt", choices=["on", "onednn", "off"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_prompt:
-        return prompt(args.child_prompt == "on")
+        return prompt(args.child_prompt)
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}), {args.threads} threads; "
           f"AMX usable: {amx_usable()}")
     if args.attention:
         return attention()
     if args.prompt:  # each in a fresh process
-        for mode in ("on", "off"):
+        for mode in ("on", "onednn", "off"):
             subprocess.run([sys.executable, __file__, "--child-prompt", mode], check=True)
         return
+    if args.packed:
+        return packed()
     if args.kld:
         for model in ("smollm2", "gemma3-270m"):
             kld(model)

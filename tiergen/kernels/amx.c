@@ -43,12 +43,46 @@ static void load_tiles(void) {
  * B tile of step s holds for columns 16h..16h+15. Columns past ncols are zero. */
 typedef uint32_t panel_t[KC / 32][2][16][16];
 
+/* out[j][i] = in[i * ld + j] for 16 x 16 32-bit values (out's rows contiguous). */
+static inline void transpose16(const uint32_t *in, int64_t ld, uint32_t *out) {
+#if defined(__AVX512F__)
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(in + i * ld);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+        r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+        r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512(out + 16 * i, r[i]);
+#else
+    for (int j = 0; j < 16; j++)
+        for (int i = 0; i < 16; i++) out[16 * j + i] = in[i * ld + j];
+#endif
+}
+
 /* One block of each of 16 columns (rows of W) at a time: decoded, rounded to bfloat16 in
- * place (to nearest even; the pairs then lie in order in memory), then moved across into
- * the panel's rows, 16 pairs (one vector) per pair of values. */
+ * place (to nearest even; the pairs then lie in order in memory), then turned across into
+ * the panel's rows by 16 x 16 transposes of the pairs. */
 static void decode_panel(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t nb,
                          int64_t r0, int ncols, int64_t k0, int64_t len, panel_t panel) {
-    uint16_t half[16][256] __attribute__((aligned(64)));
+    uint16_t half[16][256] __attribute__((aligned(64))); /* 128 pairs a column */
     float v[256] __attribute__((aligned(64)));
     for (int h = 0; h < 2; h++)
         for (int64_t b = 0; b < len / qk; b++) {
@@ -64,14 +98,9 @@ static void decode_panel(block_decoder decode, int qk, int bytes, const uint8_t 
                 for (int i = 0; i < qk; i++)
                     half[c][i] = (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
             }
-            for (int i = 0; i < qk / 2; i++) {
-                const int64_t p = b * qk / 2 + i; /* the pair's index within the panel */
-                uint32_t *row = panel[p >> 4][h][p & 15];
-                for (int c = 0; c < 16; c++) {
-                    uint32_t pair;
-                    memcpy(&pair, &half[c][2 * i], 4);
-                    row[c] = pair;
-                }
+            for (int i = 0; i < qk / 2; i += 16) { /* the pairs i..i+15: one step's rows */
+                const int64_t p = b * qk / 2 + i;
+                transpose16((const uint32_t *)half + i, 128, panel[p >> 4][h][0]);
             }
         }
 }
