@@ -51,7 +51,7 @@ from tiergen.weights.quant import ggml_type_sizes
 log = logging.getLogger("tiergen")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "decode.c", "int8.c", "layer.c")]
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # tiergen.h: the interface; blocks.h
+HEADERS = sorted(Path(__file__).parent.glob("**/*.h"))  # tiergen.h (the interface), blocks.h, int8/
 ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
 # rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
 # benchmarks/bench_threshold.py)
