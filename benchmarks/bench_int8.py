@@ -69,6 +69,7 @@ def build_at(rev: str | None, out: Path, march: str | None = None) -> ctypes.CDL
     root = Path(__file__).resolve().parents[1]
     src = out.parent / "src"
     src.mkdir()
+    here = Path(kernels.__file__).parent
     for path in kernels.SOURCES + kernels.HEADERS:
         if rev is None:
             text = path.read_bytes()
@@ -79,7 +80,9 @@ def build_at(rev: str | None, out: Path, march: str | None = None) -> ctypes.CDL
             if shown.returncode:  # a header the revision's sources do not include yet
                 continue
             text = shown.stdout
-        (src / path.name).write_bytes(text)
+        dest = src / path.relative_to(here)  # (int8/'s headers in their folder)
+        dest.parent.mkdir(exist_ok=True)
+        dest.write_bytes(text)
     flags = [f for f in kernels.FLAGS if not f.startswith("-march")] + [f"-march={march}"] \
         if march else kernels.FLAGS
     kernels._compile(out, flags, sources=[src / p.name for p in kernels.SOURCES])

@@ -52,7 +52,8 @@ log = logging.getLogger("tiergen")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "amx.c", "decode.c", "int8.c",
                                                     "layer.c")]
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # tiergen.h: the interface; blocks.h
+# tiergen.h (the interface), blocks.h, amx.h, int8/ (each instruction set's integer kernels)
+HEADERS = sorted(Path(__file__).parent.glob("**/*.h"))
 ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
 # rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
 # benchmarks/bench_threshold.py)
