@@ -98,6 +98,13 @@ typedef struct {
 #else
 #include "int8/portable.h"
 #endif
+#if !TILE512
+/* The per-type kernels name it under `if (TILE512)`, which is then never true: declared so
+ * that compilers that refuse implicit declarations (GCC 14) build them. */
+static inline void interleave16(const int8_t *rows, int64_t len, int flip, uint8_t *tile) {
+    (void)rows, (void)len, (void)flip, (void)tile;
+}
+#endif
 
 /* ---- activations ---------------------------------------------------------------------
  * Row i of x (k values, k a multiple of 32) becomes xq[i k + j] (int8) in blocks of qa
