@@ -17,7 +17,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
 
-#define KC 1024      /* values of a panel decoded at a time: 32 KB of bfloat16, in L1 */
+#define KC 2048 /* values of a panel decoded at a time: 128 KB of bfloat16, in L2 */
 
 
 typedef struct {
