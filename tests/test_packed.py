@@ -104,14 +104,14 @@ def _amx_engine() -> bool:
 @pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
 # output rows: a whole 32-column panel, and panels cut short (16 + 8, 100 = 3 x 32 + 4);
 # activation rows: one, 32 exactly, and 37 (the engine's rows come in 32s); values: one
-# panel chunk, and 1,536 (three chunks of 512) or 1,280 for the 256-value blocks
+# panel chunk, and 2,560 (two chunks of 1,280: the second adds to the first's sums)
 @pytest.mark.parametrize("n,rows", [(32, 32), (24, 1), (100, 37)])
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 def test_amx_product_is_its_plain_bfloat16_arithmetic(ggml_type, n, rows, wide):
     """amx.c: each weight and activation rounded to bfloat16 once (to nearest even), the
     products summed in float32: within float32 summation error of the exact sums."""
     block = ggml_type_sizes(ggml_type)[0]
-    cols = (1280 if block == 256 else 1536) if wide else block * (3 if block == 32 else 1)
+    cols = 2560 if wide else block * (3 if block == 32 else 1)
     w = random_packed(ggml_type, n, cols, seed=n + ggml_type)
     x = torch.randn(1, rows, cols, generator=torch.Generator().manual_seed(rows))
     got = kernels.amx_linear(x, w)
