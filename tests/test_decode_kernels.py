@@ -40,6 +40,13 @@ def test_rms_norm(shape, torch_path):
     close(layers.gemma_rms_norm(x, w, 1e-6), torch_path(layers.gemma_rms_norm, x, w, 1e-6))
     assert kernels.rms_norm(x, w, 1e-6) is not None  # the kernel did run
     assert kernels.rms_norm(x.bfloat16(), w, 1e-6) is None  # not float32: torch's path
+    # a bfloat16 model's: the float32 residual normed by the kernel, then rounded (at most
+    # one bfloat16 step from torch's path, whose float32 sums run in another order)
+    half = w.bfloat16()
+    for norm in (layers.rms_norm, layers.gemma_rms_norm):
+        got = norm(x, half, 1e-6)
+        assert got.dtype == torch.bfloat16
+        close(got, torch_path(norm, x, half, 1e-6), tol=2**-7)
 
 
 @pytest.mark.parametrize("B,H,T,D", [(1, 9, 1, 64), (2, 3, 5, 64), (3, 2, 4, 6)])

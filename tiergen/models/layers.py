@@ -25,17 +25,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     In half precision the residual stream stays float32 and only the matmuls run in the
     weights' dtype: a small model's near-tied logits otherwise flip with the batch shape.
     """
-    out = kernels.rms_norm(x, weight, eps)  # float32 on a CPU: one call
+    out = kernels.rms_norm(x, weight.float(), eps)  # float32 x on a CPU: one call
     if out is not None:
-        return out
+        return out.to(weight.dtype)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(weight.dtype)
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm, x * (1 + w): float32 throughout, returned in the weights' dtype."""
-    out = kernels.rms_norm(x, weight, eps, shift=1.0)
+    out = kernels.rms_norm(x, weight.float(), eps, shift=1.0)
     if out is not None:
-        return out
+        return out.to(weight.dtype)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     return (normed * (1.0 + weight.float())).to(weight.dtype)
 
