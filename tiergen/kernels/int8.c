@@ -91,6 +91,13 @@ typedef struct {
  *                     products
  * An AVX-512 build takes avx2.h's 32-byte vectors too, and its tiles or kernels in registers
  * where it lacks VNNI or VL (avx512.h). */
+/* tile_rows' parameters, which every instruction set's header takes alike */
+#define TILE_ROWS_PARAMS                                                                      \
+    const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,             \
+        const float *restrict as, const float *restrict cs, int64_t len,                      \
+        const int8_t *restrict q, const int8_t *restrict l, const float *restrict s,          \
+        const float *restrict sum, const float *restrict start, float *restrict y,            \
+        int64_t ldy, int rows, int ncols, int add
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include "int8/avx512.h"
 #elif defined(__AVX2__)

@@ -177,11 +177,7 @@ panel_vectors(int64_t p, int64_t m, int64_t k, const int8_t *xq, const int8_t *x
  * by four bytes of an activation row broadcast to every lane; Q8_0's signed weights through
  * abs and sign. */
 static inline __attribute__((always_inline)) void
-tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,
-          const float *restrict as, const float *restrict cs, int64_t len,
-          const int8_t *restrict q, const int8_t *restrict l, const float *restrict s,
-          const float *restrict sum, const float *restrict start, float *restrict y,
-          int64_t ldy, int rows, int ncols, int add) {
+tile_rows(TILE_ROWS_PARAMS) {
     __m256 acc[MI];
     for (int i = 0; i < MI; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {

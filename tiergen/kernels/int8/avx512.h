@@ -73,11 +73,7 @@ quantize_blocks(const float *x, int64_t blocks, int qa, int8_t *xq, float *xs4, 
 /* A tile's products: per four values, one vector of the sixteen rows' bytes, multiplied by
  * four bytes of an activation row broadcast to every lane; the 8-bit rows side by side. */
 static inline __attribute__((always_inline)) void
-tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,
-          const float *restrict as, const float *restrict cs, int64_t len,
-          const int8_t *restrict q, const int8_t *restrict l, const float *restrict s,
-          const float *restrict sum, const float *restrict start, float *restrict y,
-          int64_t ldy, int rows, int ncols, int add) {
+tile_rows(TILE_ROWS_PARAMS) {
     /* unsigned weights only: signed ones are offset by 128 when the tile is built */
     (void)SIGNED;
     __m512 acc[MI];

@@ -46,11 +46,7 @@ static inline int panel_vectors(int64_t p, int64_t m, int64_t k, const int8_t *x
 /* A tile's products, one output at a time, with the 8-bit tiles' arithmetic (sums started at
  * MAGIC_BITS and read as floats) done as they do it. */
 static inline __attribute__((always_inline)) void
-tile_rows(const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,
-          const float *restrict as, const float *restrict cs, int64_t len,
-          const int8_t *restrict q, const int8_t *restrict l, const float *restrict s,
-          const float *restrict sum, const float *restrict start, float *restrict y,
-          int64_t ldy, int rows, int ncols, int add) {
+tile_rows(TILE_ROWS_PARAMS) {
     for (int i = 0; i < rows; i++)
         for (int r = 0; r < ncols; r++) {
             float acc = 0.0f;
