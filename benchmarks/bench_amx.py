@@ -11,7 +11,7 @@ oneDNN reads its ceiling once.
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
 of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
-``kernels.AMX_ROWS`` past any chunk; --prompt's "onednn" turn decodes each matrix to float32,
+``kernels.AMX_PROMPT`` past any prompt; --prompt's "onednn" turn decodes each matrix to float32,
 rounds it to bfloat16 and lets torch's matmul (oneDNN) multiply on the tiles instead of amx.c.
 """
 
@@ -113,7 +113,7 @@ def prompt(tiles: str) -> None:
     from tiergen import LLM, SamplingParams, kernels
 
     if tiles == "off":
-        kernels.AMX_ROWS = 10**9
+        kernels.AMX_PROMPT = 10**9
     elif tiles == "onednn":
         kernels.amx_linear = lambda x, w: None
     llm = LLM("smollm2")
@@ -136,7 +136,7 @@ def kld(model: str) -> None:
     del ref
     llm = LLM(model, activations="int8")
     for name, rows in (("int8 tiles", 10**9), ("AMX bfloat16", 128)):
-        kernels.AMX_ROWS = rows
+        kernels.AMX_PROMPT = rows
         q = llm.logits(ids).float().log_softmax(-1)
         kl = (f.exp() * (f - q)).sum(-1)
         top = (f.argmax(-1) == q.argmax(-1)).float().mean()

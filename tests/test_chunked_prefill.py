@@ -26,7 +26,7 @@ def first_logits(llm: LLM) -> torch.Tensor:
     state = MicroBatchState(llm.executor, seqs, llm.prefill_chunk_size)
     steps = 0
     while True:
-        logits = llm.executor.forward(*vars(state.work()).values())
+        logits = llm.executor.forward_block([state.work()])[0]
         steps += 1
         if state.start + state.num_tokens >= state.prompt.shape[1]:
             state.cache.close()

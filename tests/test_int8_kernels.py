@@ -180,13 +180,13 @@ def test_packed_products_take_the_integer_kernels_when_asked(kind):
 
 @pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
 def test_a_prompts_product_on_amx_tiles_is_the_plain_bfloat16_arithmetic(ggml_type):
-    """Products of a prompt chunk of AMX_ROWS tokens or more on the integer path, where AMX
-    works (a decode step's rows, however many, take the integer kernels): the matrix
+    """Products of the rows of prompts of AMX_PROMPT tokens or more on the integer path,
+    where AMX works (a decode step's rows, however many, take the integer kernels): the matrix
     decoded, it and the rows rounded to bfloat16, their products summed in float32 (on the
     tiles by amx.c, or by oneDNN, each in its own order; oneDNN rounds the sums to bfloat16),
     the bias added in float32. The arithmetic is checked on every machine."""
     w = random_packed(ggml_type, 96, 256, 2)
-    x = torch.randn(kernels.AMX_ROWS, 256, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(kernels.AMX_PROMPT, 256, generator=torch.Generator().manual_seed(4))
     bias = torch.randn(96)
     dense = w.dequantize().bfloat16().double()
     sums = x.bfloat16().double() @ dense.T
@@ -195,20 +195,52 @@ def test_a_prompts_product_on_amx_tiles_is_the_plain_bfloat16_arithmetic(ggml_ty
     # the float32 sums may round to the neighbouring bfloat16 of the exact sums' (2**-7)
     assert ((got - bias).double() - sums).abs().le(sums.abs() * 2**-7 + 1e-6).all()
     with kernels.activations_set("int8"):
-        taken = kernels.packed_linear(x[None], w, bias)[0]
+        plain = kernels.packed_linear(x[None], w, bias)[0]  # outside a step: integer kernels
+        with kernels.rows_on_amx(kernels.amx_rows(torch.tensor([kernels.AMX_PROMPT]))):
+            taken = kernels.packed_linear(x[None], w, bias)[0]
         rows = kernels.packed_linear(x[:, None], w, bias)[:, 0]  # one token of each sequence
     assert torch.equal(rows, kernels.integer_linear(x, w, bias, 8))
-    assert torch.equal(taken, got if amx_usable() else rows)
+    assert torch.equal(plain, kernels.integer_linear(x, w, bias, 8))
+    assert torch.equal(taken, got if amx_usable() else plain)
 
 
-def test_a_prompt_chunks_attention_on_the_integer_path_runs_in_bfloat16_where_amx_works():
+@pytest.mark.skipif(not amx_usable(), reason="needs AMX")
+def test_a_steps_rows_on_amx_and_off_are_each_their_own_product():
+    """A prompt step that mixes rows of long prompts (AMX tiles) and short ones (integer
+    kernels): each row's product and attention are what it gets alone."""
+    from tiergen.cache.attention import attention
+
+    w = random_packed(GGMLType.Q4_1, 96, 256, 3)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 40, 256, generator=g)
+    q = torch.randn(3, 4, 40, 64, generator=g)
+    k, v = (torch.randn(3, 2, 40, 64, generator=g) for _ in range(2))
+    with kernels.activations_set("int8"):
+        rows = kernels.amx_rows(torch.tensor([200, 5, kernels.AMX_PROMPT]))
+        assert rows.tolist() == [True, False, True]
+        with kernels.rows_on_amx(rows):
+            got, att = kernels.packed_linear(x, w), attention(q, k, v, None)
+        assert kernels.amx_rows(torch.tensor([5, kernels.AMX_PROMPT - 1])) is None
+    for r in range(3):
+        alone = x[r:r + 1]
+        want = (kernels._bfloat16_linear(alone, w, None) if rows[r]
+                else kernels.integer_linear(alone, w, None, 8))
+        assert torch.equal(got[r:r + 1], want), r
+        qkv = [t[r:r + 1] for t in (q, k, v)]
+        want = (attention(*(t.bfloat16() for t in qkv), None).float() if rows[r]
+                else attention(*qkv, None))
+        assert torch.equal(att[r:r + 1], want), r
+
+
+def test_a_long_prompts_attention_on_the_integer_path_runs_in_bfloat16_where_amx_works():
     from tiergen.cache.attention import attention
 
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(1, 4, kernels.AMX_ROWS, 64, generator=g)
-    k, v = (torch.randn(1, 2, kernels.AMX_ROWS, 64, generator=g) for _ in range(2))
+    q = torch.randn(1, 4, 64, 64, generator=g)
+    k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(2))
     with kernels.activations_set("int8"):
-        got = attention(q, k, v, None)
+        with kernels.rows_on_amx(kernels.amx_rows(torch.tensor([kernels.AMX_PROMPT]))):
+            got = attention(q, k, v, None)
     exact = attention(q, k, v, None)  # the float path: float32 throughout
     if amx_usable():
         half = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None).float()

@@ -22,7 +22,7 @@ import torch
 
 from tiergen.cache.kv import KVView
 from tiergen.config import ModelConfig
-from tiergen.kernels import activations_set
+from tiergen.kernels import activations_set, amx_rows, rows_on_amx
 from tiergen.cache.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.hidden import HiddenStates
@@ -59,11 +59,22 @@ class MicroBatch:
     meta: StepMeta
     cache: TieredKV
     positions: PositionLogits | None = None
+    # (b,) on a prompt step: the length of each row's whole prompt, which chooses its arithmetic
+    # (kernels.amx_rows); None: the step's valid slots count them
+    prompt_lengths: torch.Tensor | None = None
 
     @property
     def is_prompt(self) -> bool:
         """Whether this step feeds prompt tokens (prefill) rather than one new token each."""
         return self.meta.start == 0 or self.ids.shape[1] > 1
+
+    def amx_rows(self) -> torch.Tensor | None:
+        """The rows whose products and attention run on AMX tiles at this step (on this
+        thread's activations); None for none."""
+        if not self.is_prompt:
+            return None
+        return amx_rows(self.meta.valid.sum(-1) if self.prompt_lengths is None
+                        else self.prompt_lengths)
 
 
 @dataclass
@@ -258,6 +269,7 @@ class Executor:
         acts = HiddenStates(tiers_for(len(block), self.policy.hidden_split),
                            self.device, self.spill_dir)
         shared = [model.prepare(mb.meta, self.dtype) for mb in block]
+        amx = [mb.amx_rows() for mb in block]
         for k, mb in enumerate(block):
             acts.put(k, model.embed(self.globals, mb.ids) if hidden is None
                      else hidden[k].to(self.device))
@@ -276,7 +288,8 @@ class Executor:
                     if k + 1 < len(block):
                         loading = self._load_cache(block, k + 1, j)
                     t1 = clock()
-                    h = model.layer(j, w, acts.take(k), mb.meta, kv, shared[k])
+                    with rows_on_amx(amx[k]):
+                        h = model.layer(j, w, acts.take(k), mb.meta, kv, shared[k])
                     acts.put(k, h)
                     moves = mb.cache.moves(j, mb.is_prompt)
                     if moves and self._inline(mb.cache, j):
@@ -296,9 +309,10 @@ class Executor:
                 logits = []
                 for k, mb in enumerate(block):
                     h = acts.take(k)
-                    if mb.positions is not None:
-                        self._position_logits(h, mb.positions)
-                    logits.append(model.head(self.globals, h[:, last]).float())
+                    with rows_on_amx(amx[k]):
+                        if mb.positions is not None:
+                            self._position_logits(h, mb.positions)
+                        logits.append(model.head(self.globals, h[:, last]).float())
             seconds = clock() - started
             is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)

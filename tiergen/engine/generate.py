@@ -16,6 +16,7 @@ from tiergen.engine.sampler import PositionLogprobs, Sampler, SamplingParams, po
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
+from tiergen.kernels import amx_prompt
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size)
@@ -149,13 +150,21 @@ def _sharable(cfg: ModelConfig, seqs: list[Sequence], n: int) -> int:
     return n
 
 
-def shared_length(cfg: ModelConfig, seqs: list[Sequence]) -> int:
+def _on_amx(seqs: list[Sequence], activations: str) -> set[bool]:
+    """Whether each of ``seqs``' prompts runs on AMX tiles (kernels.amx_prompt): a prefix is
+    computed for, and serves, prompts of one kind only, so that a row's arithmetic is the
+    same with and without it."""
+    return {amx_prompt(len(s.prompt_ids), activations) for s in seqs}
+
+
+def shared_length(executor: Executor, seqs: list[Sequence]) -> int:
     """How many leading prompt tokens ``seqs`` can compute once for all of them: their longest
     common prefix as :func:`_sharable` allows it; 0 also where the rows ask for different
-    numbers of prompt log-probabilities."""
-    if len(seqs) < 2 or len({s.params.prompt_logprobs for s in seqs} - {None}) > 1:
+    numbers of prompt log-probabilities, or only some prompts run on AMX tiles."""
+    if (len(seqs) < 2 or len({s.params.prompt_logprobs for s in seqs} - {None}) > 1
+            or len(_on_amx(seqs, executor.activations)) > 1):
         return 0
-    return _sharable(cfg, seqs, len(os.path.commonprefix([s.prompt_ids for s in seqs])))
+    return _sharable(executor.cfg, seqs, len(os.path.commonprefix([s.prompt_ids for s in seqs])))
 
 
 class SharedPrefix:
@@ -166,11 +175,15 @@ class SharedPrefix:
     last one, which score the next prompt token of each row."""
 
     def __init__(self, executor: Executor, tokens: list[int], logprobs: int | None,
-                 chunk_size: int | None, tokenizer: Tokenizer | None) -> None:
+                 chunk_size: int | None, tokenizer: Tokenizer | None, prompt_length: int) -> None:
+        """``prompt_length``: that of the prompts it is computed for, whose arithmetic it
+        takes (:class:`MicroBatch`'s ``prompt_lengths``)."""
         self.tokens, self.length, self.logprobs = list(tokens), len(tokens), logprobs
+        self.activations = executor.activations
+        self.amx = amx_prompt(prompt_length, self.activations)
         self.seq = Sequence(-1, self.tokens, SamplingParams(max_tokens=1, prompt_logprobs=logprobs),
                             frozenset(), None, tokenizer=tokenizer)
-        state = MicroBatchState(executor, [self.seq], chunk_size)
+        state = MicroBatchState(executor, [self.seq], chunk_size, prompt_length=prompt_length)
         try:
             while True:
                 self.last = executor.forward_block([state.work()])[0]  # (1, vocab)
@@ -193,14 +206,15 @@ class SharedPrefix:
         """The first ``length`` tokens that every one of ``seqs`` starts with."""
         asked = {s.params.prompt_logprobs for s in seqs} - {None}
         return cls(executor, seqs[0].prompt_ids[:length], asked.pop() if asked else None,
-                   chunk_size, seqs[0].tokenizer)
+                   chunk_size, seqs[0].tokenizer, len(seqs[0].prompt_ids))
 
     def serves(self, cfg: ModelConfig, seqs: list[Sequence]) -> int:
         """How many of its tokens ``seqs`` can take from it (as :func:`shared_length` counts
         for their own common prefix); 0 for none. Only all of them where a ring holds its
         last slots in place of its first, and only where it kept what the rows' prompt
         log-probabilities need."""
-        if {s.params.prompt_logprobs for s in seqs} - {None, self.logprobs}:
+        if ({s.params.prompt_logprobs for s in seqs} - {None, self.logprobs}
+                or _on_amx(seqs, self.activations) != {self.amx}):
             return 0
         common = min(len(os.path.commonprefix([self.tokens, s.prompt_ids])) for s in seqs)
         n = _sharable(cfg, seqs, common)
@@ -247,8 +261,11 @@ class MicroBatchState:
 
     def __init__(self, executor: Executor, seqs: list[Sequence],
                  chunk_size: int | None = None, key: int = 0,
-                 shared: SharedPrefix | None = None, shared_tokens: int | None = None) -> None:
+                 shared: SharedPrefix | None = None, shared_tokens: int | None = None,
+                 prompt_length: int | None = None) -> None:
         self.key = key  # the scheduler's name for it, the same on every rank
+        # the length of the prompts whose arithmetic the rows take (a SharedPrefix's)
+        self.prompt_length = prompt_length
         device = executor.device
         # the first shared_tokens (default: all) of ``shared``
         self.shared = n = 0 if shared is None else shared_tokens or shared.length
@@ -330,8 +347,11 @@ class MicroBatchState:
         if chunk is not None and not self.decoding and chunk < self.num_tokens:
             self.num_tokens = chunk
             self.ids = self.prompt[:, self.start:self.start + chunk]
+        prompts = None
+        if self.prompt_length is not None and not self.decoding:
+            prompts = torch.full((len(self.live),), self.prompt_length)
         return MicroBatch(self.ids, StepMeta.build(self.valid, self.start, self.num_tokens),
-                          self.cache, self._prompt_positions())
+                          self.cache, self._prompt_positions(), prompts)
 
     def _prompt_positions(self) -> PositionLogits | None:
         """For a prompt step with rows that asked for prompt_logprobs: where their logits at
@@ -452,7 +472,7 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
     # the prefill chunk: as asked, or cut so that each step fits the budgets
     chunk_size = executor.step_tokens(shapes, prefill_chunk(chunk_size, longest))
     executor.check_block(shapes, chunk_size)
-    n = shared_length(executor.cfg, seqs) if share else 0
+    n = shared_length(executor, seqs) if share else 0
     shared = SharedPrefix.common(executor, seqs, n, chunk_size) if n else None
     executor.stats.shared_prompt_tokens += n * (len(seqs) - 1)
     states = []

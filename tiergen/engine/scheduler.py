@@ -299,7 +299,7 @@ class Scheduler:
             return MicroBatchState(ex, seqs, chunk, key=key)
         found = self.prefixes.find(ex.cfg, seqs) if self.prefixes is not None else None
         idle = not self._states
-        n = shared_length(ex.cfg, seqs) if idle else 0
+        n = shared_length(ex, seqs) if idle else 0
         # a cached prefix a little shorter than the one the rows share beats computing theirs:
         # each row then computes the tokens between the two itself
         if found is not None and (found[1] >= n or (n - found[1]) * len(seqs) <= n):
@@ -310,7 +310,7 @@ class Scheduler:
               and len(seqs[0].prompt_ids) > MIN_SHARED_PREFIX):
             s = seqs[0]
             shared = SharedPrefix(ex, s.prompt_ids[:-1], s.params.prompt_logprobs, chunk,
-                                  s.tokenizer)
+                                  s.tokenizer, len(s.prompt_ids))
             n, computed = shared.length, True
         else:
             return MicroBatchState(ex, seqs, chunk, key=key)

@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +60,7 @@ ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (cro
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
-_arith = threading.local()  # .kind: this thread's activations (set_activations)
+_arith = threading.local()  # .kind: activations (set_activations); .amx: rows_on_amx
 # The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 8
 # values: about 2x closer to the float path than scale groups of 16, where a scale per 4 is 2x
 # closer again but costs the tiles a multiply-add per integer product, 1.1x the time of a
@@ -68,11 +68,13 @@ _arith = threading.local()  # .kind: this thread's activations (set_activations)
 # benchmarks/bench_int8.py; docs/BENCHMARKS.md). 16-bit ones, two int8 halves dotted apart,
 # land below 5e-6.
 ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
-# Integer-path products of a prompt chunk of this many tokens or more run on AMX tiles where
-# they work: the matrix decoded to bfloat16 once per product, straight into the tiles' layout
-# (amx.c), and multiplied there; the decoding is paid once for the chunk's rows. Decided by a
-# sequence's tokens, not the batch's rows, so a decode step's row rounds alike in any batch.
-AMX_ROWS = 128
+# Integer-path prompts of this many tokens or more multiply on AMX tiles where they work: each
+# matrix decoded to bfloat16 once per product, straight into the tiles' layout (amx.c), and
+# multiplied there; the decoding is paid once for the chunk's rows. Decided per row by the
+# length of its whole prompt (amx_prompt), not by a step's rows or tokens, so that a row rounds
+# alike alone and beside any others, in whatever chunks its prompt goes in; shorter prompts
+# and every decode step take the integer kernels.
+AMX_PROMPT = 128
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 TILE_ROWS = 3  # integer products of this many rows or more may read tiles (takes_tiles says)
 
@@ -242,6 +244,51 @@ def activations_set(kind: str) -> Iterator[None]:
         _arith.kind = before
 
 
+def amx_prompt(tokens: int, activations: str) -> bool:
+    """Whether a prompt of ``tokens`` tokens runs its products (and attention) on AMX tiles
+    under ``activations``: int8 ones, AMX_PROMPT tokens or more, where AMX works."""
+    return activations == "int8" and tokens >= AMX_PROMPT and amx_usable()
+
+
+def amx_rows(prompt_tokens: torch.Tensor) -> torch.Tensor | None:
+    """Which rows of a prompt step on this thread, whose whole prompts have ``prompt_tokens``
+    tokens, run on AMX tiles (:func:`amx_prompt`); None where none does."""
+    if activations() != "int8" or not amx_usable():
+        return None
+    rows = prompt_tokens.cpu() >= AMX_PROMPT
+    return rows if bool(rows.any()) else None
+
+
+@contextmanager
+def rows_on_amx(rows: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, the products (B, T, K) and attention of this thread's step run rows
+    ``rows`` (B,) bool (:func:`amx_rows`; None: none) on AMX tiles, the others as before."""
+    before = getattr(_arith, "amx", None)
+    _arith.amx = rows
+    try:
+        yield
+    finally:
+        _arith.amx = before
+
+
+def on_amx(rows: int) -> torch.Tensor | None:
+    """The rows of a step's ``rows`` that run on AMX tiles (:func:`rows_on_amx`), or None."""
+    amx = getattr(_arith, "amx", None)
+    return amx if amx is not None and len(amx) == rows else None
+
+
+def by_rows(rows: torch.Tensor, x_rows: int, on: Callable[[torch.Tensor], torch.Tensor],
+            off: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``on(rows)`` and ``off(~rows)``, each given its rows' index, in one tensor of the
+    ``x_rows`` rows in their order (the whole to one where all rows go there)."""
+    if bool(rows.all()):
+        return on(slice(None))
+    a, b = on(rows), off(~rows)
+    y = a.new_empty(x_rows, *a.shape[1:])
+    y[rows], y[~rows] = a, b
+    return y
+
+
 def matrix_descriptor(w: Packed) -> ctypes.Array:
     """``w`` as the C kernels take a packed matrix of several parts: {rows, columns, parts,
     then (GGML type, rows, address, its kept tiles' address or 0) for each part}."""
@@ -374,8 +421,9 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     rows = x.shape[:-1].numel()
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     if fmt is not None and x.device.type == "cpu" and integer_kernels_take(w) and library():
-        if x.dim() > 2 and x.shape[-2] >= AMX_ROWS and not fmt[1] and amx_usable():
-            return _bfloat16_linear(x, w, bias)
+        if x.dim() > 2 and not fmt[1] and (amx := on_amx(x.shape[0])) is not None:
+            return by_rows(amx, x.shape[0], lambda r: _bfloat16_linear(x[r], w, bias),
+                           lambda r: integer_linear(x[r], w, bias, *fmt))
         return integer_linear(x, w, bias, *fmt, out=out)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:
