@@ -307,7 +307,7 @@ def _executor(config: EngineConfig, files: ModelFiles, family: ModelFamily, sour
               model_id: str, policy: Policy) -> Executor:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, files.default_dtype, files.packed)
-    return Executor(family, source, dtype, device, policy, model_id, config.budgets(),
+    return Executor(family, source, dtype, device, policy, model_id, config.budgets,
                     _expert_rates(device), resolve_activations(config.activations, device))
 
 
