@@ -7,7 +7,7 @@ theirs to serve rank 0, without knowing which kind it is."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -205,8 +205,10 @@ class RankedRunner(Runner):
             raise
 
     def serve(self) -> None:
+        # made here, not kept on the runner: its bound methods would keep it alive too long
+        handlers = {"generate": self._generate, "score": self._score_here, "step": self._step}
         while (command := self.group.next_command()) is not None:
-            self._handler(command[0])(*command[1:])
+            handlers[command[0]](*command[1:])
 
     def close(self) -> None:
         if self.group.rank == 0:
@@ -221,11 +223,6 @@ class RankedRunner(Runner):
             raise TiergenError("this LLM's parallel ranks have stopped (a rank failed or close() "
                                "was called); create a new LLM")
         self.group.command(command)
-
-    def _handler(self, command: str) -> Callable:
-        """What a command from rank 0 runs on the other ranks. Made on each call: kept on the
-        runner, its bound methods would keep it alive past its last use."""
-        return {"generate": self._generate, "score": self._score_here, "step": self._step}[command]
 
     def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
         for _ in self.run(self.sequences(prompt_ids, params)):
