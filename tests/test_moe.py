@@ -155,6 +155,14 @@ def test_measured_rates_fill_in_defaults():
     assert rates.link_bandwidth == HostRates().link_bandwidth
 
 
+def test_calibrated_rates_take_the_host_from_the_cpu_and_the_link_from_the_gpu():
+    from test_planner import CPU, GPU
+    assert HostRates.calibrated(CPU, GPU) == HostRates(400e9, 12e9, 25e9)
+    assert HostRates.calibrated(None, GPU) == HostRates.measured(None, None, 25e9)
+    assert HostRates.calibrated(CPU, None) == HostRates.measured(400e9, 12e9, None)
+    assert HostRates.calibrated(None, None) == HostRates()
+
+
 def test_deepseek_v3_skips_its_multi_token_prediction_layer(tmp_path):
     # DeepSeek-V3 and Kimi K2 checkpoints carry a next-token-prediction layer after the last
     # one (model.layers.{num_hidden_layers}.*); generation does not use it.

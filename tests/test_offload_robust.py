@@ -65,6 +65,11 @@ def test_unreadable_size():
         parse_size("lots")
 
 
+def test_an_unreadable_budget_is_refused_before_the_model_opens(tmp_path):
+    with pytest.raises(TiergenError, match="cannot read memory size 'lots'"):
+        LLM(tmp_path / "no-model", host_memory="lots")
+
+
 def test_offload_dir_not_writable(model_dir, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

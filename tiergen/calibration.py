@@ -166,7 +166,7 @@ def _from_dict(d: object) -> Calibration:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
             math.isfinite(seconds) and seconds >= 0):
         raise ValueError("bad seconds")
-    kwargs = {k: d[k] for k in names & d.keys()}  # keys of newer versions are ignored
+    known = {k: d[k] for k in names & d.keys()}  # keys of newer versions are ignored
     dq, cu = d.get("dequant", {}), d.get("cache_unpack", {})
     for table in (dq, cu):
         if not (isinstance(table, dict) and all(isinstance(k, str) for k in table)):
@@ -181,16 +181,15 @@ def _from_dict(d: object) -> Calibration:
     if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not (
             math.isfinite(overhead) and overhead >= 0):
         raise ValueError("bad layer_overhead")
-    kwargs.update(
-        hardware=dict(hw), matmul={k: _rate(v) for k, v in mm.items()},
+    cal = Calibration(**dict(
+        known, hardware=dict(hw), matmul={k: _rate(v) for k, v in mm.items()},
         dequant={k: _rate(v) for k, v in dq.items()},
         cache_unpack={k: _rate(v) for k, v in cu.items()}, layer_overhead=float(overhead),
         link={k: _rate(v) for k, v in link.items()},
         linear_rows={k: {str(int(r)): _rate(v) for r, v in t.items()} for k, t in rows.items()},
         gemv={k: _rate(v) for k, v in gv.items()}, seconds=float(seconds),
         **{k: _rate(d[k]) for k in ("disk_read", "host_to_device", "device_to_host",
-                                    "host_memcpy", "cpu_attention")})
-    cal = Calibration(**kwargs)
+                                    "host_memcpy", "cpu_attention")}))
     torch.device(cal.device)  # RuntimeError on nonsense
     return cal
 

@@ -285,7 +285,6 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
 def _plan(args: argparse.Namespace, files, prompts: list[str]):
     from tiergen.devices import resolve_device, resolve_dtype
     from tiergen.offload.memory import Budgets
-    from tiergen.offload.policy import parse_size
     from tiergen.planner import calibrate
     from tiergen.planner.cost import Workload
     from tiergen.planner.search import choose_policy, format_plan
@@ -294,8 +293,7 @@ def _plan(args: argparse.Namespace, files, prompts: list[str]):
     dtype = resolve_dtype(args.dtype, device, files.default_dtype, files.packed)
     lengths = [len(files.tokenizer.encode(p)) if files.tokenizer else 1 for p in prompts] or [1]
     workload = Workload(max(lengths), args.max_tokens, len(lengths))
-    budgets = Budgets(None if args.device_memory is None else parse_size(args.device_memory),
-                      None if args.host_memory is None else parse_size(args.host_memory))
+    budgets = Budgets.parse(args.device_memory, args.host_memory)
     cal = calibrate.get(device, progress=True)
     stages, tensor = _ranks(args)
     if stages * tensor > 1:

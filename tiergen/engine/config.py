@@ -3,7 +3,7 @@ whole to the other parallel ranks, which load their share of the model from it."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,7 +12,7 @@ from tiergen.devices import resolve_activations, resolve_device
 from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK
 from tiergen.errors import TiergenError
 from tiergen.offload.memory import Budgets
-from tiergen.offload.policy import Policy, parse_size
+from tiergen.offload.policy import Policy
 from tiergen.parallel.group import under_torchrun
 from tiergen.weights import ModelFiles, open_model, quantized
 
@@ -21,7 +21,7 @@ from tiergen.weights import ModelFiles, open_model, quantized
 class EngineConfig:
     """The arguments of :class:`~tiergen.engine.llm.LLM`, which documents each. They stay as
     given ("auto", None): each rank resolves the device, dtype and activations on its own
-    machine."""
+    machine. ``budgets``: ``device_memory`` and ``host_memory`` read once, as bytes."""
 
     model: str | Path | ModelFiles
     dtype: str | torch.dtype = "auto"
@@ -39,6 +39,7 @@ class EngineConfig:
     parallel_timeout: float = 60.0
     quantize: str | None = None
     share_prefixes: bool = True
+    budgets: Budgets = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         """Refuse what cannot work before anything loads or any rank starts."""
@@ -49,6 +50,7 @@ class EngineConfig:
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "
                                f"whole prompt at once), got {chunk!r}")
+        self.budgets = Budgets.parse(self.device_memory, self.host_memory)
         resolve_activations(self.activations, resolve_device(self.device))
         if isinstance(self.policy, (list, tuple)):
             if not self.parallel:
@@ -80,7 +82,3 @@ class EngineConfig:
             raise TiergenError(f"got {len(self.policy)} policies for {ranks} parallel ranks; "
                                "give one per rank, or one for all")
         return self.policy[rank]
-
-    def budgets(self) -> Budgets:
-        return Budgets(None if self.device_memory is None else parse_size(self.device_memory),
-                       None if self.host_memory is None else parse_size(self.host_memory))

@@ -122,6 +122,20 @@ class RunStats:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What a rank settles on its own machine from its config, which stays as given ("auto",
+    None) to be shipped to every rank: the compute device, the dtype and activations on it, the
+    memory budgets, and where routed experts in host RAM run (None: only a GPU has the
+    choice)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    activations: str
+    budgets: Budgets
+    expert_rates: HostRates | None
+
+
 def cache_compression(policy: Policy) -> tuple[int, int] | None:
     """(bits, group size) of the KV cache's compression, or None."""
     return (policy.compress_bits, policy.compress_group_size) if policy.compress_cache else None
@@ -160,17 +174,16 @@ def step_needs(cfg: ModelConfig, dtype: torch.dtype, policy: Policy,
 
 
 class Executor:
-    def __init__(self, model: ModelFamily, source, dtype: torch.dtype, device: torch.device,
-                 policy: Policy | None = None, model_id: str = "",
-                 budgets: Budgets | None = None, expert_rates: HostRates | None = None,
-                 activations: str = "float32") -> None:
+    def __init__(self, model: ModelFamily, source, policy: Policy, model_id: str,
+                 here: Resolved) -> None:
+        device, dtype, activations = here.device, here.dtype, here.activations
         self.model = model
         self.activations = activations  # how packed products treat their inputs
         self.cfg = model.cfg
         self.dtype = dtype
         self.device = device
-        self.policy = policy or Policy()
-        self.budgets = (budgets or Budgets()).for_tensors(device.type)
+        self.policy = policy
+        self.budgets = here.budgets.for_tensors(device.type)
         self.weight_plan = WeightPlan.make(model, dtype, self.policy, device, source)
         self.weight_plan.size_expert_cache(self.policy, self.budgets.host)
         integer = activations == "int8" and any(  # (packed matrices the int8 kernels take)
@@ -182,7 +195,7 @@ class Executor:
                       "--device-memory",
             "host": "put more weights on disk (--percent), or raise --host-memory"})
         self.weights = TieredWeights(model, source, dtype, device, self.policy, self.weight_plan,
-                                     model_id, expert_rates=expert_rates)
+                                     model_id, expert_rates=here.expert_rates)
         self.globals = self.weights.globals
         if self.policy.keep_tiles and device.type == "cpu" and activations != "float32":
             host = self.budgets.host if self.budgets.host is not None else available_ram()

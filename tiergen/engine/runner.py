@@ -7,7 +7,8 @@ theirs to serve rank 0, without knowing which kind it is."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 
 import torch
 
@@ -16,7 +17,7 @@ from tiergen._platform import release_freed_memory
 from tiergen.cache.step import StepMeta
 from tiergen.devices import resolve_activations, resolve_device, resolve_dtype
 from tiergen.engine.config import EngineConfig
-from tiergen.engine.executor import Executor, MicroBatch, RunStats
+from tiergen.engine.executor import Executor, MicroBatch, Resolved, RunStats
 from tiergen.engine.generate import (MicroBatchState, Sequence, StepEvent, chunks, make_sequences,
                                      prefill_chunk, run_block)
 from tiergen.engine.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
@@ -204,8 +205,10 @@ class RankedRunner(Runner):
             raise
 
     def serve(self) -> None:
+        # made here, not kept on the runner: its bound methods would keep it alive too long
+        handlers = {"generate": self._generate, "score": self._score_here, "step": self._step}
         while (command := self.group.next_command()) is not None:
-            self._handler(command[0])(*command[1:])
+            handlers[command[0]](*command[1:])
 
     def close(self) -> None:
         if self.group.rank == 0:
@@ -220,11 +223,6 @@ class RankedRunner(Runner):
             raise TiergenError("this LLM's parallel ranks have stopped (a rank failed or close() "
                                "was called); create a new LLM")
         self.group.command(command)
-
-    def _handler(self, command: str) -> Callable:
-        """What a command from rank 0 runs on the other ranks. Made on each call: kept on the
-        runner, its bound methods would keep it alive past its last use."""
-        return {"generate": self._generate, "score": self._score_here, "step": self._step}[command]
 
     def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
         for _ in self.run(self.sequences(prompt_ids, params)):
@@ -259,18 +257,12 @@ def open_runner(config: EngineConfig, files: ModelFiles, group: Group | None = N
     if config.compile:  # process-wide, like torch's own backend switches
         use_compiled_gemv(True)
     if group is None and not config.parallel:
-        runner = LocalRunner(_executor(config, files, family, files.source, files.fingerprint,
-                                       config.policy_for(0, 1)), config, files)
+        runner = LocalRunner(_executor(config, files, family), config, files)
         release_freed_memory()
         return runner
     group = group or start_ranks(files, config, serve_rank)
-
-    def share() -> Executor:  # on every rank at once: one that fails stops all
-        return _executor(config, files, *_rank_share(family, files, group),
-                         config.policy_for(group.rank, group.size))
-
-    try:
-        executor = group.agree(share, patient=True)
+    try:  # on every rank at once: one that fails stops all
+        executor = group.agree(partial(_executor, config, files, family, group), patient=True)
     except BaseException:
         group.close(graceful=False)
         raise
@@ -288,11 +280,36 @@ def serve_rank(config: EngineConfig, group: Group) -> None:
     open_runner(config, config.open(), group).serve()
 
 
-def _rank_share(family: ModelFamily, files: ModelFiles, group: Group
+def _executor(config: EngineConfig, files: ModelFiles, family: ModelFamily,
+              group: Group | None = None) -> Executor:
+    """This process's executor: of the whole model, or of its rank's share of ``group``, on
+    what this rank settles on its own machine."""
+    here = _resolve(config, files)
+    rank, ranks = (group.rank, group.size) if group else (0, 1)
+    family, source, model_id = _rank_share(family, files, group)
+    return Executor(family, source, config.policy_for(rank, ranks), model_id, here)
+
+
+def _resolve(config: EngineConfig, files: ModelFiles) -> Resolved:
+    """What this rank settles on its own machine: the device, the dtype and activations on
+    it, and, on a GPU, where routed experts in host RAM run, from this machine's calibration
+    if one is cached (``tiergen calibrate``)."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device, files.default_dtype, files.packed)
+    activations = resolve_activations(config.activations, device)
+    rates = None
+    if device.type == "cuda":  # only a GPU has the choice
+        rates = HostRates.calibrated(calibration.load("cpu"), calibration.load(device))
+    return Resolved(device, dtype, activations, config.budgets, rates)
+
+
+def _rank_share(family: ModelFamily, files: ModelFiles, group: Group | None
                 ) -> tuple[ModelFamily, WeightSource, str]:
     """This rank's stage of the layers (and shard of each layer), its tensors, and the name
-    of that share (for the weights' cache files)."""
+    of that share (for the weights' cache files); without a group, the whole model."""
     source, model_id = files.source, files.fingerprint
+    if group is None:
+        return family, source, model_id
     costs, head = layer_costs(family)
     span = split_layers(costs, group.pipeline, head)[group.stage]
     model_id = f"{model_id}|layers {span.start}-{span.stop}"
@@ -301,25 +318,3 @@ def _rank_share(family: ModelFamily, files: ModelFiles, group: Group
         source = family.source(source)
         model_id = f"{model_id}|shard {group.shard} of {group.tensor}"
     return Stage(family, span), source, model_id
-
-
-def _executor(config: EngineConfig, files: ModelFiles, family: ModelFamily, source: WeightSource,
-              model_id: str, policy: Policy) -> Executor:
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device, files.default_dtype, files.packed)
-    return Executor(family, source, dtype, device, policy, model_id, config.budgets(),
-                    _expert_rates(device), resolve_activations(config.activations, device))
-
-
-def _expert_rates(device: torch.device) -> HostRates | None:
-    """Where routed experts in host RAM should run, from this machine's calibration if one
-    is cached (``tiergen calibrate``); only a GPU has the choice."""
-    if device.type != "cuda":
-        return None
-    gpu = calibration.load(device)  # the link
-    cpu = calibration.load("cpu")  # the host's own rates
-    if gpu is None and cpu is None:
-        return None
-    return HostRates.measured(max(cpu.matmul.values(), default=None) if cpu else None,
-                              cpu.host_memcpy if cpu else None,
-                              gpu.host_to_device if gpu else None)

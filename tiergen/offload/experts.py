@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiergen.calibration import Calibration
 from tiergen.config import MoEConfig
 from tiergen.kernels.layer import expert_table, set_expert
 from tiergen.models.moe import Experts, expert_mlp
@@ -48,6 +49,14 @@ class HostRates:
         d = cls()
         return cls(host_flops or d.host_flops, host_bandwidth or d.host_bandwidth,
                    link_bandwidth or d.link_bandwidth)
+
+    @classmethod
+    def calibrated(cls, host: Calibration | None, gpu: Calibration | None) -> HostRates:
+        """Rates from a machine's calibrations (``tiergen calibrate``): its host's fastest
+        matmul and memcpy, and its GPU's link from host RAM."""
+        return cls.measured(max(host.matmul.values(), default=None) if host else None,
+                            host.host_memcpy if host else None,
+                            gpu.host_to_device if gpu else None)
 
     def on_host(self, tokens: int, weight_bytes: int, params: int, hidden: int,
                 itemsize: int) -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
-from tiergen.offload.policy import TIERS
+from tiergen.offload.policy import TIERS, parse_size
 
 Bytes = dict[str, int]
 
@@ -33,6 +33,12 @@ class Budgets:
 
     device: int | None = None
     host: int | None = None
+
+    @classmethod
+    def parse(cls, device: int | str | None, host: int | str | None) -> Budgets:
+        """Budgets as given by a caller: bytes or sizes such as "8G" (None = no limit)."""
+        return cls(None if device is None else parse_size(device),
+                   None if host is None else parse_size(host))
 
     def for_tensors(self, device_type: str) -> Budgets:
         """What is left of the budgets for tiergen's own tensors: on a GPU the device budget
