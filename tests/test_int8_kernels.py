@@ -232,6 +232,26 @@ def test_a_steps_rows_on_amx_and_off_are_each_their_own_product():
         assert torch.equal(att[r:r + 1], want), r
 
 
+@pytest.mark.skipif(not amx_usable(), reason="needs AMX")
+def test_an_mlps_passes_keep_rows_on_amx_apart_from_the_others():
+    """A prompt step's MLP over many rows goes in passes of MLP_ROWS rows across its
+    sequences: rows on AMX tiles and rows off them pass apart, each as it does alone."""
+    from tiergen.models.layers import MLP_ROWS, swiglu_mlp
+
+    gate_up = random_packed(GGMLType.Q4_1, 256, 256, 7)
+    down = random_packed(GGMLType.Q4_1, 256, 128, 8)
+    x = torch.randn(4, MLP_ROWS // 2 + 8, 256, generator=torch.Generator().manual_seed(9))
+    with kernels.activations_set("int8"):
+        rows = kernels.amx_rows(torch.tensor([300, 20, 300, 300]))
+        with kernels.rows_on_amx(rows):
+            got = swiglu_mlp(x, gate_up, down)
+        for r in range(4):
+            with kernels.rows_on_amx(rows[r:r + 1] if rows[r] else None):
+                assert torch.equal(got[r:r + 1], swiglu_mlp(x[r:r + 1], gate_up, down)), r
+        with kernels.rows_on_amx(rows[[0, 2, 3]]):  # all on AMX: passes over the three
+            assert torch.equal(swiglu_mlp(x[[0, 2, 3]], gate_up, down), got[[0, 2, 3]])
+
+
 def test_a_long_prompts_attention_on_the_integer_path_runs_in_bfloat16_where_amx_works():
     from tiergen.cache.attention import attention
 

@@ -139,7 +139,8 @@ def embedding(weight: torch.Tensor | Packed, ids: torch.Tensor, dtype: torch.dty
 # (rows, 2 I) intermediate then stays in the caches instead of going out to memory and back
 # (SmolLM2's is 50 MB at 32 x 128 rows). A batch-32 prefill ran at 1.1x (SmolLM2) and 1.2x
 # (Gemma 3) on a Zen 5 EPYC (docs/BENCHMARKS-HISTORY.md). Every row still goes through the same
-# kernels (the last pass takes the remainder, so none has fewer than MLP_ROWS // 2 rows).
+# kernels (the last pass takes the remainder, so none has fewer than MLP_ROWS // 2 rows), and
+# rows of long prompts that multiply on AMX tiles (kernels.rows_on_amx) pass apart from others.
 MLP_ROWS = 512
 
 
@@ -154,6 +155,16 @@ def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor
     rows = x.shape[:-1].numel()
     if rows < 2 * MLP_ROWS or x.device.type != "cpu":
         return linear(_glu(linear(x, gate_up, gate_up_bias), gelu), down, down_bias)
+    amx = kernels.on_amx(x.shape[0]) if x.dim() == 3 else None
+    if amx is not None and not bool(amx.all()):  # rows on AMX tiles and not: each kind apart
+
+        def kind(on: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+            def run(r: torch.Tensor) -> torch.Tensor:
+                with kernels.rows_on_amx(amx[r] if on else None):
+                    return _glu_mlp(x[r], gate_up, down, gate_up_bias, down_bias, gelu)
+            return run
+
+        return kernels.by_rows(amx, x.shape[0], kind(True), kind(False))
     # one sequence of all the rows: a product keeps its tiles only for a token of each of
     # several sequences (kernels.integer_linear), and these are a prompt's
     seq = x.reshape(1, rows, x.shape[-1])
@@ -162,10 +173,11 @@ def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor
     out = torch.empty(rows, down.shape[0], dtype=x.dtype)
     both = torch.empty(most, gate_up.shape[0], dtype=x.dtype)
     act = torch.empty(most, gate_up.shape[0] // 2, dtype=x.dtype)
-    for a, b in zip(cuts, cuts[1:]):
-        n = b - a
-        g = linear(seq[:, a:b], gate_up, gate_up_bias, out=both[:n])
-        linear(_glu(g, gelu, out=act[:n])[None], down, down_bias, out=out[a:b])
+    with kernels.rows_on_amx(None if amx is None else amx[:1]):  # all the rows' kind
+        for a, b in zip(cuts, cuts[1:]):
+            n = b - a
+            g = linear(seq[:, a:b], gate_up, gate_up_bias, out=both[:n])
+            linear(_glu(g, gelu, out=act[:n])[None], down, down_bias, out=out[a:b])
     return out.view(*x.shape[:-1], -1)
 
 
