@@ -233,9 +233,10 @@ def test_a_steps_rows_on_amx_and_off_are_each_their_own_product():
 
 
 @pytest.mark.skipif(not amx_usable(), reason="needs AMX")
-def test_an_mlps_passes_keep_rows_on_amx_apart_from_the_others():
+def test_an_mlp_keeps_rows_on_amx_apart_from_the_others():
     """A prompt step's MLP over many rows goes in passes of MLP_ROWS rows across its
-    sequences: rows on AMX tiles and rows off them pass apart, each as it does alone."""
+    sequences, but rows on AMX tiles go apart from the others, in one product: each row as it
+    does alone."""
     from tiergen.models.layers import MLP_ROWS, swiglu_mlp
 
     gate_up = random_packed(GGMLType.Q4_1, 256, 256, 7)
