@@ -253,9 +253,8 @@ def amx_prompt(tokens: int, activations: str) -> bool:
 def amx_rows(prompt_tokens: torch.Tensor) -> torch.Tensor | None:
     """Which rows of a prompt step on this thread, whose whole prompts have ``prompt_tokens``
     tokens, run on AMX tiles (:func:`amx_prompt`); None where none does."""
-    if activations() != "int8" or not amx_usable():
-        return None
-    rows = prompt_tokens.cpu() >= AMX_PROMPT
+    kind = activations()
+    rows = torch.tensor([amx_prompt(n, kind) for n in prompt_tokens.tolist()])
     return rows if bool(rows.any()) else None
 
 
@@ -277,15 +276,15 @@ def on_amx(rows: int) -> torch.Tensor | None:
     return amx if amx is not None and len(amx) == rows else None
 
 
-def by_rows(rows: torch.Tensor, x_rows: int, on: Callable[[torch.Tensor], torch.Tensor],
-            off: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``on(rows)`` and ``off(~rows)``, each given its rows' index, in one tensor of the
-    ``x_rows`` rows in their order (the whole to one where all rows go there)."""
-    if bool(rows.all()):
-        return on(slice(None))
-    a, b = on(rows), off(~rows)
-    y = a.new_empty(x_rows, *a.shape[1:])
-    y[rows], y[~rows] = a, b
+def split_rows(rows: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``step`` over a step's rows on AMX tiles (``rows``, of every row) and over the others,
+    each as a step of its own (:func:`rows_on_amx`), its results put back in the rows' order."""
+    with rows_on_amx(rows[rows]):
+        on = step(rows)
+    with rows_on_amx(None):
+        off = step(~rows)
+    y = on.new_empty(len(rows), *on.shape[1:])
+    y[rows], y[~rows] = on, off
     return y
 
 
@@ -422,8 +421,9 @@ def packed_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
     fmt = ACTIVATION_FORMATS.get(getattr(_arith, "kind", "float32"))
     if fmt is not None and x.device.type == "cpu" and integer_kernels_take(w) and library():
         if x.dim() > 2 and not fmt[1] and (amx := on_amx(x.shape[0])) is not None:
-            return by_rows(amx, x.shape[0], lambda r: _bfloat16_linear(x[r], w, bias),
-                           lambda r: integer_linear(x[r], w, bias, *fmt))
+            if bool(amx.all()):
+                return _bfloat16_linear(x, w, bias)
+            return split_rows(amx, lambda r: packed_linear(x[r], w, bias))
         return integer_linear(x, w, bias, *fmt, out=out)
     lib = library() if x.device.type == "cpu" and rows <= ROW_THRESHOLD else None
     if lib is None:

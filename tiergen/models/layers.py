@@ -157,14 +157,8 @@ def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor
     rows = x.shape[:-1].numel()
     amx = kernels.on_amx(x.shape[0]) if x.dim() == 3 else None
     if amx is not None and not bool(amx.all()):  # rows on AMX tiles and not: each kind apart
-
-        def kind(on: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-            def run(r: torch.Tensor) -> torch.Tensor:
-                with kernels.rows_on_amx(amx[r] if on else None):
-                    return _glu_mlp(x[r], gate_up, down, gate_up_bias, down_bias, gelu)
-            return run
-
-        return kernels.by_rows(amx, x.shape[0], kind(True), kind(False))
+        return kernels.split_rows(
+            amx, lambda r: _glu_mlp(x[r], gate_up, down, gate_up_bias, down_bias, gelu))
     # on AMX tiles, a product decodes its matrix once for all its rows: no passes
     if rows < 2 * MLP_ROWS or x.device.type != "cpu" or amx is not None:
         return linear(_glu(linear(x, gate_up, gate_up_bias), gelu), down, down_bias)
