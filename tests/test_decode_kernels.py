@@ -122,6 +122,26 @@ def test_decode_attention_ignores_unwritten_slots_and_wide_score_ranges(torch_pa
     close(got, want)
 
 
+@pytest.mark.parametrize("D", [64, 24], ids=["vectors", "odd-width"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+def test_a_rows_decode_attention_does_not_depend_on_where_its_tokens_sit(D, kv_dtype):
+    """The same query over the same 29 tokens gives the same output to the bit, whether they
+    fill a cache of their own from slot 0 (a row alone) or follow padding of any length in a
+    longer cache whose later slots are hidden (the row in a batch of other lengths)."""
+    g = torch.Generator().manual_seed(4)
+    H, KVH, L = 6, 2, 29
+    q = torch.randn(1, H, 1, D, generator=g)
+    k, v = torch.randn(2, 1, KVH, L, D, generator=g).to(kv_dtype)
+    alone = kernels.decode_attention(q, k, v, None)
+    assert alone is not None
+    for pad, capacity in [(0, 29), (0, 50), (3, 40), (16, 45), (17, 70), (5, 34)]:
+        kc, vc = torch.randn(2, 1, KVH, capacity, D, generator=g).to(kv_dtype)
+        kc[:, :, pad:pad + L], vc[:, :, pad:pad + L] = k, v
+        mask = torch.zeros(1, 1, 1, capacity, dtype=torch.bool)
+        mask[..., pad:pad + L] = True
+        assert torch.equal(kernels.decode_attention(q, kc, vc, mask), alone), (pad, capacity)
+
+
 def test_decode_attention_leaves_other_cases_to_torch():
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 6, 8)
     assert kernels.decode_attention(q, k, k, None) is None  # more than one query token

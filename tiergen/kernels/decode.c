@@ -34,7 +34,7 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     for (; i + 8 <= n; i += 8) u += load8(a + i) * load8(b + i);
     u += w;
     float t = ((u[0] + u[4]) + (u[1] + u[5])) + ((u[2] + u[6]) + (u[3] + u[7]));
-    for (; i < n; i++) t += a[i] * b[i];
+    for (; i < n; i++) t = fmaf(a[i], b[i], t);
     return t;
 }
 
@@ -201,7 +201,7 @@ static inline vf load_kv(const int KV16, const void *p, int64_t i) {
 static inline float dot_kv(const int KV16, const float *restrict a, const void *b, int64_t i, int64_t n) {
     if (!KV16) return dot(a, (const float *)b + i, n);
     float t = 0.0f;
-    for (int64_t j = 0; j < n; j++) t += a[j] * kv_at(1, b, i + j);
+    for (int64_t j = 0; j < n; j++) t = fmaf(a[j], kv_at(1, b, i + j), t);
     return t;
 }
 
@@ -215,12 +215,18 @@ static inline float dot_kv(const int KV16, const float *restrict a, const void *
  *
  * Scores come VW slots at a time, each slot's products in a vector and the VW vectors summed
  * lane-wise together (lane_sums), and their exponentials VW at a time (expv): a dot product's
- * horizontal sum, or an exponential, one at a time would cost more than the products. */
+ * horizontal sum, or an exponential, one at a time would cost more than the products.
+ *
+ * A row's numbers do not depend on where its tokens sit in the cache (the padding before them
+ * in a batch, the slots after them): its slots are taken in groups of VW from its first
+ * allowed one, so each of its tokens falls in the same lane of the same sums as when it runs
+ * alone; the products of an incomplete last group likewise; V is summed slot by slot, in
+ * order. */
 static inline __attribute__((always_inline)) int
 attend(const int KV16, const float *q, const void *k, const void *v, const uint8_t *mask,
        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv, const int64_t *ks,
        const int64_t *vs, float scale, float *out) {
-    const int64_t G = H / KVH, SP = (S + VW - 1) / VW * VW;
+    const int64_t G = H / KVH;
     int failed = 0;
 #pragma omp parallel for schedule(static) if (B * H * S * (D + Dv) >= (1 << 18))
     for (int64_t task = 0; task < B * KVH; task++) {
@@ -229,51 +235,63 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
         const float *qg = q + (b * H + g * G) * D;
         float *og = out + (b * H + g * G) * Dv;
         const uint8_t *mb = mask ? mask + b * S : NULL;
-        float *p = malloc(sizeof(float) * G * SP);
+        int64_t o = 0;  /* the row's first allowed slot: p[j * SP + i] is slot o + i's */
+        while (mb && o < S && !mb[o]) o++;
+        const int64_t SP = (S - o + VW - 1) / VW * VW;
+        float *p = malloc(sizeof(float) * (G * SP + 1));
         if (p == NULL) {
             failed = 1;
             continue;
         }
         /* scores, -inf where the mask hides the slot and past S */
         const vf none = (vf){0} - INFINITY;
-        int64_t s0 = 0;
-        for (; D % VW == 0 && s0 + VW <= S; s0 += VW) {
-            if (mb && hidden(mb + s0)) {  /* (slots past a row's tokens: not read) */
-                for (int64_t j = 0; j < G; j++) memcpy(p + j * SP + s0, &none, sizeof none);
+        for (int64_t s0 = o; D % VW == 0 && s0 < S; s0 += VW) {
+            const int n = S - s0 < VW ? (int)(S - s0) : VW;  /* slots of this group */
+            if (mb && n == VW && hidden(mb + s0)) {  /* (slots past a row's tokens: not read) */
+                for (int64_t j = 0; j < G; j++) memcpy(p + j * SP + s0 - o, &none, sizeof none);
                 continue;
             }
-            const vi seen = mb ? seen_lanes(mb + s0) : (vi){0} - 1;
+            vi seen = n < VW ? (vi){0} : mb ? seen_lanes(mb + s0) : (vi){0} - 1;
+            for (int u = 0; u < n && n < VW; u++) seen[u] = !mb || mb[s0 + u] ? -1 : 0;
             for (int64_t j = 0; j < G; j++) {
                 vf acc[VW] = {{0}};
                 const float *qj = qg + j * D;
-                for (int64_t c = 0; c < D; c += VW) {  /* VW independent sums: no chain waits */
-                    const vf x = loadv(qj + c);
-                    int64_t at = kb + s0 * ks[2] + c;
-                    for (int u = 0; u < VW; u++, at += ks[2]) acc[u] += x * load_kv(KV16, k, at);
-                }
+                if (n == VW)
+                    for (int64_t c = 0; c < D; c += VW) {  /* VW independent sums: no chain waits */
+                        const vf x = loadv(qj + c);
+                        int64_t at = kb + s0 * ks[2] + c;
+                        for (int u = 0; u < VW; u++, at += ks[2]) acc[u] += x * load_kv(KV16, k, at);
+                    }
+                else  /* the same products (lanes past S repeat the last slot, unseen) */
+                    for (int64_t c = 0; c < D; c += VW) {
+                        const vf x = loadv(qj + c);
+                        const int64_t at = kb + s0 * ks[2] + c;
+                        for (int u = 0; u < VW; u++)
+                            acc[u] += x * load_kv(KV16, k, at + (u < n ? u : n - 1) * ks[2]);
+                    }
                 const vf e = pick(seen, lane_sums(acc) * scale, none);
-                memcpy(p + j * SP + s0, &e, sizeof e);
+                memcpy(p + j * SP + s0 - o, &e, sizeof e);
             }
         }
-        for (; s0 < SP; s0++)
+        for (int64_t s0 = o; D % VW != 0 && s0 < o + SP; s0++)
             for (int64_t j = 0; j < G; j++)
-                p[j * SP + s0] = s0 < S && (!mb || mb[s0])
-                                     ? dot_kv(KV16, qg + j * D, k, kb + s0 * ks[2], D) * scale
-                                     : -INFINITY;
+                p[j * SP + s0 - o] = s0 < S && (!mb || mb[s0])
+                                         ? dot_kv(KV16, qg + j * D, k, kb + s0 * ks[2], D) * scale
+                                         : -INFINITY;
         /* their exponentials (0 where -inf) against the largest, and their sum */
         float total[G];
         for (int64_t j = 0; j < G; j++) {
             float *pj = p + j * SP;
             vf top = none, sum = {0};
-            for (int64_t s = 0; s < SP; s += VW) {
-                const vf x = loadv(pj + s);
+            for (int64_t i = 0; i < SP; i += VW) {
+                const vf x = loadv(pj + i);
                 top = pick(x > top, x, top);
             }
             const float best = lanes_max(top);
-            for (int64_t s = 0; s < SP && best > -INFINITY; s += VW) {
-                if (mb && s + VW <= S && hidden(mb + s)) continue;  /* (not read below) */
-                const vf e = expv(loadv(pj + s) - best);
-                memcpy(pj + s, &e, sizeof e);
+            for (int64_t i = 0; i < SP && best > -INFINITY; i += VW) {
+                if (mb && o + i + VW <= S && hidden(mb + o + i)) continue;  /* (not read below) */
+                const vf e = expv(loadv(pj + i) - best);
+                memcpy(pj + i, &e, sizeof e);
                 sum += e;
             }
             total[j] = lanes_sum(sum);
@@ -285,7 +303,7 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
             int64_t c = 0;
             for (; c + 4 * VW <= Dv; c += 4 * VW) {
                 vf acc[3][4] = {{{0}}};
-                for (int64_t s = 0; s < S; s++) {
+                for (int64_t s = o; s < S; s++) {
                     for (int u = 0; u < 4 * VW; u += 16)
                         __builtin_prefetch((const char *)v + (vb + (s + 8) * vs[2] + c + u) * (KV16 ? 2 : 4));
                     if (mb && !mb[s]) continue;
@@ -293,7 +311,7 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
                     const vf x0 = load_kv(KV16, v, vr), x1 = load_kv(KV16, v, vr + VW),
                              x2 = load_kv(KV16, v, vr + 2 * VW), x3 = load_kv(KV16, v, vr + 3 * VW);
                     for (int64_t j = 0; j < n; j++) {
-                        const float e = p[(j0 + j) * SP + s];
+                        const float e = p[(j0 + j) * SP + s - o];
                         acc[j][0] += e * x0, acc[j][1] += e * x1;
                         acc[j][2] += e * x2, acc[j][3] += e * x3;
                     }
@@ -309,8 +327,8 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
             for (; c < Dv; c++)
                 for (int64_t j = j0; j < j0 + n; j++) {
                     float t = 0.0f;
-                    for (int64_t s = 0; s < S; s++)
-                        if (!mb || mb[s]) t += p[j * SP + s] * kv_at(KV16, v, vb + s * vs[2] + c);
+                    for (int64_t s = o; s < S; s++)
+                        if (!mb || mb[s]) t = fmaf(p[j * SP + s - o], kv_at(KV16, v, vb + s * vs[2] + c), t);
                     og[j * Dv + c] = t * (total[j] > 0.0f ? 1.0f / total[j] : 0.0f);
                 }
         }
