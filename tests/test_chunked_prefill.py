@@ -129,6 +129,34 @@ def test_chunk_attention_equals_the_masked_path(start, num_tokens):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 32, 128], ids=["causal", "window-32", "window-128"])
+def test_a_padded_first_chunk_attends_each_row_as_alone(window):
+    """Prompts of 70, 33, 1 and 70 tokens left-padded into one first chunk: each row's output
+    equals, to the bit, what the row's prompt gives alone, through the cache view the
+    engine uses (a sliding window's ring too, whose mask stays when the window is shorter
+    than the prompt); GQA with two query heads per K/V head."""
+    from tiergen.cache.kv import KVView, RollingKVView
+    from tiergen.cache.step import StepMeta
+
+    def run(q, k, v, valid):
+        B, kvh, T, D = k.shape
+        kv = torch.zeros(2, B, kvh, T if window is None else window, D)
+        view = KVView(kv) if window is None else RollingKVView(kv, window)
+        return view.attend(q, k, v, StepMeta.build(valid, 0, T))
+
+    torch.manual_seed(5)
+    lengths, T = [70, 33, 1, 70], 70
+    q = torch.randn(4, 4, T, 64)
+    k, v = torch.randn(2, 4, 2, T, 64)
+    valid = torch.arange(T)[None] >= T - torch.tensor(lengths)[:, None]
+    batched = run(q, k, v, valid)
+    for b, n in enumerate(lengths):
+        own = slice(T - n, T)
+        alone = run(q[b:b + 1, :, own], k[b:b + 1, :, own], v[b:b + 1, :, own],
+                    torch.ones(1, n, dtype=torch.bool))
+        assert torch.equal(batched[b:b + 1, :, own], alone), b
+
+
 def test_prefill_chunks_cover_the_prompt_once():
     from tiergen.engine.generate import chunks, prefill_chunk
 

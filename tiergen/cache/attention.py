@@ -22,8 +22,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     repeating K/V in memory. ``sparsity`` < 1 (decode only) keeps that fraction of each
     query's largest attention weights, renormalised, and reads only their V rows.
     ``key_valid`` (B, S), given when the keys are timeline slots [0, S) ending with the
-    query's own T tokens (a prompt chunk after the first), says which slots hold tokens; it
-    lets a chunk skip the masked path (see ``_chunk_attention``). ``sinks`` (H,): gpt-oss's
+    query's own T tokens, says which slots hold tokens; it lets a chunk after the first skip
+    the masked path (see ``_chunk_attention``), and the first attend row by row, each row
+    over its own tokens as alone (see ``_each_row``). ``sinks`` (H,): gpt-oss's
     attention sinks, one logit per head that joins the softmax but adds no value.
     """
     B, H, T, D = q.shape
@@ -58,9 +59,43 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     gqa = H != kvh
     if key_valid is not None and k.shape[2] > T and q.device.type == "cpu":
         return _chunk_attention(q, k, v, mask, key_valid)
+    if key_valid is not None and mask is not None and q.device.type == "cpu":
+        return _each_row(q, k, v, mask, key_valid)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _each_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              valid: torch.Tensor) -> torch.Tensor:
+    """A prompt's first chunk where rows are padded (keys: the chunk's own T slots, ``valid``
+    (B, T) the slots that hold tokens): each row's queries over its own tokens only, exactly
+    as the row runs alone, unpadded (plain causal where its mask is). The masked path over
+    the padded rows would round otherwise, by where each row's tokens fall in its blocks, so
+    a row's numbers would depend on the other prompts of its batch. Rows with the same
+    tokens' slots go together; a padding slot's output is 0."""
+    B, H, T, _ = q.shape
+    patterns, group = torch.unique(valid, dim=0, return_inverse=True)
+    if len(patterns) == 1 and bool(patterns.all()):  # no padding (a window's mask)
+        return attention(q, k, v, None if _causal(mask) else mask)
+    out = q.new_zeros(B, H, T, v.shape[-1])
+    for g, slots in enumerate(patterns):
+        rows, idx = (group == g).nonzero()[:, 0], slots.nonzero()[:, 0]
+        if len(idx) == 0:
+            continue
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, rows).index_select(2, idx)
+        own = mask.index_select(0, rows).index_select(2, idx).index_select(3, idx)
+        res = attention(pick(q), pick(k), pick(v), None if _causal(own) else own)
+        out.index_copy_(0, rows, out.index_select(0, rows).index_copy_(2, idx, res))
+    return out
+
+
+def _causal(mask: torch.Tensor) -> bool:
+    """Whether a mask (B, 1, T, T) is plain causal, as an unpadded prompt's is."""
+    T = mask.shape[-1]
+    return bool((mask == torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()).all())
 
 
 _SINK_QUERIES = 256  # queries per pass of _sink_attention: bounds its scores' memory

@@ -111,10 +111,14 @@ class RollingKVView(KVView):
             self._write(k, v, meta)
             return attention(q, self.k, self.v, self._decode_mask(meta), self.sparsity,
                              sinks=sinks)
-        key_slots = torch.cat([self._slots(meta.start, q.device),
-                               torch.arange(meta.start, meta.end, device=q.device)])
-        out = attention(q, torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
-                        self._mask(key_slots, meta), sinks=sinks)
+        own = torch.arange(meta.start, meta.end, device=q.device)
+        if meta.start == 0:  # the ring holds nothing yet: the chunk's own keys
+            out = attention(q, k, v, self._mask(own, meta), key_valid=meta.valid[:, :meta.end],
+                            sinks=sinks)
+        else:
+            key_slots = torch.cat([self._slots(meta.start, q.device), own])
+            out = attention(q, torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
+                            self._mask(key_slots, meta), sinks=sinks)
         self._write(k, v, meta)
         return out
 
