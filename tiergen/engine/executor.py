@@ -325,7 +325,8 @@ class Executor:
                     with rows_on_amx(amx[k]):
                         if mb.positions is not None:
                             self._position_logits(h, mb.positions)
-                        logits.append(model.head(self.globals, h[:, last]).float())
+                        # (contiguous: a row's final norm then runs as when it is alone)
+                        logits.append(model.head(self.globals, h[:, last].contiguous()).float())
             seconds = clock() - started
             is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
@@ -345,7 +346,8 @@ class Executor:
         rows = hidden[want.rows.to(hidden.device)]
         step = max(1, POSITION_LOGITS_BYTES // (4 * rows.shape[0] * self.cfg.vocab_size))
         for at in range(0, rows.shape[1], step):
-            want.take(self.model.head(self.globals, rows[:, at:at + step]).float(), at)
+            block = rows[:, at:at + step].contiguous()  # (as in forward_block)
+            want.take(self.model.head(self.globals, block).float(), at)
 
     def _load_cache(self, block: list[MicroBatch], k: int, j: int) -> Future[KVView] | KVView:
         """Micro-batch k's cache of layer j: loaded here, or its load started on the cache

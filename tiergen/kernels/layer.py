@@ -3,8 +3,8 @@
 A model family describes its layer once (:class:`LayerKind`) and hands each decode step's
 tensors to :func:`decode_layer` under the names of :data:`NORMS`, :data:`BIASES` and
 :data:`MATRICES`; where anything is outside what the C layer takes (a GPU, float weights,
-too many rows, a cache it does not know), it returns None and the family runs its layer
-operation by operation, which computes the same numbers.
+on the float path too many rows, a cache it does not know), it returns None and the family
+runs its layer operation by operation, which computes the same numbers within rounding.
 
 For a mixture of experts, ``layer.c`` also runs a token's chosen experts in one call
 (:func:`experts_row`), DeepSeek's routing (:func:`route_rows`), and both at once where the
@@ -114,6 +114,13 @@ def _products(hidden: int) -> _Layer:
     return _Layer(hidden=hidden, qa=qa, wide=int(wide))
 
 
+def _too_many(rows: int, fmt: tuple | None) -> bool:
+    """Whether a decode step of this many rows leaves the C layer: on the float path past
+    ROW_THRESHOLD (the BLAS on the decoded matrices is faster); on the integer path never, so
+    that a row's numbers are those of one arithmetic whatever the batch."""
+    return fmt is None and rows > kernels.ROW_THRESHOLD
+
+
 def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
                  mask: torch.Tensor) -> torch.Tensor | None:
@@ -123,7 +130,7 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     B = h.shape[0]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
     kv16 = kernels.kv_half(k, v)
-    if (B > kernels.ROW_THRESHOLD or not _usable(h) or not _usable(cos) or not _usable(sin)
+    if (_too_many(B, fmt) or not _usable(h) or not _usable(cos) or not _usable(sin)
             or kv16 is None or k.stride(-1) != 1 or v.stride(-1) != 1 or mask is None
             or not mask.is_contiguous() or mask.dtype != torch.bool or mask.device.type != "cpu"):
         return None
@@ -339,7 +346,7 @@ def mla_attention(kind: MlaKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     B = h.shape[0]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
     kv16 = kernels.kv_half(rows, rows)
-    if (B > kernels.ROW_THRESHOLD or not _usable(h) or not _usable(cos) or not _usable(sin)
+    if (_too_many(B, fmt) or not _usable(h) or not _usable(cos) or not _usable(sin)
             or kv16 is None or rows.stride(-1) != 1 or mask is None or not mask.is_contiguous()
             or mask.dtype != torch.bool or mask.device.type != "cpu"
             or (lib := kernels.library()) is None):
