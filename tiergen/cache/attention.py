@@ -68,32 +68,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 def _each_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
               valid: torch.Tensor) -> torch.Tensor:
-    """A prompt's first chunk where rows are padded (keys: the chunk's own T slots, ``valid``
-    (B, T) the slots that hold tokens): each row's queries over its own tokens only, exactly
-    as the row runs alone, unpadded (plain causal where its mask is). The masked path over
-    the padded rows would round otherwise, by where each row's tokens fall in its blocks, so
-    a row's numbers would depend on the other prompts of its batch. Rows with the same
-    tokens' slots go together; a padding slot's output is 0."""
+    """A prompt's first chunk where rows are left-padded (keys: the chunk's own T slots,
+    ``valid`` (B, T) the slots that hold tokens): each row's queries over its own tokens only,
+    exactly as the row runs alone, unpadded (plain causal where its mask is). The masked path
+    over the padded rows would round otherwise, by where each row's tokens fall in its blocks,
+    so a row's numbers would depend on the other prompts of its batch. Rows of one length go
+    together: as they come where they are in order of length (offline blocks are), else
+    once put in that order; a padding slot's output is 0."""
     B, H, T, _ = q.shape
-    patterns, group = torch.unique(valid, dim=0, return_inverse=True)
-    if len(patterns) == 1 and bool(patterns.all()):  # no padding (a window's mask)
-        return attention(q, k, v, None if _causal(mask) else mask)
-    out = q.new_zeros(B, H, T, v.shape[-1])
-    for g, slots in enumerate(patterns):
-        rows, idx = (group == g).nonzero()[:, 0], slots.nonzero()[:, 0]
-        if len(idx) == 0:
-            continue
-
-        def pick(t: torch.Tensor) -> torch.Tensor:
-            return t.index_select(0, rows).index_select(2, idx)
-        own = mask.index_select(0, rows).index_select(2, idx).index_select(3, idx)
-        res = attention(pick(q), pick(k), pick(v), None if _causal(own) else own)
-        out.index_copy_(0, rows, out.index_select(0, rows).index_copy_(2, idx, res))
-    return out
+    lengths = valid.sum(1)
+    if not bool((valid == (torch.arange(T, device=valid.device) >= T - lengths[:, None])).all()):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != k.shape[1])
+    sizes, counts = torch.unique_consecutive(lengths, return_counts=True)
+    order = None
+    if len(sizes) > len(lengths.unique()):  # a length in more than one run
+        order = torch.argsort(lengths, descending=True, stable=True)
+        q, k, v, mask = (t.index_select(0, order) for t in (q, k, v, mask))
+        sizes, counts = torch.unique_consecutive(lengths[order], return_counts=True)
+    out = q.new_empty(B, H, T, v.shape[-1])
+    r0 = 0
+    for n, rows in zip(sizes.tolist(), counts.tolist()):
+        pad, r = T - n, slice(r0, r0 + rows)
+        r0 += rows
+        out[r, :, :pad] = 0
+        if n:
+            own = mask[r, :, pad:, pad:]
+            out[r, :, pad:] = attention(q[r, :, pad:], k[r, :, pad:], v[r, :, pad:],
+                                        None if _causal(own[:1]) else own)
+    return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
 
 
 def _causal(mask: torch.Tensor) -> bool:
-    """Whether a mask (B, 1, T, T) is plain causal, as an unpadded prompt's is."""
+    """Whether a mask (B, 1, T, T) is plain causal, as an unpadded prompt's is (a row's
+    is for every row of one length)."""
     T = mask.shape[-1]
     return bool((mask == torch.ones(T, T, dtype=torch.bool, device=mask.device).tril()).all())
 
