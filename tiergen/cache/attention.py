@@ -78,7 +78,7 @@ def _each_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     B, H, T, _ = q.shape
     lengths = valid.sum(1)
     if not bool((valid == (torch.arange(T, device=valid.device) >= T - lengths[:, None])).all()):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != k.shape[1])
+        return attention(q, k, v, mask)  # not left-padded: the masked path
     sizes, counts = torch.unique_consecutive(lengths, return_counts=True)
     order = None
     if len(sizes) > len(lengths.unique()):  # a length in more than one run

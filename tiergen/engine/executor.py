@@ -325,8 +325,7 @@ class Executor:
                     with rows_on_amx(amx[k]):
                         if mb.positions is not None:
                             self._position_logits(h, mb.positions)
-                        # (contiguous: a row's final norm then runs as when it is alone)
-                        logits.append(model.head(self.globals, h[:, last].contiguous()).float())
+                        logits.append(self._head(h[:, last]))
             seconds = clock() - started
             is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
@@ -346,8 +345,13 @@ class Executor:
         rows = hidden[want.rows.to(hidden.device)]
         step = max(1, POSITION_LOGITS_BYTES // (4 * rows.shape[0] * self.cfg.vocab_size))
         for at in range(0, rows.shape[1], step):
-            block = rows[:, at:at + step].contiguous()  # (as in forward_block)
-            want.take(self.model.head(self.globals, block).float(), at)
+            want.take(self._head(rows[:, at:at + step]), at)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Float logits of some positions' hidden states, made contiguous first: a slice of
+        several rows' positions is not where one row's is, and a row's final norm then runs
+        as when it is alone."""
+        return self.model.head(self.globals, h.contiguous()).float()
 
     def _load_cache(self, block: list[MicroBatch], k: int, j: int) -> Future[KVView] | KVView:
         """Micro-batch k's cache of layer j: loaded here, or its load started on the cache

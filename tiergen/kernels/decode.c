@@ -251,8 +251,9 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
                 for (int64_t j = 0; j < G; j++) memcpy(p + j * SP + s0 - o, &none, sizeof none);
                 continue;
             }
-            vi seen = n < VW ? (vi){0} : mb ? seen_lanes(mb + s0) : (vi){0} - 1;
-            for (int u = 0; u < n && n < VW; u++) seen[u] = !mb || mb[s0 + u] ? -1 : 0;
+            vi seen = mb && n == VW ? seen_lanes(mb + s0) : (vi){0} - (n == VW);
+            if (n < VW)
+                for (int u = 0; u < n; u++) seen[u] = !mb || mb[s0 + u] ? -1 : 0;
             for (int64_t j = 0; j < G; j++) {
                 vf acc[VW] = {{0}};
                 const float *qj = qg + j * D;
