@@ -18,7 +18,8 @@ from tiny_models import build
 PARIS = "What is the capital of France?"
 
 COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--dequantize", "--quantize",
-                  "--activations", "--exact", "--prefill-chunk-size", "--no-share-prefixes",
+                  "--activations", "--exact", "--batch-invariant", "--prefill-chunk-size",
+                  "--no-share-prefixes",
                   "--max-batch-size", "--percent",
                   "--gpu-batch-size", "--num-gpu-batches", "--no-pin-memory", "--no-keep-tiles",
                   "--cpu-attention",

@@ -407,8 +407,8 @@ def row_cols(ggml_type: int) -> int:
     return 1280 if ggml_type_sizes(ggml_type)[0] == 256 else 32 * 37  # past a 1024-value chunk
 
 
-def a_row_in_batches(ggml_type: int, group: int, wide: bool, kept: bool, threads: int
-                     ) -> dict[int, torch.Tensor]:
+def a_row_in_batches(ggml_type: int, group: int, wide: bool, kept: bool, threads: int,
+                     batch_invariant: bool = False) -> dict[int, torch.Tensor]:
     """Row 0 of x's product placed among other rows (each batch's row there), in products of
     every size in BATCHES, on a matrix of two parts whose rows do not fill the last tile."""
     cols = row_cols(ggml_type)
@@ -423,10 +423,11 @@ def a_row_in_batches(ggml_type: int, group: int, wide: bool, kept: bool, threads
     torch.set_num_threads(threads)
     try:
         got = {}
-        for m in BATCHES:
-            at = m // 2  # among the others, not first
-            rows = torch.cat([x[1:at + 1], x[:1], x[at + 1:m]])
-            got[m] = kernels.integer_linear(rows, w, None, group, wide)[at]
+        with kernels.activations_set("int16" if wide else "int8", batch_invariant):
+            for m in BATCHES:
+                at = m // 2  # among the others, not first
+                rows = torch.cat([x[1:at + 1], x[:1], x[at + 1:m]])
+                got[m] = kernels.integer_linear(rows, w, None, group, wide)[at]
         return got
     finally:
         torch.set_num_threads(before)
@@ -464,3 +465,28 @@ def test_a_rows_numbers_do_not_depend_on_the_kernel_its_batch_takes(ggml_type, g
     got = a_row_in_batches(ggml_type, group, wide, False, 1)
     for m in BATCHES:
         assert torch.equal(got[m], got[1]), f"{m} rows"
+
+
+@pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
+@pytest.mark.parametrize("group,wide", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("kept", [False, True], ids=["built", "kept"])
+def test_batch_invariant_products_give_a_row_the_same_bits_in_any_batch(ggml_type, group, wide,
+                                                                       kept):
+    """With batch invariance set (kernels.set_activations), every product takes the tiles: a
+    row's numbers are the same to the bit alone, in two rows and in any larger batch, on one
+    thread or two, and the same as a batch's without it."""
+    one = a_row_in_batches(ggml_type, group, wide, kept, 1, batch_invariant=True)
+    two = a_row_in_batches(ggml_type, group, wide, kept, 2, batch_invariant=True)
+    for m in BATCHES:
+        assert torch.equal(one[m], one[1]), f"{m} rows"
+        assert torch.equal(two[m], one[1]), f"{m} rows, two threads"
+    assert torch.equal(a_row_in_batches(ggml_type, group, wide, kept, 1)[64], one[1])
+
+
+@pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
+def test_every_instruction_set_build_is_batch_invariant(isa_library, ggml_type, monkeypatch):
+    """Each instruction set's tiles give a row alone the bits it gets in a batch of 33."""
+    monkeypatch.setattr(kernels, "_lib", isa_library)
+    for group, wide in FORMATS:
+        got = a_row_in_batches(ggml_type, group, wide, False, 1, batch_invariant=True)
+        assert torch.equal(got[1], got[33]) and torch.equal(got[2], got[33])

@@ -49,6 +49,10 @@ MODEL_OPTIONS = [
               "CPU), float32 (decode-then-multiply) or auto (int8 on a CPU; default)"),
     _opt("--exact", action="store_const", const="float32", dest="activations",
          help="the float path for quantised matrices: --activations float32"),
+    _opt("--batch-invariant", action="store_true",
+         help="a prompt's tokens and log-probabilities the same whatever runs beside it "
+              "(alone, in any batch, among concurrent requests) on the integer path too; "
+              "decode steps of one or two sequences are slower"),
     _opt("--compile", action="store_true",
          help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
               "seconds of compilation on first use"),
@@ -265,7 +269,8 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
                    device_memory=args.device_memory, host_memory=args.host_memory,
                    compile=args.compile, prefill_chunk_size=chunk,
                    share_prefixes=args.share_prefixes,
-                   activations=args.activations, pipeline_parallel=getattr(args, "pipeline_parallel", 1),
+                   activations=args.activations, batch_invariant=args.batch_invariant,
+                   pipeline_parallel=getattr(args, "pipeline_parallel", 1),
                    tensor_parallel=getattr(args, "tensor_parallel", 1),
                    parallel_timeout=getattr(args, "parallel_timeout", 60.0))
 

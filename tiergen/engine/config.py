@@ -34,6 +34,7 @@ class EngineConfig:
     prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK
     packed: bool = True
     activations: str = "auto"
+    batch_invariant: bool = False
     pipeline_parallel: int = 1
     tensor_parallel: int = 1
     parallel_timeout: float = 60.0

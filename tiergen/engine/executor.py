@@ -125,13 +125,14 @@ class RunStats:
 @dataclass(frozen=True)
 class Resolved:
     """What a rank settles on its own machine from its config, which stays as given ("auto",
-    None) to be shipped to every rank: the compute device, the dtype and activations on it, the
-    memory budgets, and where routed experts in host RAM run (None: only a GPU has the
-    choice)."""
+    None) to be shipped to every rank: the compute device, the dtype and activations on it
+    (and whether its integer products are batch invariant), the memory budgets, and where
+    routed experts in host RAM run (None: only a GPU has the choice)."""
 
     device: torch.device
     dtype: torch.dtype
     activations: str
+    batch_invariant: bool
     budgets: Budgets
     expert_rates: HostRates | None
 
@@ -179,6 +180,7 @@ class Executor:
         device, dtype, activations = here.device, here.dtype, here.activations
         self.model = model
         self.activations = activations  # how packed products treat their inputs
+        self.batch_invariant = here.batch_invariant  # (kernels.set_activations)
         self.cfg = model.cfg
         self.dtype = dtype
         self.device = device
@@ -269,7 +271,7 @@ class Executor:
         model starts from ``hidden``, the hidden states the stage before it returned, and
         one that does not end the model returns its hidden states instead of logits.
         """
-        with activations_set(self.activations):  # on this thread, which computes the block
+        with activations_set(self.activations, self.batch_invariant):  # on this thread, which computes the block
             return self._forward_block(block, all_positions, hidden)
 
     def _forward_block(self, block: list[MicroBatch], all_positions: bool,

@@ -88,7 +88,10 @@ class LLM:
     scale per 8 values, and multiplied by the integer kernels: the fast path, a KL divergence
     below 2e-3 from the float path on the packaged models), "int16" (16 bits as two int8
     halves: slower, below 5e-6) or "float32" (the float path: products equal
-    decode-then-multiply). ``quantize`` ("q8_0",
+    decode-then-multiply). ``batch_invariant=True`` gives a sequence's tokens and
+    log-probabilities the same bits whatever else runs beside it (alone, in any batch, among a
+    server's streams) on the integer path too, at a cost for decode steps of one or two
+    sequences (the float path is so anyway). ``quantize`` ("q8_0",
     "q4_0" or "q4_k") quantises a float checkpoint's layer matrices into those GGML blocks at
     load, once (cached), so that they run packed as a GGUF's would
     (:mod:`tiergen.weights.quantize`).
@@ -123,14 +126,16 @@ class LLM:
                  device_memory: int | str | None = None, host_memory: int | str | None = None,
                  compile: bool = False,
                  prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, packed: bool = True,
-                 activations: str = "auto", pipeline_parallel: int = 1,
+                 activations: str = "auto", batch_invariant: bool = False,
+                 pipeline_parallel: int = 1,
                  tensor_parallel: int = 1, parallel_timeout: float = 60.0,
                  quantize: str | None = None, share_prefixes: bool = True) -> None:
         self.engine_config = EngineConfig(
             model=model, dtype=dtype, device=device, max_batch_size=max_batch_size,
             policy=policy, device_memory=device_memory, host_memory=host_memory,
             compile=compile, prefill_chunk_size=prefill_chunk_size, packed=packed,
-            activations=activations, pipeline_parallel=pipeline_parallel,
+            activations=activations, batch_invariant=batch_invariant,
+            pipeline_parallel=pipeline_parallel,
             tensor_parallel=tensor_parallel, parallel_timeout=parallel_timeout,
             quantize=quantize, share_prefixes=share_prefixes)
         files = self.engine_config.open()

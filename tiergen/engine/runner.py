@@ -300,7 +300,7 @@ def _resolve(config: EngineConfig, files: ModelFiles) -> Resolved:
     rates = None
     if device.type == "cuda":  # only a GPU has the choice
         rates = HostRates.calibrated(calibration.load("cpu"), calibration.load(device))
-    return Resolved(device, dtype, activations, config.budgets, rates)
+    return Resolved(device, dtype, activations, config.batch_invariant, config.budgets, rates)
 
 
 def _rank_share(family: ModelFamily, files: ModelFiles, group: Group | None

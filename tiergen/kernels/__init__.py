@@ -60,7 +60,7 @@ ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (cro
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)
-_arith = threading.local()  # .kind: activations (set_activations); .amx: rows_on_amx
+_arith = threading.local()  # .kind, .invariant: activations (set_activations); .amx: rows_on_amx
 # The integer formats: (values per scale, 16 bits). 8-bit activations take a scale per 8
 # values: about 2x closer to the float path than scale groups of 16, where a scale per 4 is 2x
 # closer again but costs the tiles a multiply-add per integer product, 1.1x the time of a
@@ -216,17 +216,24 @@ def quantize_activations(x: torch.Tensor, group: int, wide: bool = False) -> Int
     return rows
 
 
-def set_activations(kind: str) -> None:
+def set_activations(kind: str, batch_invariant: bool = False) -> None:
     """How packed products on this thread treat their activations (an LLM sets it for its
     compute): "float32" (the default: decoded weights times float32 activations), "int8" or
     "int16" (:data:`ACTIVATION_FORMATS`, on a CPU: activations quantised per row and
     multiplied by the integer kernels, whatever the number of rows: from three rows on, the
     tiles of ``int8.c``, about as fast as the float32 BLAS on the decoded matrix at 512 rows
     and faster below, without decoding it). A row gets the same numbers whatever the batch around
-    it, within float rounding (exactly, from three rows on)."""
+    it, within float rounding (exactly, from three rows on); ``batch_invariant``: exactly
+    for any number of rows, every integer product through the tiles (slower for one or two
+    rows: a decode step of one or two sequences)."""
     if kind not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {kind!r}")
     _arith.kind = kind
+    if batch_invariant != getattr(_arith, "invariant", False):
+        lib = library()
+        if lib is not None:
+            lib.tg_set_batch_invariant(int(batch_invariant))
+        _arith.invariant = batch_invariant
 
 
 def activations() -> str:
@@ -234,14 +241,14 @@ def activations() -> str:
 
 
 @contextmanager
-def activations_set(kind: str) -> Iterator[None]:
+def activations_set(kind: str, batch_invariant: bool = False) -> Iterator[None]:
     """:func:`set_activations` for the ``with`` block, then what was set before."""
-    before = activations()
-    set_activations(kind)
+    before = activations(), getattr(_arith, "invariant", False)
+    set_activations(kind, batch_invariant)
     try:
         yield
     finally:
-        _arith.kind = before
+        set_activations(*before)
 
 
 def amx_prompt(tokens: int, activations: str) -> bool:

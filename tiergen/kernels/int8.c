@@ -44,6 +44,7 @@
 #define MAGIC_BITS 0x4B400000
 #define FEWI 2    /* up to this many rows: the row-by-row kernel (more: the tiles) */
 
+
 /* ---- activation panels -----------------------------------------------------------
  * The tiles take MI activation rows at a time, interleaved four values at a time as the
  * weights are, so that a pass reads its rows' next values from one place: panel p holds
@@ -93,7 +94,7 @@ typedef struct {
  * where it lacks VNNI or VL (avx512.h). */
 /* tile_rows' parameters, which every instruction set's header takes alike */
 #define TILE_ROWS_PARAMS                                                                      \
-    const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,             \
+    const int NR, const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,             \
         const float *restrict as, const float *restrict cs, int64_t len,                      \
         const int8_t *restrict q, const int8_t *restrict l, const float *restrict s,          \
         const float *restrict sum, const float *restrict start, float *restrict y,            \
@@ -112,6 +113,20 @@ static inline void interleave16(const int8_t *rows, int64_t len, int flip, uint8
     (void)rows, (void)len, (void)flip, (void)tile;
 }
 #endif
+
+/* Whether the calling thread's products all go through the tiles, so that a row's numbers do
+ * not depend on how many rows share its product. The row kernels add the same exact integer
+ * sums' scaled values in another order than the tiles, so a row alone and the same row in a
+ * batch differ in their last bits; through the tiles alone they are identical, at a cost for
+ * one or two rows (docs/BENCHMARKS.md). Per thread: the engine's compute thread sets it. */
+static __thread int batch_invariant;
+
+void tg_set_batch_invariant(int on) { batch_invariant = on; }
+
+/* Whether m rows (8 bits, or 16 with xl) by a matrix of this type go row by row. */
+static int row_by_row(int type, int64_t k, int64_t m, const int8_t *xl) {
+    return !batch_invariant && (m <= FEWI || in_registers(type, k, m, xl));
+}
 
 /* ---- activations ---------------------------------------------------------------------
  * Row i of x (k values, k a multiple of 32) becomes xq[i k + j] (int8) in blocks of qa
@@ -271,21 +286,31 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
                     *start = P->start + (p * (k / SB) + k0 / SB) * MI;
         float *yp = y + p * MI * ldy;
         const int rows = m - p * MI < MI ? (int)(m - p * MI) : MI;
+        /* a row alone (a decode step of one sequence, through the tiles: tg_set_batch_invariant) takes a
+         * pass of its own rather than MI rows' work */
 #if TILE512
         if (tile1) {
-#define TILE2(Q) tile_rows2(Q, tile, tile1, as, cs, as1, cs1, len, q, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
-            if (qa == 4) TILE2(4);
-            else if (qa == 8) TILE2(8);
-            else TILE2(16);
+#define TILE2(N, Q) tile_rows2(N, Q, tile, tile1, as, cs, as1, cs1, len, q, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
+            if (rows == 1) {
+                if (qa == 4) TILE2(1, 4);
+                else if (qa == 8) TILE2(1, 8);
+                else TILE2(1, 16);
+            } else if (qa == 4) TILE2(MI, 4);
+            else if (qa == 8) TILE2(MI, 8);
+            else TILE2(MI, 16);
 #undef TILE2
             continue;
         }
 #endif
-#define TILE(Q, W) tile_rows(Q, SIGNED, W, tile, as, cs, len, q, l, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
-        if (l) TILE(16, 1);
-        else if (qa == 4) TILE(4, 0);
-        else if (qa == 8) TILE(8, 0);
-        else TILE(16, 0);
+#define TILE(N, Q, W) tile_rows(N, Q, SIGNED, W, tile, as, cs, len, q, l, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
+        if (rows == 1 && !l) {
+            if (qa == 4) TILE(1, 4, 0);
+            else if (qa == 8) TILE(1, 8, 0);
+            else TILE(1, 16, 0);
+        } else if (l) TILE(MI, 16, 1);
+        else if (qa == 4) TILE(MI, 4, 0);
+        else if (qa == 8) TILE(MI, 8, 0);
+        else TILE(MI, 16, 0);
 #undef TILE
     }
 }
@@ -459,7 +484,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
     Panels P;
     int tiles = 0;  /* whether any part takes the tiles, and so the panels */
     for (int64_t p = 0; p < parts; p++)
-        tiles |= m > FEWI && !in_registers((int)w[3 + 4 * p], k, m, xl);
+        tiles |= !row_by_row((int)w[3 + 4 * p], k, m, xl);
     if (tiles && !make_panels(m, k, xq, xl, xs4, xsum, qa, &P)) return -2;
     int err = 0;
     int64_t row = 0;
@@ -468,7 +493,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
         const int64_t rows = w[4 + 4 * p];
         const uint8_t *data = (const uint8_t *)(intptr_t)w[5 + 4 * p],
                       *tiles = (const uint8_t *)(intptr_t)w[6 + 4 * p];
-        if (m <= FEWI || in_registers(type, k, m, xl)) {
+        if (row_by_row(type, k, m, xl)) {
             err = few(type, data, rows, k, xq, xl, xs4, xsum, m, y + row, n);
         } else {
             /* MB rows at a time, so that their panels stay in cache while every tile passes
@@ -500,7 +525,7 @@ int tg_qmatmul_grouped(int type, const uint8_t *w, int64_t groups, int64_t n, in
                        int64_t stride, const int8_t *xq, const int8_t *xl, const float *xs4,
                        const float *xsum, int qa, int64_t m, float *y) {
     int err = 0;
-    if (m <= FEWI) {
+    if (row_by_row(type, k, m, xl)) {
         _Pragma("omp parallel for schedule(static) reduction(|:err)")
         for (int64_t g = 0; g < groups; g++)
             err |= few(type, w + g * stride, n, k, xq + g * m * k, xl ? xl + g * m * k : NULL,
@@ -533,7 +558,7 @@ int tg_build_tiles(const int64_t *w, uint8_t *out) {
  * row length reads the tiles (1) or goes row by row (0). */
 int tg_takes_tiles(int type, int64_t k, int64_t m, int wide) {
     static const int8_t some = 0;  /* (only whether the 16-bit halves are there counts) */
-    return m > FEWI && !in_registers(type, k, m, wide ? &some : NULL);
+    return !row_by_row(type, k, m, wide ? &some : NULL);
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */

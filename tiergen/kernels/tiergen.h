@@ -73,6 +73,7 @@ int tg_takes_tiles(int type, int64_t k, int64_t m, int wide);
 int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16,
                  int *is_signed);
 int tg_int8_isa(void);
+void tg_set_batch_invariant(int on);
 
 /* decode.c: a decode step's small operations */
 void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t n, float eps,

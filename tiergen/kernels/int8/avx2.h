@@ -178,8 +178,8 @@ panel_vectors(int64_t p, int64_t m, int64_t k, const int8_t *xq, const int8_t *x
  * abs and sign. */
 static inline __attribute__((always_inline)) void
 tile_rows(TILE_ROWS_PARAMS) {
-    __m256 acc[MI];
-    for (int i = 0; i < MI; i++) acc[i] = _mm256_setzero_ps();
+    __m256 acc[NR];
+    for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         const int64_t g0 = SB / 4 * t;
         __m256i w[SB / 4], wa[SB / 4];
@@ -188,7 +188,7 @@ tile_rows(TILE_ROWS_PARAMS) {
             wa[g] = SIGNED ? _mm256_abs_epi8(w[g]) : w[g];
         }
         const __m256 a = _mm256_loadu_ps(as + t * TR), c = _mm256_loadu_ps(cs + t * TR);
-        for (int i = 0; i < MI; i++) {
+        for (int i = 0; i < NR; i++) {
             __m256 part;
             if (WIDE) {
                 part = _mm256_setzero_ps();

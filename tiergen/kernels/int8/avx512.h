@@ -76,18 +76,18 @@ static inline __attribute__((always_inline)) void
 tile_rows(TILE_ROWS_PARAMS) {
     /* unsigned weights only: signed ones are offset by 128 when the tile is built */
     (void)SIGNED;
-    __m512 acc[MI];
-    for (int i = 0; i < MI; i++) acc[i] = _mm512_setzero_ps();
+    __m512 acc[NR];
+    for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         const int64_t g0 = SB / 4 * t;
         const __m512 a = _mm512_loadu_ps(as + t * TR), c = _mm512_loadu_ps(cs + t * TR);
         if (!WIDE) {  /* the rows side by side: few registers, and their chains overlap */
-            __m512i d[MI];
-            __m512 part[MI];
-            for (int i = 0; i < MI; i++) part[i] = _mm512_set1_ps(start[t * MI + i]);
+            __m512i d[NR];
+            __m512 part[NR];
+            for (int i = 0; i < NR; i++) part[i] = _mm512_set1_ps(start[t * MI + i]);
             for (int g = 0; g < SB / 4; g++) {
                 const __m512i w = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
-                for (int i = 0; i < MI; i++) {
+                for (int i = 0; i < NR; i++) {
                     int32_t four;
                     memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
                     if (g % (QA / 4) == 0) d[i] = _mm512_set1_epi32(MAGIC_BITS);
@@ -97,13 +97,13 @@ tile_rows(TILE_ROWS_PARAMS) {
                                                   _mm512_set1_ps(s[(g0 + g) * MI + i]), part[i]);
                 }
             }
-            for (int i = 0; i < MI; i++)
+            for (int i = 0; i < NR; i++)
                 acc[i] = _mm512_fmadd_ps(c, _mm512_set1_ps(sum[t * MI + i]), _mm512_fmadd_ps(part[i], a, acc[i]));
             continue;
         }
         __m512i w[SB / 4];  /* 16 bits */
         for (int g = 0; g < SB / 4; g++) w[g] = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
-        for (int i = 0; i < MI; i++) {
+        for (int i = 0; i < NR; i++) {
             __m512 part = _mm512_setzero_ps();
             for (int b = 0; b < SB / QA; b++) {
                 __m512i d = _mm512_setzero_si512(), e = _mm512_setzero_si512();
@@ -133,22 +133,22 @@ tile_rows(TILE_ROWS_PARAMS) {
  * them): each four activation bytes and each scale are loaded once for both tiles, so the
  * products need about half the loads. */
 static inline __attribute__((always_inline)) void
-tile_rows2(const int QA, const uint8_t *restrict t0, const uint8_t *restrict t1,
+tile_rows2(const int NR, const int QA, const uint8_t *restrict t0, const uint8_t *restrict t1,
            const float *restrict as0, const float *restrict cs0, const float *restrict as1,
            const float *restrict cs1, int64_t len, const int8_t *restrict q,
            const float *restrict s, const float *restrict sum, const float *restrict start,
            float *restrict y, int64_t ldy, int rows, int ncols, int add) {
-    __m512 acc0[MI], acc1[MI];
-    for (int i = 0; i < MI; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    __m512 acc0[NR], acc1[NR];
+    for (int i = 0; i < NR; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         const int64_t g0 = SB / 4 * t;
-        __m512i d0[MI], d1[MI];
-        __m512 p0[MI], p1[MI];
-        for (int i = 0; i < MI; i++) p0[i] = p1[i] = _mm512_set1_ps(start[t * MI + i]);
+        __m512i d0[NR], d1[NR];
+        __m512 p0[NR], p1[NR];
+        for (int i = 0; i < NR; i++) p0[i] = p1[i] = _mm512_set1_ps(start[t * MI + i]);
         for (int g = 0; g < SB / 4; g++) {
             const __m512i w0 = _mm512_loadu_si512(t0 + (g0 + g) * 4 * TR),
                           w1 = _mm512_loadu_si512(t1 + (g0 + g) * 4 * TR);
-            for (int i = 0; i < MI; i++) {
+            for (int i = 0; i < NR; i++) {
                 int32_t four;
                 memcpy(&four, q + ((g0 + g) * MI + i) * 4, 4);
                 const __m512i x = _mm512_set1_epi32(four);
@@ -164,7 +164,7 @@ tile_rows2(const int QA, const uint8_t *restrict t0, const uint8_t *restrict t1,
         }
         const __m512 a0 = _mm512_loadu_ps(as0 + t * TR), c0 = _mm512_loadu_ps(cs0 + t * TR),
                      a1 = _mm512_loadu_ps(as1 + t * TR), c1 = _mm512_loadu_ps(cs1 + t * TR);
-        for (int i = 0; i < MI; i++) {
+        for (int i = 0; i < NR; i++) {
             const __m512 si = _mm512_set1_ps(sum[t * MI + i]);
             acc0[i] = _mm512_fmadd_ps(c0, si, _mm512_fmadd_ps(p0[i], a0, acc0[i]));
             acc1[i] = _mm512_fmadd_ps(c1, si, _mm512_fmadd_ps(p1[i], a1, acc1[i]));

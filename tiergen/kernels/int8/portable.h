@@ -47,6 +47,7 @@ static inline int panel_vectors(int64_t p, int64_t m, int64_t k, const int8_t *x
  * MAGIC_BITS and read as floats) done as they do it. */
 static inline __attribute__((always_inline)) void
 tile_rows(TILE_ROWS_PARAMS) {
+    (void)NR;
     for (int i = 0; i < rows; i++)
         for (int r = 0; r < ncols; r++) {
             float acc = 0.0f;
