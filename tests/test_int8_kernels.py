@@ -398,9 +398,10 @@ def test_a_tokens_experts_in_one_call_add_each_experts_output_in_order(count, ki
 
 
 # A row inside products of these many rows: the row kernels (1, 2; up to 4 for the types that
-# AVX-512 takes into registers) and the tiles (3 or more), with the panels' four rows full or
-# not and more than a pass of them.
-BATCHES = [1, 2, 3, 7, 16, 33, 64]
+# AVX-512 takes into registers) and the tiles (3 or more; with AVX-512 VNNI and 8-bit rows
+# scaled per 8 values, up to 4 rows decode their blocks into registers, in the tiles' order),
+# with the panels' four rows full or not and more than a pass of them.
+BATCHES = [1, 2, 3, 4, 7, 16, 33, 64]
 
 
 def row_cols(ggml_type: int) -> int:

@@ -106,6 +106,41 @@ typedef struct {
 #else
 #include "int8/portable.h"
 #endif
+#if TILE512
+/* Up to MI 8-bit rows (scales per 8 values) by a matrix of this type through regs_rows: 1,
+ * else 0 (no such decoder here). */
+static int in_tile_registers(int type, const uint8_t *w, int64_t n, int64_t k, const Panels *P,
+                             int qa, int64_t m, float *y, int64_t ldy) {
+    if (m > MI || qa != 8 || !regs_type(type)) return 0;
+#define REGS(NR, T)                                                                           \
+    _Pragma("omp parallel for schedule(static)")                                              \
+    for (int64_t r0 = 0; r0 < n; r0 += 16) regs_rows(NR, 8, T, w, n, k, P, (int)m, y, ldy, r0)
+#define TYPES(NR)                                                                             \
+    switch (type) {                                                                           \
+    case 2: REGS(NR, 2); break;                                                               \
+    case 3: REGS(NR, 3); break;                                                               \
+    case 6: REGS(NR, 6); break;                                                               \
+    case 7: REGS(NR, 7); break;                                                               \
+    case 8: REGS(NR, 8); break;                                                               \
+    case 12: REGS(NR, 12); break;                                                             \
+    case 13: REGS(NR, 13); break;                                                             \
+    case 14: REGS(NR, 14); break;                                                             \
+    default: REGS(NR, 39);                                                                    \
+    }
+    if (m == 1) TYPES(1)
+    else if (m == 2) TYPES(2)
+    else TYPES(MI)
+#undef TYPES
+#undef REGS
+    return 1;
+}
+#else
+static int in_tile_registers(int type, const uint8_t *w, int64_t n, int64_t k, const Panels *P,
+                             int qa, int64_t m, float *y, int64_t ldy) {
+    (void)type, (void)w, (void)n, (void)k, (void)P, (void)qa, (void)m, (void)y, (void)ldy;
+    return 0;
+}
+#endif
 #if !TILE512
 /* The per-type kernels name it under `if (TILE512)`, which is then never true: declared so
  * that compilers that refuse implicit declarations (GCC 14) build them. */
@@ -495,7 +530,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
                       *tiles = (const uint8_t *)(intptr_t)w[6 + 4 * p];
         if (row_by_row(type, k, m, xl)) {
             err = few(type, data, rows, k, xq, xl, xs4, xsum, m, y + row, n);
-        } else {
+        } else if (xl || !in_tile_registers(type, data, rows, k, &P, qa, m, y + row, n)) {
             /* MB rows at a time, so that their panels stay in cache while every tile passes
              * over them (each tile is decoded again for each MB rows, unless kept: a small
              * cost against MB rows) */

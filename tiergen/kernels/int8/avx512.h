@@ -218,6 +218,245 @@ static void interleave16(const int8_t *restrict rows, int64_t len, int flip, uin
             _mm512_store_si512(tile + (j / 4 + g) * 4 * TR, _mm512_xor_si512(r[g], offset));
     }
 }
+
+/* ---- tiles in registers ----------------------------------------------------------------
+ * Up to MI activation rows through the tiles' arithmetic (tile_rows2's, to the bit) without a
+ * tile in memory: sixteen weight rows' next 64 values are decoded straight into sixteen
+ * registers (one row each, as the tile holds its bytes: unsigned, signed ones plus 128) and
+ * turned across by transpose16 into the tile's sixteen vectors of four values; each 16
+ * values' scale and offset come as vectors over the sixteen rows, by gathers. What the row
+ * kernels do for few rows (the blocks into registers, no copy), in the tiles' order, so that
+ * a row's numbers are those of any batch (tg_set_batch_invariant). The types of the packaged
+ * models' layers have such a decoder (regs_type); the others build their tiles. */
+
+/* Sixteen rows' next 64 values (q: one register a row; n: how many 16-value sub-blocks of
+ * them the matrix has, 2 or 4) and each sub-block's scale and offset over the rows (a, c). */
+typedef struct {
+    __m512i q[16];
+    __m512 a[4], c[4];
+    int n;
+} Regs64;
+
+static inline __m512 halves_lo(__m512i g) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)); }
+static inline __m512 halves_hi(__m512i g) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+}
+static inline __m512 negated(__m512 v) {  /* -v, as C's unary minus: the sign bit flipped */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* Blocks b and b + 1 (b alone where two is 0) of 32 values of the types of row2_q4 and Q8_0,
+ * for rows at rows[r] (the bytes of their block b), idx: each row's offset from rows[0]. */
+static inline __attribute__((always_inline)) void
+regs_b32(const int TYPE, const uint8_t *const rows[16], __m512i idx, int two, Regs64 *rg) {
+    const int bytes = TYPE == 2 ? 18 : TYPE == 3 ? 20 : TYPE == 6 ? 22 : TYPE == 7 ? 24 : TYPE == 8 ? 34 : 17;
+    const int at = TYPE == 39 ? 1 : TYPE == 2 ? 2 : TYPE == 3 ? 4 : TYPE == 6 ? 6 : TYPE == 7 ? 8 : 2;
+    const int five = TYPE == 6 || TYPE == 7, mx = TYPE == 39, q8 = TYPE == 8;
+    const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16),
+                  flip = _mm512_set1_epi8((char)0x80),
+                  /* MXFP4's values plus 128, from the nibbles */
+                  table = _mm512_broadcast_i32x4(_mm_setr_epi8(
+                      (char)128, (char)129, (char)130, (char)131, (char)132, (char)134, (char)136, (char)140,
+                      (char)128, 127, 126, 125, 124, 122, 120, 116));
+    for (int r = 0; r < 16; r++) {
+        const uint8_t *p = rows[r], *q = two ? p + bytes : p;
+        __m512i v;
+        if (q8) {
+            v = _mm512_xor_si512(flip, _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + at))),
+                _mm256_loadu_si256((const __m256i *)(q + at)), 1));
+        } else {
+            v = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + at)))),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + at))), 1);
+            v = _mm512_and_si512(low, _mm512_mask_srli_epi16(v, 0xFF00FF00, v, 4));
+            if (five) {
+                uint32_t h0, h1;
+                memcpy(&h0, p + at - 4, 4), memcpy(&h1, q + at - 4, 4);
+                v = _mm512_or_si512(v, _mm512_maskz_mov_epi8((uint64_t)h0 | (uint64_t)h1 << 32, bit4));
+            }
+            if (mx) v = _mm512_shuffle_epi8(table, v);
+        }
+        rg->q[r] = v;
+    }
+    rg->n = two ? 4 : 2;
+    for (int h = 0; h < 1 + two; h++) {
+        const __m512i g = _mm512_i32gather_epi32(idx, rows[0] + h * bytes, 1);
+        __m512 a, c;
+        if (mx) {  /* e8m0_half of the first byte */
+            const __m512i e = _mm512_and_si512(g, _mm512_set1_epi32(255));
+            const __mmask16 tiny = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+            a = _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+                _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23), tiny,
+                _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e)));
+        } else {
+            a = halves_lo(g);
+        }
+        if (TYPE == 3 || TYPE == 7) c = halves_hi(g);
+        else c = _mm512_mul_ps(_mm512_set1_ps(TYPE == 2 ? -8.0f : TYPE == 6 ? -16.0f : -128.0f), a);
+        rg->a[2 * h] = rg->a[2 * h + 1] = a;
+        rg->c[2 * h] = rg->c[2 * h + 1] = c;
+    }
+}
+
+/* Q4_K's and Q5_K's (FIVE) eight sub-blocks' scales and offsets (k_scales) over 16 rows,
+ * from their blocks at rows[0] + idx. */
+static inline void regs_k_scales(const uint8_t *row0, __m512i idx, __m512 a[8], __m512 c[8]) {
+    const __m512i g0 = _mm512_i32gather_epi32(idx, row0, 1), g1 = _mm512_i32gather_epi32(idx, row0 + 4, 1),
+                  g2 = _mm512_i32gather_epi32(idx, row0 + 8, 1), g3 = _mm512_i32gather_epi32(idx, row0 + 12, 1);
+    const __m512 d = halves_lo(g0), dmin = halves_hi(g0);
+    const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+    for (int j = 0; j < 4; j++) {
+        const __m512i s1 = _mm512_srli_epi32(g1, 8 * j), s2 = _mm512_srli_epi32(g2, 8 * j),
+                      s3 = _mm512_srli_epi32(g3, 8 * j);
+        a[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(s1, m63)));
+        c[j] = negated(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_and_si512(s2, m63))));
+        const __m512i sc = _mm512_or_si512(_mm512_and_si512(s3, m15),
+                                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 6), m3), 4)),
+                      mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s3, 4), m15),
+                                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s2, 6), m3), 4));
+        a[j + 4] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        c[j + 4] = negated(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+    }
+}
+
+/* Quarter h (values 64 h .. 64 h + 63) of 16 rows' Q4_K or Q5_K (FIVE) blocks at rows[r]. */
+static inline __attribute__((always_inline)) void
+regs_q4k(const int FIVE, const uint8_t *const rows[16], int h, const __m512 a8[8],
+         const __m512 c8[8], Regs64 *rg) {
+    const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16),
+                  bits = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << 2 * h)),
+                                            _mm256_set1_epi8((char)(1 << (2 * h + 1))), 1);
+    const int qs = FIVE ? 48 : 16;
+    for (int r = 0; r < 16; r++) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(rows[r] + qs + 32 * h)));
+        __m512i q = _mm512_and_si512(low, _mm512_mask_srli_epi16(v, 0xFFFF0000, v, 4));
+        if (FIVE) {
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(rows[r] + 16)));
+            q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(qh, bits), sixteen));
+        }
+        rg->q[r] = q;
+    }
+    rg->n = 4;
+    rg->a[0] = rg->a[1] = a8[2 * h], rg->a[2] = rg->a[3] = a8[2 * h + 1];
+    rg->c[0] = rg->c[1] = c8[2 * h], rg->c[2] = rg->c[3] = c8[2 * h + 1];
+}
+
+/* Values 64 e .. 64 e + 63 of 16 rows' Q6_K blocks at rows[r] (rows[0] + idx). */
+static inline __attribute__((always_inline)) void
+regs_q6k(const uint8_t *const rows[16], __m512i idx, int e, Regs64 *rg) {
+    const __m512i low = _mm512_set1_epi8(15), two = _mm512_set1_epi8(0x30);
+    const int h = e / 2;
+    for (int r = 0; r < 16; r++) {
+        const __m512i l = _mm512_loadu_si512(rows[r] + 64 * h),
+                      hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(rows[r] + 128 + 32 * h)));
+        rg->q[r] = e % 2 == 0
+            ? _mm512_or_si512(_mm512_and_si512(l, low), _mm512_and_si512(_mm512_sllv_epi16(hb,
+                  _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                    0x0002000200020002, 0x0002000200020002, 0x0002000200020002, 0x0002000200020002)), two))
+            : _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low), _mm512_and_si512(_mm512_srlv_epi16(hb,
+                  _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
+                                    0x0002000200020002)), two));
+    }
+    rg->n = 4;
+    /* d: the high half of the word at 206 (a word at 208 would read past the block) */
+    const __m512 d = halves_hi(_mm512_i32gather_epi32(idx, rows[0] + 206, 1));
+    const __m512i sc = _mm512_i32gather_epi32(idx, rows[0] + 192 + 4 * e, 1);
+    for (int t = 0; t < 4; t++) {
+        rg->a[t] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 8 * t), 24)));
+        rg->c[t] = _mm512_mul_ps(_mm512_set1_ps(-32.0f), rg->a[t]);
+    }
+}
+
+/* Whether regs_rows has a decoder for this type. */
+static inline int regs_type(int type) {
+    return type == 2 || type == 3 || type == 6 || type == 7 || type == 8 || type == 39 ||
+           type == 12 || type == 13 || type == 14;
+}
+
+/* tile_rows2's products of NR activation rows (a panel's first, at the chunk's start: q, s,
+ * sum, start) with 64 values of the sixteen rows in rg, sub-block T0 on of the chunk. */
+static inline __attribute__((always_inline)) void
+regs_step(const int NR, const int QA, Regs64 *rg, int64_t T0, const int8_t *restrict q,
+          const float *restrict s, const float *restrict sum, const float *restrict start,
+          __m512 acc[MI]) {
+    transpose16(rg->q);
+    for (int t = 0; t < rg->n; t++) {
+        const int64_t T = T0 + t;
+        __m512i d[MI];
+        __m512 part[MI];
+        for (int i = 0; i < NR; i++) part[i] = _mm512_set1_ps(start[T * MI + i]);
+        for (int g = 0; g < SB / 4; g++) {
+            const int64_t G = SB / 4 * T + g;
+            for (int i = 0; i < NR; i++) {
+                int32_t four;
+                memcpy(&four, q + (G * MI + i) * 4, 4);
+                if (g % (QA / 4) == 0) d[i] = _mm512_set1_epi32(MAGIC_BITS);
+                d[i] = _mm512_dpbusd_epi32(d[i], rg->q[4 * t + g], _mm512_set1_epi32(four));
+                if (g % (QA / 4) == QA / 4 - 1)
+                    part[i] = _mm512_fmadd_ps(_mm512_castsi512_ps(d[i]), _mm512_set1_ps(s[G * MI + i]), part[i]);
+            }
+        }
+        for (int i = 0; i < NR; i++)
+            acc[i] = _mm512_fmadd_ps(rg->c[t], _mm512_set1_ps(sum[T * MI + i]), _mm512_fmadd_ps(part[i], rg->a[t], acc[i]));
+    }
+}
+
+/* Columns r0 .. r0 + 15 of y (rows <= NR rows, ldy apart) = the activation rows of panel 0 of P
+ * by the n x k matrix w of this type, as the tiles give them: in chunks of IKC values, each
+ * chunk's sums added to the last's. (Called with constant NR, QA and TYPE inside the caller's
+ * parallel loop, so that each is compiled for them.) */
+static inline __attribute__((always_inline)) void
+regs_rows(const int NR, const int QA, const int TYPE, const uint8_t *w, int64_t n, int64_t k,
+          const Panels *P, int rows, float *y, int64_t ldy, int64_t r0) {
+    const int64_t qk = TYPE == 12 || TYPE == 13 || TYPE == 14 ? 256 : 32,
+                  bytes = TYPE == 2 ? 18 : TYPE == 3 ? 20 : TYPE == 6 ? 22 : TYPE == 7 ? 24 : TYPE == 8 ? 34
+                        : TYPE == 12 ? 144 : TYPE == 13 ? 176 : TYPE == 14 ? 210 : 17,
+                  row = k / qk * bytes;
+    {
+        const int ncols = n - r0 < 16 ? (int)(n - r0) : 16;
+        const uint8_t *base[16];
+        int32_t off[16];
+        for (int r = 0; r < 16; r++) {  /* rows past the matrix repeat its last (never stored) */
+            const int64_t at = (r < ncols ? r : ncols - 1) * row;
+            base[r] = w + r0 * row + at, off[r] = (int32_t)at;
+        }
+        const __m512i idx = _mm512_loadu_si512(off);
+        for (int64_t k0 = 0; k0 < k; k0 += IKC) {
+            const int64_t len = k - k0 < IKC ? k - k0 : IKC;
+            const int8_t *q = P->q + k0 * MI;
+            const float *s = P->s + k0 / 4 * MI, *sum = P->sum + k0 / SB * MI,
+                        *start = P->start + k0 / SB * MI;
+            __m512 acc[MI];
+            for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
+            Regs64 rg;
+            __m512 a8[8], c8[8];  /* (Q4_K, Q5_K: a block's, from its first quarter on) */
+            for (int64_t j = 0; j < len; j += 64) {
+                const int64_t b = (k0 + j) / qk;  /* the block holding value k0 + j */
+                const uint8_t *at[16];
+                for (int r = 0; r < 16; r++) {
+                    at[r] = base[r] + b * bytes;
+                    __builtin_prefetch((const char *)at[r] + AHEAD / 4, 0, 3);
+                }
+                if (qk == 32) {
+                    regs_b32(TYPE, at, idx, len - j >= 64, &rg);
+                } else if (TYPE == 14) {
+                    regs_q6k(at, idx, (int)((k0 + j) % 256 / 64), &rg);
+                } else {
+                    if ((k0 + j) % 256 == 0) regs_k_scales(at[0], idx, a8, c8);
+                    regs_q4k(TYPE == 13, at, (int)((k0 + j) % 256 / 64), a8, c8, &rg);
+                }
+                regs_step(NR, QA, &rg, j / SB, q, s, sum, start, acc);
+            }
+            const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+            for (int i = 0; i < rows; i++) {
+                float *out = y + i * ldy + r0;
+                if (k0 > 0) acc[i] = _mm512_add_ps(acc[i], _mm512_maskz_loadu_ps(keep, out));
+                _mm512_mask_storeu_ps(out, keep, acc[i]);
+            }
+        }
+    }
+}
 #endif
 
 #if ROW2
