@@ -436,7 +436,7 @@ regs_rows(const int NR, const int QA, const int TYPE, const uint8_t *w, int64_t 
                 const uint8_t *at[16];
                 for (int r = 0; r < 16; r++) {
                     at[r] = base[r] + b * bytes;
-                    __builtin_prefetch((const char *)at[r] + AHEAD / 4, 0, 3);
+                    __builtin_prefetch((const char *)at[r] + 16 * row, 0, 3);
                 }
                 if (qk == 32) {
                     regs_b32(TYPE, at, idx, len - j >= 64, &rg);
