@@ -5,7 +5,7 @@ within the host budget, and none for weights streamed through reused buffers."""
 from __future__ import annotations
 
 from tiergen import LLM, Policy, SamplingParams
-from tiergen.kernels import takes_tiles, tile_bytes
+from tiergen.kernels import reads_tiles, tile_bytes
 from tiergen.weights.packed import Packed
 
 # six sequences: more than the row kernels take (up to four with AVX-512), so every
@@ -32,7 +32,7 @@ def test_kept_tiles_give_the_same_tokens_and_only_for_batches():
     llm.generate(PROMPTS[:1], GREEDY)
     assert kept(llm) == 0  # batch 1: the row kernels, nothing kept
     llm.generate(PROMPTS[:3], GREEDY)  # tiles for the products of three rows that read them
-    assert all((m.tiles is not None) == takes_tiles(m, 3) for m in matrices(llm))
+    assert all((m.tiles is not None) == reads_tiles(m, 3) for m in matrices(llm))
     with_tiles = llm.generate(PROMPTS, GREEDY)
     assert all(m.tiles is not None for m in matrices(llm))
     assert kept(llm) == sum(tile_bytes(m) for m in matrices(llm))

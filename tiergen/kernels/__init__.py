@@ -76,7 +76,7 @@ ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
 # and every decode step take the integer kernels.
 AMX_PROMPT = 128
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
-TILE_ROWS = 3  # integer products of this many rows or more may read tiles (takes_tiles says)
+TILE_ROWS = 3  # integer products of this many rows or more may read tiles (reads_tiles says)
 
 
 # -ffast-math is avoided: in a shared library it would switch the whole process to flushing
@@ -319,14 +319,14 @@ def integer_kernels_take(w: object) -> bool:
             and all(t in INTEGER_TYPES for t, _ in w.parts))
 
 
-def takes_tiles(w: Packed, rows: int, wide: bool = False) -> bool:
-    """Whether an integer product of ``rows`` activation rows (``wide``: 16 bits) by ``w``
-    reads tiles for any of its parts (more than a few rows; with AVX-512 and 8 bits, a few
-    more for the types whose blocks the row kernels take into registers). Only then are kept
-    tiles of use."""
+def reads_tiles(w: Packed, rows: int, group: int = 8, wide: bool = False) -> bool:
+    """Whether an integer product of ``rows`` activation rows (scales per ``group`` values;
+    ``wide``: 16 bits) by ``w`` reads tiles in memory for any of its parts: more than a few
+    rows (with AVX-512 VNNI and 8 bits, up to four rows decode their blocks into registers
+    instead, in the row kernels or in the tiles' order). Only then are kept tiles of use."""
     lib = library()
     return rows >= TILE_ROWS and lib is not None and any(
-        lib.tg_takes_tiles(t, w.shape[-1], rows, wide) for t, _ in w.parts)
+        lib.tg_reads_tiles(t, w.shape[-1], rows, group, wide) for t, _ in w.parts)
 
 
 def tile_bytes(w: Packed) -> int:
@@ -337,7 +337,7 @@ def tile_bytes(w: Packed) -> int:
 
 def keep_tiles(w: Packed) -> bool:
     """Give ``w`` its integer kernels' tiles, built once (``int8.c``'s ``tg_build_tiles``:
-    every block decoded and interleaved as a product that reads tiles (takes_tiles) does, 3/2
+    every block decoded and interleaved as a product that reads tiles (reads_tiles) does, 3/2
     bytes a value), if its owner allows it (``w.may_keep_tiles``: weights that stay where
     they are, within a memory allowance). A product of a few rows otherwise spends about a
     third of its time building them again. Whether ``w`` has them now."""
@@ -353,10 +353,10 @@ def keep_tiles(w: Packed) -> bool:
     return True
 
 
-def keep_tiles_for(w: Packed, rows: int, wide: bool = False) -> None:
+def keep_tiles_for(w: Packed, rows: int, group: int = 8, wide: bool = False) -> None:
     """:func:`keep_tiles` where a product of ``rows`` rows by ``w`` reads tiles; nothing to ask
     the library once ``w`` has them or may not keep them (a decode step's every product)."""
-    if w.tiles is None and w.may_keep_tiles and takes_tiles(w, rows, wide):
+    if w.tiles is None and w.may_keep_tiles and reads_tiles(w, rows, group, wide):
         keep_tiles(w)
 
 
@@ -371,7 +371,7 @@ def integer_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
         raise RuntimeError("the C kernels are unavailable")
     rows = x.shape[:-1].numel()
     if x.dim() == 2 or x.shape[-2] == 1:  # a token of each sequence
-        keep_tiles_for(w, rows, wide)
+        keep_tiles_for(w, rows, group, wide)
     a = quantize_activations(x.reshape(rows, x.shape[-1]), group, wide)
     y = torch.empty(rows, w.shape[0], dtype=torch.float32) if out is None else out
     err = lib.tg_qmatmul(matrix_descriptor(w), a.q.data_ptr(),

@@ -106,12 +106,32 @@ typedef struct {
 #else
 #include "int8/portable.h"
 #endif
-#if TILE512
-/* Up to MI 8-bit rows (scales per 8 values) by a matrix of this type through regs_rows: 1,
- * else 0 (no such decoder here). */
+#if !TILE512
+/* The per-type kernels name these under `if (TILE512)`, which is then never true: declared so
+ * that compilers that refuse implicit declarations (GCC 14) build them. */
+static inline void interleave16(const int8_t *rows, int64_t len, int flip, uint8_t *tile) {
+    (void)rows, (void)len, (void)flip, (void)tile;
+}
+
+static inline int regs_type(int type) {
+    (void)type;
+    return 0;
+}
+#endif
+
+/* Whether a product of m rows that takes the tiles' arithmetic decodes its blocks into
+ * registers (regs_rows) rather than reading tiles in memory: up to MI 8-bit rows scaled per 8
+ * values, where the build and type have such a decoder (faster than kept tiles there). */
+static int regs_take(int type, int64_t m, int qa, int wide) {
+    return TILE512 && !wide && m <= MI && qa == 8 && regs_type(type);
+}
+
+/* y (m rows, ldy apart) = m rows (panel 0 of P) by the matrix through regs_rows where
+ * regs_take says so: 1, else 0. */
 static int in_tile_registers(int type, const uint8_t *w, int64_t n, int64_t k, const Panels *P,
                              int qa, int64_t m, float *y, int64_t ldy) {
-    if (m > MI || qa != 8 || !regs_type(type)) return 0;
+    if (!regs_take(type, m, qa, 0)) return 0;
+#if TILE512
 #define REGS(NR, T)                                                                           \
     _Pragma("omp parallel for schedule(static)")                                              \
     for (int64_t r0 = 0; r0 < n; r0 += 16) regs_rows(NR, 8, T, w, n, k, P, (int)m, y, ldy, r0)
@@ -132,22 +152,11 @@ static int in_tile_registers(int type, const uint8_t *w, int64_t n, int64_t k, c
     else TYPES(MI)
 #undef TYPES
 #undef REGS
+#else
+    (void)w, (void)n, (void)k, (void)P, (void)y, (void)ldy;
+#endif
     return 1;
 }
-#else
-static int in_tile_registers(int type, const uint8_t *w, int64_t n, int64_t k, const Panels *P,
-                             int qa, int64_t m, float *y, int64_t ldy) {
-    (void)type, (void)w, (void)n, (void)k, (void)P, (void)qa, (void)m, (void)y, (void)ldy;
-    return 0;
-}
-#endif
-#if !TILE512
-/* The per-type kernels name it under `if (TILE512)`, which is then never true: declared so
- * that compilers that refuse implicit declarations (GCC 14) build them. */
-static inline void interleave16(const int8_t *rows, int64_t len, int flip, uint8_t *tile) {
-    (void)rows, (void)len, (void)flip, (void)tile;
-}
-#endif
 
 /* Whether the calling thread's products all go through the tiles, so that a row's numbers do
  * not depend on how many rows share its product. The row kernels add the same exact integer
@@ -590,10 +599,17 @@ int tg_build_tiles(const int64_t *w, uint8_t *out) {
 }
 
 /* Whether a product of m activation rows (wide: 16 bits) by a matrix of this GGML type and
- * row length reads the tiles (1) or goes row by row (0). */
+ * row length takes the tiles' arithmetic (1: in memory or in registers) or goes row by row
+ * (0). */
 int tg_takes_tiles(int type, int64_t k, int64_t m, int wide) {
     static const int8_t some = 0;  /* (only whether the 16-bit halves are there counts) */
     return !row_by_row(type, k, m, wide ? &some : NULL);
+}
+
+/* Whether such a product (qa: the 8-bit activations' values per scale) reads tiles in memory,
+ * built at each product or kept (tg_build_tiles): the tiles' arithmetic, not in registers. */
+int tg_reads_tiles(int type, int64_t k, int64_t m, int qa, int wide) {
+    return tg_takes_tiles(type, k, m, wide) && !regs_take(type, m, qa, wide);
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */

@@ -140,7 +140,7 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     if fmt is not None and B >= kernels.TILE_ROWS:
         for n in MATRICES:
             if isinstance(w[n], Packed):
-                kernels.keep_tiles_for(w[n], B, fmt[1])
+                kernels.keep_tiles_for(w[n], B, *fmt)
     layer = _layer(kind, fmt, w)
     if layer is None:
         return None
@@ -354,7 +354,7 @@ def mla_attention(kind: MlaKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     if fmt is not None and B >= kernels.TILE_ROWS:
         for n in ("qkv_a", "q_b", "o"):
             if isinstance(w.get(n), Packed):
-                kernels.keep_tiles_for(w[n], B, fmt[1])
+                kernels.keep_tiles_for(w[n], B, *fmt)
     mla = _mla(kind, fmt, w)
     if mla is None:
         return None
