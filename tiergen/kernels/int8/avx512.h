@@ -258,6 +258,9 @@ regs_b32(const int TYPE, const uint8_t *const rows[16], __m512i idx, int two, Re
                   table = _mm512_broadcast_i32x4(_mm_setr_epi8(
                       (char)128, (char)129, (char)130, (char)131, (char)132, (char)134, (char)136, (char)140,
                       (char)128, 127, 126, 125, 124, 122, 120, 116));
+    /* each block's first four bytes over the rows, asked for first: the loads the scales wait on */
+    const __m512i g0 = _mm512_i32gather_epi32(idx, rows[0], 1),
+                  g1 = two ? _mm512_i32gather_epi32(idx, rows[0] + bytes, 1) : g0;
     for (int r = 0; r < 16; r++) {
         const uint8_t *p = rows[r], *q = two ? p + bytes : p;
         __m512i v;
@@ -281,7 +284,7 @@ regs_b32(const int TYPE, const uint8_t *const rows[16], __m512i idx, int two, Re
     }
     rg->n = two ? 4 : 2;
     for (int h = 0; h < 1 + two; h++) {
-        const __m512i g = _mm512_i32gather_epi32(idx, rows[0] + h * bytes, 1);
+        const __m512i g = h ? g1 : g0;
         __m512 a, c;
         if (mx) {  /* e8m0_half of the first byte */
             const __m512i e = _mm512_and_si512(g, _mm512_set1_epi32(255));
