@@ -77,7 +77,8 @@ def integer_reference(x: torch.Tensor, w, group: int, wide: bool) -> torch.Tenso
     xd = (q.double().view(x.shape[0], -1, group) * scale.double()[..., None]).view(x.shape)
     dense = torch.cat([dequantize(raw, t, (n, w.shape[1])) for t, _, n, raw in w.segments()])
     exact = (xd @ dense.double().T).float()
-    tiled = [not wide and bool(kernels.library().tg_takes_tiles(t, w.shape[1], x.shape[0], 0))
+    tiled = [not wide and bool(kernels.library().tg_takes_tiles(t, w.shape[1], x.shape[0], group,
+                                                                0))
              for t, _, _, _ in w.segments()]
     if not any(tiled):
         return exact
@@ -434,8 +435,9 @@ def a_row_in_batches(ggml_type: int, group: int, wide: bool, kept: bool, threads
         torch.set_num_threads(before)
 
 
-def takes_tiles(ggml_type: int, rows: int, wide: bool) -> bool:
-    return bool(kernels.library().tg_takes_tiles(ggml_type, row_cols(ggml_type), rows, int(wide)))
+def takes_tiles(ggml_type: int, rows: int, group: int, wide: bool) -> bool:
+    return bool(kernels.library().tg_takes_tiles(ggml_type, row_cols(ggml_type), rows, group,
+                                                 int(wide)))
 
 
 @pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
@@ -450,7 +452,7 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it_within_a_kernel(
     for m in BATCHES:
         assert torch.equal(two[m], one[m])
     for tiles in (False, True):
-        same = [one[m] for m in BATCHES if takes_tiles(ggml_type, m, wide) == tiles]
+        same = [one[m] for m in BATCHES if takes_tiles(ggml_type, m, group, wide) == tiles]
         for y in same[1:]:
             assert torch.equal(y, same[0])
 

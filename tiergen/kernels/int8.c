@@ -167,9 +167,12 @@ static __thread int batch_invariant;
 
 void tg_set_batch_invariant(int on) { batch_invariant = on; }
 
-/* Whether m rows (8 bits, or 16 with xl) by a matrix of this type go row by row. */
-static int row_by_row(int type, int64_t k, int64_t m, const int8_t *xl) {
-    return !batch_invariant && (m <= FEWI || in_registers(type, k, m, xl));
+/* Whether m rows (8 bits scaled per qa values, or 16 with xl) by a matrix of this type go row
+ * by row: up to FEWI rows, or as many as in_registers takes where the tiles in registers do
+ * not (they are as fast from three rows on). */
+static int row_by_row(int type, int64_t k, int64_t m, int qa, const int8_t *xl) {
+    return !batch_invariant &&
+           (m <= FEWI || (in_registers(type, k, m, xl) && !regs_take(type, m, qa, xl != NULL)));
 }
 
 /* ---- activations ---------------------------------------------------------------------
@@ -528,7 +531,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
     Panels P;
     int tiles = 0;  /* whether any part takes the tiles, and so the panels */
     for (int64_t p = 0; p < parts; p++)
-        tiles |= !row_by_row((int)w[3 + 4 * p], k, m, xl);
+        tiles |= !row_by_row((int)w[3 + 4 * p], k, m, qa, xl);
     if (tiles && !make_panels(m, k, xq, xl, xs4, xsum, qa, &P)) return -2;
     int err = 0;
     int64_t row = 0;
@@ -537,7 +540,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
         const int64_t rows = w[4 + 4 * p];
         const uint8_t *data = (const uint8_t *)(intptr_t)w[5 + 4 * p],
                       *tiles = (const uint8_t *)(intptr_t)w[6 + 4 * p];
-        if (row_by_row(type, k, m, xl)) {
+        if (row_by_row(type, k, m, qa, xl)) {
             err = few(type, data, rows, k, xq, xl, xs4, xsum, m, y + row, n);
         } else if (xl || !in_tile_registers(type, data, rows, k, &P, qa, m, y + row, n)) {
             /* MB rows at a time, so that their panels stay in cache while every tile passes
@@ -569,7 +572,7 @@ int tg_qmatmul_grouped(int type, const uint8_t *w, int64_t groups, int64_t n, in
                        int64_t stride, const int8_t *xq, const int8_t *xl, const float *xs4,
                        const float *xsum, int qa, int64_t m, float *y) {
     int err = 0;
-    if (row_by_row(type, k, m, xl)) {
+    if (row_by_row(type, k, m, qa, xl)) {
         _Pragma("omp parallel for schedule(static) reduction(|:err)")
         for (int64_t g = 0; g < groups; g++)
             err |= few(type, w + g * stride, n, k, xq + g * m * k, xl ? xl + g * m * k : NULL,
@@ -598,18 +601,18 @@ int tg_build_tiles(const int64_t *w, uint8_t *out) {
     return 0;
 }
 
-/* Whether a product of m activation rows (wide: 16 bits) by a matrix of this GGML type and
+/* Whether a product of m activation rows (8 bits scaled per qa values, or wide: 16 bits) by a matrix of this GGML type and
  * row length takes the tiles' arithmetic (1: in memory or in registers) or goes row by row
  * (0). */
-int tg_takes_tiles(int type, int64_t k, int64_t m, int wide) {
+int tg_takes_tiles(int type, int64_t k, int64_t m, int qa, int wide) {
     static const int8_t some = 0;  /* (only whether the 16-bit halves are there counts) */
-    return !row_by_row(type, k, m, wide ? &some : NULL);
+    return !row_by_row(type, k, m, qa, wide ? &some : NULL);
 }
 
 /* Whether such a product (qa: the 8-bit activations' values per scale) reads tiles in memory,
  * built at each product or kept (tg_build_tiles): the tiles' arithmetic, not in registers. */
 int tg_reads_tiles(int type, int64_t k, int64_t m, int qa, int wide) {
-    return tg_takes_tiles(type, k, m, wide) && !regs_take(type, m, qa, wide);
+    return tg_takes_tiles(type, k, m, qa, wide) && !regs_take(type, m, qa, wide);
 }
 
 /* Which integer instructions this build uses: 2 VNNI, 1 AVX2, 0 portable C. */

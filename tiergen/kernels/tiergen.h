@@ -69,7 +69,7 @@ int tg_qmatmul_grouped(int type, const uint8_t *w, int64_t groups, int64_t n, in
                        const float *xsum, int qa, int64_t m, float *y);
 int64_t tg_tile_bytes(int64_t n, int64_t k);
 int tg_build_tiles(const int64_t *w, uint8_t *out);
-int tg_takes_tiles(int type, int64_t k, int64_t m, int wide);
+int tg_takes_tiles(int type, int64_t k, int64_t m, int qa, int wide);
 int tg_reads_tiles(int type, int64_t k, int64_t m, int qa, int wide);
 int tg_tile_view(int type, const uint8_t *w, int64_t nb, uint8_t *q, float *a16, float *c16,
                  int *is_signed);
