@@ -3,9 +3,10 @@
 offline batch of N, in batches of 8 other prompts each (other lengths, so other padding), and
 one prompt at a time; same machine, same run, every answer exactly --new-tokens long (EOS
 ignored, so that a batch keeps its size to the end). Reports how many answers agree with the
-server's (the text, to the character).
+server's (the text, to the character). --batch-invariant runs the server and the offline
+engine so (LLM(batch_invariant=True)).
 
-    python benchmarks/bench_same_answers.py [--model smollm2] [--streams 64] [--new-tokens 48]
+    python benchmarks/bench_same_answers.py [--model smollm2] [--streams 64] [--new-tokens 48] [--batch-invariant]
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first b
 TOPICS = ["the sea", "a clock", "winter", "bread", "a violin", "the moon", "rivers", "chess"]
 
 
-def offline(model: str, prompts: list[str], new_tokens: int) -> dict[str, list[str]]:
+def offline(model: str, prompts: list[str], new_tokens: int, invariant: bool
+            ) -> dict[str, list[str]]:
     """The answers in one batch, in batches of 8 (prompts i, i + N / 8, ...), and alone."""
     from tiergen import LLM, SamplingParams
 
-    llm = LLM(model)
+    llm = LLM(model, batch_invariant=invariant)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     n, groups = len(prompts), max(1, len(prompts) // 8)
     try:
@@ -43,10 +45,11 @@ def offline(model: str, prompts: list[str], new_tokens: int) -> dict[str, list[s
     return {"one offline batch": batch, "batches of 8": eights, "alone": alone}
 
 
-def served(model: str, prompts: list[str], new_tokens: int) -> list[str]:
+def served(model: str, prompts: list[str], new_tokens: int, invariant: bool) -> list[str]:
     """The answers of a server that receives every prompt at once."""
     cmd = [sys.executable, "-m", "tiergen.cli", "serve", "--model", model, "--host",
            "127.0.0.1", "--port", "0", "--max-batch-size", str(len(prompts))]
+    cmd += ["--batch-invariant"] if invariant else []
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()
@@ -77,15 +80,17 @@ def main() -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--batch-invariant", action="store_true")
     args = p.parse_args()
     prompts = [f"A short story about {TOPICS[i % len(TOPICS)]}"
                + " and a very old house" * (i % 7) + f" and the number {i}:"
                for i in range(args.streams)]
-    answers = offline(args.model, prompts, args.new_tokens)
-    server = served(args.model, prompts, args.new_tokens)
+    answers = offline(args.model, prompts, args.new_tokens, args.batch_invariant)
+    server = served(args.model, prompts, args.new_tokens, args.batch_invariant)
     same = "; ".join(f"{name} {sum(a == b for a, b in zip(got, server))}/{len(prompts)}"
                      for name, got in answers.items())
-    print(f"{args.model}, {len(prompts)} prompts, {args.new_tokens} greedy tokens, the same "
+    mode = ", batch invariant" if args.batch_invariant else ""
+    print(f"{args.model}{mode}, {len(prompts)} prompts, {args.new_tokens} greedy tokens, the same "
           f"answer as under {len(prompts)} concurrent server streams: {same}")
 
 
