@@ -17,6 +17,12 @@ drift).
 
 --march builds both for another instruction set than this CPU's own (haswell: AVX2 without
 VNNI, the path of an AMD EPYC).
+
+--batch-invariant times this tree's int8 products as they are by default against the same
+products batch invariant (every product in the tiles' order: kernels.set_activations), taking
+turns; with --cold and --march as above.
+
+    python benchmarks/bench_int8.py --batch-invariant --rows 1,2,4 [--cold] [--march haswell]
 """
 
 from __future__ import annotations
@@ -145,6 +151,45 @@ def against(rev: str, types: list[str], rows: list[int], march: str | None) -> N
                           f"{ratio:.2f}x |", flush=True)
 
 
+def invariance(types: list[str], rows: list[int], cold: bool, march: str | None) -> None:
+    """This tree's int8 products by default against batch invariant, taking turns."""
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = kernels.bind(build_at(None, Path(tmp) / "k.so", march)) if march \
+            else kernels.library()
+        before = kernels.library()
+        kernels._lib = lib
+        try:
+            isa = ["portable C", "AVX2", "VNNI"][lib.tg_int8_isa()]
+            print(f"integer kernels: {isa}; {'weights from memory' if cold else 'warm'}")
+            print("| type | matrix | rows | default ms | batch invariant ms | invariant / default "
+                  "(median of turns) |")
+            print("|---|---|---|---|---|---|")
+            for name in types:
+                ggml_type = GGMLType[name]
+                for n, k in SHAPES:
+                    if k % ggml_type_sizes(ggml_type)[0]:
+                        continue
+                    w = random_packed(ggml_type, n, k)
+                    copies = max(1, (256 << 20) // w.data.numel()) if cold else 1
+                    ws = itertools.cycle([w] + [Packed(w.data.clone(), w.shape, w.parts)
+                                                for _ in range(copies - 1)])
+                    for m in rows:
+                        x = torch.randn(m, k)
+                        best, ratios = [float("inf")] * 2, []
+                        for turn in range(10):
+                            took = [0.0, 0.0]
+                            for inv in (turn % 2, 1 - turn % 2):
+                                with kernels.activations_set("int8", bool(inv)):
+                                    took[inv] = best_ms(
+                                        lambda: kernels.integer_linear(x, next(ws), None, 8), 5)
+                                best[inv] = min(best[inv], took[inv])
+                            ratios.append(took[1] / took[0])
+                        print(f"| {name} | {n}x{k} | {m} | {best[0]:.3f} | {best[1]:.3f} | "
+                              f"{statistics.median(ratios):.2f}x |", flush=True)
+        finally:
+            kernels._lib = before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -152,7 +197,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,32,512")
     ap.add_argument("--cold", action="store_true", help="weights from memory, not cache")
     ap.add_argument("--against", metavar="REV", help="a git revision to time against")
-    ap.add_argument("--march", help="with --against: build both for this -march")
+    ap.add_argument("--march", help="with --against or --batch-invariant: build for this -march")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="time the default products against batch-invariant ones")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cpu = cpu_description()
@@ -160,6 +207,9 @@ def main() -> None:
     if args.against:
         return against(args.against, args.types.split(","), list(map(int, args.rows.split(","))),
                        args.march)
+    if args.batch_invariant:
+        return invariance(args.types.split(","), list(map(int, args.rows.split(","))), args.cold,
+                          args.march)
     print(f"threads {args.threads}; {'weights from memory' if args.cold else 'warm'}; integer kernels: "
           f"{['portable C', 'AVX2', 'VNNI'][kernels.library().tg_int8_isa()]}")
     print("| type | matrix | rows | float32 ms | " + " | ".join(f"{f} ms (x)" for f in FORMATS)

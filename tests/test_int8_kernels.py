@@ -493,3 +493,18 @@ def test_every_instruction_set_build_is_batch_invariant(isa_library, ggml_type, 
     for group, wide in FORMATS:
         got = a_row_in_batches(ggml_type, group, wide, False, 1, batch_invariant=True)
         assert torch.equal(got[1], got[33]) and torch.equal(got[2], got[33])
+
+
+def test_tiles_in_registers_read_mxfp4s_smallest_and_largest_scales_as_the_tiles_do():
+    """MXFP4's E8M0 scales below 2^-126 are subnormal floats (e8m0_half): the tiles in
+    registers (one row) make them as the tiles built in memory (64 rows) do."""
+    cols = row_cols(GGMLType.MXFP4)
+    w = random_packed(GGMLType.MXFP4, 37, cols, seed=5)
+    blocks = w.data.view(-1, 17)
+    blocks[:, 0] = torch.tensor([0, 1, 2, 3, 120, 200], dtype=torch.uint8)[
+        torch.arange(len(blocks)) % 6]
+    x = torch.randn(64, cols, generator=torch.Generator().manual_seed(5))
+    with kernels.activations_set("int8", True):
+        alone = kernels.integer_linear(x[:1], w, None, 8)
+        batch = kernels.integer_linear(x, w, None, 8)[:1]
+    assert torch.equal(alone, batch) and bool(torch.isfinite(alone).all())

@@ -226,8 +226,8 @@ static void interleave16(const int8_t *restrict rows, int64_t len, int flip, uin
  * turned across by transpose16 into the tile's sixteen vectors of four values; each 16
  * values' scale and offset come as vectors over the sixteen rows, by gathers. What the row
  * kernels do for few rows (the blocks into registers, no copy), in the tiles' order, so that
- * a row's numbers are those of any batch (tg_set_batch_invariant). The types of the packaged
- * models' layers have such a decoder (regs_type); the others build their tiles. */
+ * a row's numbers are those of any batch (tg_set_batch_invariant). Every type of the integer
+ * kernels has such a decoder (regs_type). */
 
 /* Sixteen rows' next 64 values (q: one register a row; n: how many 16-value sub-blocks of
  * them the matrix has, 2 or 4) and each sub-block's scale and offset over the rows (a, c). */
