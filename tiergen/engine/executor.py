@@ -271,7 +271,8 @@ class Executor:
         model starts from ``hidden``, the hidden states the stage before it returned, and
         one that does not end the model returns its hidden states instead of logits.
         """
-        with activations_set(self.activations, self.batch_invariant):  # on this thread, which computes the block
+        # on this thread, which computes the block
+        with activations_set(self.activations, self.batch_invariant):
             return self._forward_block(block, all_positions, hidden)
 
     def _forward_block(self, block: list[MicroBatch], all_positions: bool,

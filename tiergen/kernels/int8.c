@@ -44,7 +44,6 @@
 #define MAGIC_BITS 0x4B400000
 #define FEWI 2    /* up to this many rows: the row-by-row kernel (more: the tiles) */
 
-
 /* ---- activation panels -----------------------------------------------------------
  * The tiles take MI activation rows at a time, interleaved four values at a time as the
  * weights are, so that a pass reads its rows' next values from one place: panel p holds
@@ -62,8 +61,9 @@ typedef struct {
  * tile[g * 4 TR + r * 4 + l] = value 4 g + l of row r; as[t * TR + r], cs[t * TR + r]: the
  * scale and offset of row r's values 16 t .. 16 t + 15. Rows past the matrix are zero.
  * tile_rows: y[i, r] (+)= the products for a panel's activation rows i < rows (q, l, s, sum,
- * start at the chunk's start) and r < ncols; QA: the activations' block size. part, each
- * row's sum over a block of 16 values, takes the weight scale as the block ends.
+ * start at the chunk's start) and r < ncols; QA: the activations' block size; NR (a
+ * constant, MI or 1, at least rows): the rows it computes. part, each row's sum over a block
+ * of 16 values, takes the weight scale as the block ends.
  *
  * 8 bits: each activation block's integer sum D starts at MAGIC_BITS instead of 0 and is
  * read as the float MAGIC + D (exact: |D| <= 16 * 255 * 127 < 2^22), multiply-added with
@@ -94,8 +94,9 @@ typedef struct {
  * where it lacks VNNI or VL (avx512.h). */
 /* tile_rows' parameters, which every instruction set's header takes alike */
 #define TILE_ROWS_PARAMS                                                                      \
-    const int NR, const int QA, const int SIGNED, const int WIDE, const uint8_t *restrict tile,             \
-        const float *restrict as, const float *restrict cs, int64_t len,                      \
+    const int NR, const int QA, const int SIGNED, const int WIDE,                             \
+        const uint8_t *restrict tile, const float *restrict as, const float *restrict cs,     \
+        int64_t len,                                                                          \
         const int8_t *restrict q, const int8_t *restrict l, const float *restrict s,          \
         const float *restrict sum, const float *restrict start, float *restrict y,            \
         int64_t ldy, int rows, int ncols, int add
@@ -129,8 +130,8 @@ static int regs_take(int type, int64_t m, int qa, int wide) {
 /* y (m rows, ldy apart) = m rows (panel 0 of P) by the matrix through regs_rows where
  * regs_take says so: 1, else 0. */
 static int in_tile_registers(int type, const uint8_t *w, int64_t n, int64_t k, const Panels *P,
-                             int qa, int64_t m, float *y, int64_t ldy) {
-    if (!regs_take(type, m, qa, 0)) return 0;
+                             int qa, int wide, int64_t m, float *y, int64_t ldy) {
+    if (!regs_take(type, m, qa, wide)) return 0;
 #if TILE512
 #define REGS(NR, T)                                                                           \
     _Pragma("omp parallel for schedule(static)")                                              \
@@ -333,8 +334,8 @@ tile_pass(const int SIGNED, int qa, int64_t m, const uint8_t *restrict tile,
                     *start = P->start + (p * (k / SB) + k0 / SB) * MI;
         float *yp = y + p * MI * ldy;
         const int rows = m - p * MI < MI ? (int)(m - p * MI) : MI;
-        /* a row alone (a decode step of one sequence, through the tiles: tg_set_batch_invariant) takes a
-         * pass of its own rather than MI rows' work */
+        /* a row alone (as a batch-invariant decode step of one sequence) takes a pass of its
+         * own (NR = 1) rather than MI rows' work */
 #if TILE512
         if (tile1) {
 #define TILE2(N, Q) tile_rows2(N, Q, tile, tile1, as, cs, as1, cs1, len, q, s, sum, start, yp, ldy, rows, ncols, k0 > 0)
@@ -542,7 +543,7 @@ int tg_qmatmul(const int64_t *w, const int8_t *xq, const int8_t *xl, const float
                       *tiles = (const uint8_t *)(intptr_t)w[6 + 4 * p];
         if (row_by_row(type, k, m, qa, xl)) {
             err = few(type, data, rows, k, xq, xl, xs4, xsum, m, y + row, n);
-        } else if (xl || !in_tile_registers(type, data, rows, k, &P, qa, m, y + row, n)) {
+        } else if (!in_tile_registers(type, data, rows, k, &P, qa, xl != NULL, m, y + row, n)) {
             /* MB rows at a time, so that their panels stay in cache while every tile passes
              * over them (each tile is decoded again for each MB rows, unless kept: a small
              * cost against MB rows) */
@@ -601,9 +602,9 @@ int tg_build_tiles(const int64_t *w, uint8_t *out) {
     return 0;
 }
 
-/* Whether a product of m activation rows (8 bits scaled per qa values, or wide: 16 bits) by a matrix of this GGML type and
- * row length takes the tiles' arithmetic (1: in memory or in registers) or goes row by row
- * (0). */
+/* Whether a product of m activation rows (8 bits scaled per qa values, or wide: 16 bits) by
+ * a matrix of this GGML type and row length takes the tiles' arithmetic (1: in memory or in
+ * registers) or goes row by row (0). */
 int tg_takes_tiles(int type, int64_t k, int64_t m, int qa, int wide) {
     static const int8_t some = 0;  /* (only whether the 16-bit halves are there counts) */
     return !row_by_row(type, k, m, qa, wide ? &some : NULL);
