@@ -409,3 +409,47 @@ def test_deepseek_k_b_and_v_b_are_cut_by_heads_over_ranks(deepseek_ggufs):
         layer = llm.executor.weights.take(0)
         llm.executor.weights.release(0)
         assert isinstance(layer["k_b"], Packed) and layer["k_b"].shape == (2 * 32, 32)
+
+
+def numbers_alone_and_in_a_batch(path) -> tuple:
+    """A prompt's greedy tokens and log-probabilities (generated and prompt) alone and among
+    every prompt, batch invariant on the integer path."""
+    llm = LLM(path, dtype="float32", activations="int8", device="cpu", batch_invariant=True)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+
+    def numbers(r):
+        return r.token_ids, repr(r.logprobs), repr(r.prompt_logprobs)
+
+    return numbers(llm.generate(PROMPTS[1:2], params)[0]), numbers(llm.generate(PROMPTS, params)[1])
+
+
+NOT_YET_INVARIANT = {
+    "qwen2-moe": "the first prompt position's log-probability differs alone and in a batch, on "
+                 "the float path too (by 1e-6 there), so outside the integer kernels: not yet "
+                 "found",
+    "gpt-oss": "attention sinks take torch's softmax over every cache slot, whose sums fall in "
+               "other lanes where padding moves a row's slots",
+    "gpt-oss-fused": "as gpt-oss"}
+
+
+def test_batch_invariant_experts_give_a_prompt_the_same_numbers_alone_and_in_a_batch(
+        moe_model, tmp_path, request):
+    """Alone, a token's experts each multiply one row; in a batch, as many as chose them:
+    batch invariant, the row's numbers are the same to the bit (one token's experts then go
+    operation by operation, as several tokens' do, and float routers multiply each row alone)."""
+    case, hf, directory = moe_model
+    if case in NOT_YET_INVARIANT:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=NOT_YET_INVARIANT[case]))
+    path = tmp_path / "q4_0.gguf"
+    write_moe_gguf(hf, directory / "hf", case, path, gguf.GGMLQuantizationType.Q4_0)
+    alone, batched = numbers_alone_and_in_a_batch(path)
+    assert alone == batched
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_batch_invariant_latent_attention_gives_a_prompt_the_same_numbers_alone_and_in_a_batch(
+        deepseek_ggufs, qtype):
+    """DeepSeek's absorbed attention multiplies one query row per head (grouped products)."""
+    alone, batched = numbers_alone_and_in_a_batch(deepseek_ggufs[qtype])
+    assert alone == batched

@@ -240,6 +240,11 @@ def activations() -> str:
     return getattr(_arith, "kind", "float32")
 
 
+def batch_invariant() -> bool:
+    """Whether this thread's products are batch invariant (:func:`set_activations`)."""
+    return getattr(_arith, "invariant", False)
+
+
 @contextmanager
 def activations_set(kind: str, batch_invariant: bool = False) -> Iterator[None]:
     """:func:`set_activations` for the ``with`` block, then what was set before."""
@@ -508,7 +513,11 @@ def kv_half(k: torch.Tensor, v: torch.Tensor) -> bool | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: float = 0.0
              ) -> torch.Tensor | None:
     """``F.rms_norm(x, eps=eps) * (weight + shift)`` in one call for contiguous float32 CPU
-    tensors (``weight`` None: no weight); None where the library cannot take them."""
+    tensors (``weight`` None: no weight); None where the library cannot take them. Batch
+    invariant, a strided ``x`` (a slice of a batch's positions) is copied to take it too, as
+    the same row alone would."""
+    if batch_invariant() and _cpu_float32(x) and not x.is_contiguous():
+        x = x.contiguous()
     if not (_cpu_float32(x) and x.is_contiguous()) or (
             weight is not None and not (_cpu_float32(weight) and weight.is_contiguous())):
         return None

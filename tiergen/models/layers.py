@@ -71,6 +71,12 @@ def use_compiled_gemv(enabled: bool) -> None:
 # differ from the bfloat16 kernel's in the last bit of an element.
 UPCAST_ROWS = 8
 UPCAST_SCRATCH = 1 << 22
+# Batch invariant (kernels.set_activations), a float matrix of up to this many numbers (a MoE
+# router, a gate) multiplies each row alone, as a product of one row does: the BLAS sums a
+# vector product in another order than a product of several rows. Larger ones (a float
+# checkpoint's layers) multiply as usual: row by row they would read the whole matrix again
+# for every row.
+INVARIANT_FLOAT = 1 << 20
 _scratch = threading.local()
 
 
@@ -98,6 +104,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | 
     if isinstance(weight, Packed):  # the integer kernels write float32 straight into out
         y = kernels.packed_linear(x, weight, bias, out=out if out is not None
                                   and out.dtype == torch.float32 else None)
+    elif (x.device.type == "cpu" and kernels.batch_invariant()
+            and weight.numel() <= INVARIANT_FLOAT):
+        # the BLAS takes one row (a vector product) in another order than several
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.cat([F.linear(r, weight, bias) for r in rows.split(1)]).view(*x.shape[:-1], -1)
     elif _compiled_gemv is not None and x.device.type == "cpu" and x.shape[:-1].numel() == 1:
         y = _compiled_gemv(x.reshape(-1), weight).view(*x.shape[:-1], -1)
         y = y if bias is None else y + bias

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergen.config import ModelConfig, MoEConfig
+from tiergen import kernels
 from tiergen.kernels import integer_kernels_take
 from tiergen.kernels.layer import expert_table, experts_row, moe_row, route_rows
 from tiergen.models.layers import cat_rows, linear, swiglu_mlp
@@ -141,7 +142,8 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     Under tensor parallelism a rank holds ``cfg.local_experts``, ``experts`` indexed from
     its first; the others' shares are left to their ranks."""
     local = cfg.local_experts
-    if len(x) == 1 and (out := _one_token(x, ids, weights, experts, cfg)) is not None:
+    if (len(x) == 1 and not kernels.batch_invariant()
+            and (out := _one_token(x, ids, weights, experts, cfg)) is not None):
         return out
     k = ids.shape[1]
     flat, mix = ids.flatten(), weights.flatten()
@@ -220,7 +222,9 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    routed = _one_token_at_hand(cfg, w, x) if len(x) == 1 else None
+    # (batch invariant: one token as several are, operation by operation)
+    one = len(x) == 1 and not kernels.batch_invariant()
+    routed = _one_token_at_hand(cfg, w, x) if one else None
     if routed is not None and routed[0] is not None:
         return routed[0].to(x.dtype).view(shape)
     ids, weights = routed[1:] if routed else route(cfg, x, w["router"], w.get("router_bias"),
@@ -229,7 +233,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
     gate = torch.sigmoid(linear(x, w["shared_gate"])) if cfg.shared_gate else None
     # one token: the shared expert in the routed experts' native call, after them
-    if len(x) == 1 and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
+    if one and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
             w["shared_gate_up"], w["shared_down"], 1.0 if gate is None else gate.item()))
             ) is not None:
         return out.view(shape)
