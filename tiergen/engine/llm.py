@@ -89,9 +89,9 @@ class LLM:
     below 2e-3 from the float path on the packaged models), "int16" (16 bits as two int8
     halves: slower, below 5e-6) or "float32" (the float path: products equal
     decode-then-multiply). ``batch_invariant=True`` gives a sequence's tokens and
-    log-probabilities the same bits whatever else runs beside it (alone, in any batch, among a
-    server's streams) on the integer path too, at a cost for decode steps of one or two
-    sequences (the float path is so anyway). ``quantize`` ("q8_0",
+    log-probabilities on the integer path the same bits whatever else runs beside it (alone,
+    in any batch, among a server's streams), at a cost for decode steps of one or two
+    sequences (docs/BENCHMARKS.md, "Batch invariance"; not yet for gpt-oss's attention sinks). ``quantize`` ("q8_0",
     "q4_0" or "q4_k") quantises a float checkpoint's layer matrices into those GGML blocks at
     load, once (cached), so that they run packed as a GGUF's would
     (:mod:`tiergen.weights.quantize`).
