@@ -178,7 +178,7 @@ panel_vectors(int64_t p, int64_t m, int64_t k, const int8_t *xq, const int8_t *x
  * abs and sign. */
 static inline __attribute__((always_inline)) void
 tile_rows(TILE_ROWS_PARAMS) {
-    __m256 acc[NR];
+    __m256 acc[MI];
     for (int i = 0; i < NR; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         const int64_t g0 = SB / 4 * t;

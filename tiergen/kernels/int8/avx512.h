@@ -76,14 +76,14 @@ static inline __attribute__((always_inline)) void
 tile_rows(TILE_ROWS_PARAMS) {
     /* unsigned weights only: signed ones are offset by 128 when the tile is built */
     (void)SIGNED;
-    __m512 acc[NR];
+    __m512 acc[MI];
     for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         const int64_t g0 = SB / 4 * t;
         const __m512 a = _mm512_loadu_ps(as + t * TR), c = _mm512_loadu_ps(cs + t * TR);
         if (!WIDE) {  /* the rows side by side: few registers, and their chains overlap */
-            __m512i d[NR];
-            __m512 part[NR];
+            __m512i d[MI];
+            __m512 part[MI];
             for (int i = 0; i < NR; i++) part[i] = _mm512_set1_ps(start[t * MI + i]);
             for (int g = 0; g < SB / 4; g++) {
                 const __m512i w = _mm512_loadu_si512(tile + (g0 + g) * 4 * TR);
@@ -138,12 +138,12 @@ tile_rows2(const int NR, const int QA, const uint8_t *restrict t0, const uint8_t
            const float *restrict cs1, int64_t len, const int8_t *restrict q,
            const float *restrict s, const float *restrict sum, const float *restrict start,
            float *restrict y, int64_t ldy, int rows, int ncols, int add) {
-    __m512 acc0[NR], acc1[NR];
+    __m512 acc0[MI], acc1[MI];
     for (int i = 0; i < NR; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len / SB; t++) {
         const int64_t g0 = SB / 4 * t;
-        __m512i d0[NR], d1[NR];
-        __m512 p0[NR], p1[NR];
+        __m512i d0[MI], d1[MI];
+        __m512 p0[MI], p1[MI];
         for (int i = 0; i < NR; i++) p0[i] = p1[i] = _mm512_set1_ps(start[t * MI + i]);
         for (int g = 0; g < SB / 4; g++) {
             const __m512i w0 = _mm512_loadu_si512(t0 + (g0 + g) * 4 * TR),
