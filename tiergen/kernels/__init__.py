@@ -224,8 +224,8 @@ def set_activations(kind: str, batch_invariant: bool = False) -> None:
     tiles of ``int8.c``, about as fast as the float32 BLAS on the decoded matrix at 512 rows
     and faster below, without decoding it). A row gets the same numbers whatever the batch around
     it, within float rounding (exactly, from three rows on); ``batch_invariant``: exactly
-    for any number of rows, every integer product through the tiles (slower for one or two
-    rows: a decode step of one or two sequences)."""
+    for any number of rows (every integer product in the tiles' arithmetic, small float
+    matrices row by row: layers.linear), slower for a decode step of one or two sequences."""
     if kind not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {kind!r}")
     _arith.kind = kind
