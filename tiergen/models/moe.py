@@ -214,6 +214,16 @@ def _one_token_at_hand(cfg: MoEConfig, w: dict, x: torch.Tensor
     return done
 
 
+def _shared_gate(x: torch.Tensor, weight: torch.Tensor | Packed) -> torch.Tensor:
+    """The shared experts' gate, sigmoid(x @ weight.T) (N, 1). Batch invariant, each token's
+    alone: torch's sigmoid takes one path for fewer than 32 values and another beyond, and
+    the two can differ in the last bit."""
+    logits = linear(x, weight)
+    if kernels.batch_invariant():
+        return torch.cat([torch.sigmoid(v) for v in logits.split(1)])
+    return torch.sigmoid(logits)
+
+
 def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """The MoE MLP of a layer on x (B, T, H): routed experts plus shared experts.
 
@@ -231,7 +241,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
                                                      w.get("router_logit_bias"))
     if not cfg.shared_intermediate_size:
         return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
-    gate = torch.sigmoid(linear(x, w["shared_gate"])) if cfg.shared_gate else None
+    gate = _shared_gate(x, w["shared_gate"]) if cfg.shared_gate else None
     # one token: the shared expert in the routed experts' native call, after them
     if one and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
             w["shared_gate_up"], w["shared_down"], 1.0 if gate is None else gate.item()))
