@@ -19,8 +19,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from tiergen.config import ModelConfig, MoEConfig
 from tiergen import kernels
+from tiergen.config import ModelConfig, MoEConfig
 from tiergen.kernels import integer_kernels_take
 from tiergen.kernels.layer import expert_table, experts_row, moe_row, route_rows
 from tiergen.models.layers import cat_rows, linear, swiglu_mlp
