@@ -34,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +67,24 @@ def random_packed(ggml_type: int, rows: int, cols: int) -> Packed:
         blocks[:, 0] = rng.integers(118, 126, size=len(blocks))
         blocks[:, 1:3] = rng.integers(0, 256, size=(len(blocks), 2))
     return Packed(torch.from_numpy(blocks.reshape(-1)), (rows, cols), ((ggml_type, rows),))
+
+
+ISA_NAMES = ["portable C", "AVX2", "VNNI"]  # by tg_int8_isa
+
+
+def matrices(types: list[str], cold: bool) -> Iterator[tuple[str, int, int, Iterator[Packed]]]:
+    """(type, n, k, copies) for each type and shape of SHAPES its blocks fit: random blocks,
+    cycled through copies of 256 MiB in all where ``cold`` (each product then reads its
+    weights from memory), else the one matrix again and again."""
+    for name in types:
+        ggml_type = GGMLType[name]
+        for n, k in SHAPES:
+            if k % ggml_type_sizes(ggml_type)[0]:
+                continue
+            w = random_packed(ggml_type, n, k)
+            copies = max(1, (256 << 20) // w.data.numel()) if cold else 1
+            yield name, n, k, itertools.cycle(
+                [w] + [Packed(w.data.clone(), w.shape, w.parts) for _ in range(copies - 1)])
 
 
 def build_at(rev: str | None, out: Path, march: str | None = None) -> ctypes.CDLL:
@@ -136,19 +154,15 @@ def against(rev: str, types: list[str], rows: list[int], march: str | None) -> N
         block = kernels.ACTIVATION_FORMATS["int8"][0]
         print(f"| type | matrix | rows | {rev} ms | this tree ms | speed-up (median of turns) |")
         print("|---|---|---|---|---|---|")
-        for name in types:
-            ggml_type = GGMLType[name]
-            for n, k in SHAPES:
-                if k % ggml_type_sizes(ggml_type)[0]:
-                    continue
-                w = random_packed(ggml_type, n, k)
-                for m in rows:
-                    x = torch.randn(m, k)
-                    best, ratio = in_turns(
-                        libs, lambda: best_ms(lambda: kernels.integer_linear(x, w, None, block), 3),
-                        20, rev)
-                    print(f"| {name} | {n}x{k} | {m} | {best[rev]:.3f} | {best['this tree']:.3f} | "
-                          f"{ratio:.2f}x |", flush=True)
+        for name, n, k, ws in matrices(types, False):
+            w = next(ws)
+            for m in rows:
+                x = torch.randn(m, k)
+                best, ratio = in_turns(
+                    libs, lambda: best_ms(lambda: kernels.integer_linear(x, w, None, block), 3),
+                    20, rev)
+                print(f"| {name} | {n}x{k} | {m} | {best[rev]:.3f} | {best['this tree']:.3f} | "
+                      f"{ratio:.2f}x |", flush=True)
 
 
 def invariance(types: list[str], rows: list[int], cold: bool, march: str | None) -> None:
@@ -159,33 +173,25 @@ def invariance(types: list[str], rows: list[int], cold: bool, march: str | None)
         before = kernels.library()
         kernels._lib = lib
         try:
-            isa = ["portable C", "AVX2", "VNNI"][lib.tg_int8_isa()]
+            isa = ISA_NAMES[lib.tg_int8_isa()]
             print(f"integer kernels: {isa}; {'weights from memory' if cold else 'warm'}")
             print("| type | matrix | rows | default ms | batch invariant ms | invariant / default "
                   "(median of turns) |")
             print("|---|---|---|---|---|---|")
-            for name in types:
-                ggml_type = GGMLType[name]
-                for n, k in SHAPES:
-                    if k % ggml_type_sizes(ggml_type)[0]:
-                        continue
-                    w = random_packed(ggml_type, n, k)
-                    copies = max(1, (256 << 20) // w.data.numel()) if cold else 1
-                    ws = itertools.cycle([w] + [Packed(w.data.clone(), w.shape, w.parts)
-                                                for _ in range(copies - 1)])
-                    for m in rows:
-                        x = torch.randn(m, k)
-                        best, ratios = [float("inf")] * 2, []
-                        for turn in range(10):
-                            took = [0.0, 0.0]
-                            for inv in (turn % 2, 1 - turn % 2):
-                                with kernels.activations_set("int8", bool(inv)):
-                                    took[inv] = best_ms(
-                                        lambda: kernels.integer_linear(x, next(ws), None, 8), 5)
-                                best[inv] = min(best[inv], took[inv])
-                            ratios.append(took[1] / took[0])
-                        print(f"| {name} | {n}x{k} | {m} | {best[0]:.3f} | {best[1]:.3f} | "
-                              f"{statistics.median(ratios):.2f}x |", flush=True)
+            for name, n, k, ws in matrices(types, cold):
+                for m in rows:
+                    x = torch.randn(m, k)
+                    best, ratios = [float("inf")] * 2, []
+                    for turn in range(10):
+                        took = [0.0, 0.0]
+                        for inv in (turn % 2, 1 - turn % 2):
+                            with kernels.activations_set("int8", bool(inv)):
+                                took[inv] = best_ms(
+                                    lambda: kernels.integer_linear(x, next(ws), None, 8), 5)
+                            best[inv] = min(best[inv], took[inv])
+                        ratios.append(took[1] / took[0])
+                    print(f"| {name} | {n}x{k} | {m} | {best[0]:.3f} | {best[1]:.3f} | "
+                          f"{statistics.median(ratios):.2f}x |", flush=True)
         finally:
             kernels._lib = before
 
@@ -211,30 +217,21 @@ def main() -> None:
         return invariance(args.types.split(","), list(map(int, args.rows.split(","))), args.cold,
                           args.march)
     print(f"threads {args.threads}; {'weights from memory' if args.cold else 'warm'}; integer kernels: "
-          f"{['portable C', 'AVX2', 'VNNI'][kernels.library().tg_int8_isa()]}")
+          f"{ISA_NAMES[kernels.library().tg_int8_isa()]}")
     print("| type | matrix | rows | float32 ms | " + " | ".join(f"{f} ms (x)" for f in FORMATS)
           + " |")
     print("|---" * (4 + len(FORMATS)) + "|")
-    for name in args.types.split(","):
-        ggml_type = GGMLType[name]
-        for n, k in SHAPES:
-            if k % ggml_type_sizes(ggml_type)[0]:
-                continue
-            w = random_packed(ggml_type, n, k)
-            copies = max(1, (256 << 20) // w.data.numel()) if args.cold else 1
-            ws = itertools.cycle([w] + [Packed(w.data.clone(), w.shape, w.parts)
-                                        for _ in range(copies - 1)])
-            for m in map(int, args.rows.split(",")):
-                x = torch.randn(m, k)
-                runs = 5 if m > 32 else 30
-                base = best_ms(lambda: kernels.packed_linear(x, next(ws)), runs)
-                cells = []
-                for block, wide in FORMATS.values():
-                    t = best_ms(
-                        lambda: kernels.integer_linear(x, next(ws), None, block, wide), runs)
-                    cells.append(f"{t:.3f} ({base / t:.2f})")
-                print(f"| {name} | {n}x{k} | {m} | {base:.3f} | " + " | ".join(cells) + " |",
-                      flush=True)
+    for name, n, k, ws in matrices(args.types.split(","), args.cold):
+        for m in map(int, args.rows.split(",")):
+            x = torch.randn(m, k)
+            runs = 5 if m > 32 else 30
+            base = best_ms(lambda: kernels.packed_linear(x, next(ws)), runs)
+            cells = []
+            for block, wide in FORMATS.values():
+                t = best_ms(lambda: kernels.integer_linear(x, next(ws), None, block, wide), runs)
+                cells.append(f"{t:.3f} ({base / t:.2f})")
+            print(f"| {name} | {n}x{k} | {m} | {base:.3f} | " + " | ".join(cells) + " |",
+                  flush=True)
 
 
 if __name__ == "__main__":

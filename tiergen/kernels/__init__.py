@@ -516,7 +516,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: fl
     tensors (``weight`` None: no weight); None where the library cannot take them. Batch
     invariant, a strided ``x`` (a slice of a batch's positions) is copied to take it too, as
     the same row alone would."""
-    if batch_invariant() and _cpu_float32(x) and not x.is_contiguous():
+    if not x.is_contiguous() and batch_invariant() and _cpu_float32(x):
         x = x.contiguous()
     if not (_cpu_float32(x) and x.is_contiguous()) or (
             weight is not None and not (_cpu_float32(weight) and weight.is_contiguous())):

@@ -236,6 +236,13 @@ static inline void un_mxfp4(const uint8_t *R b, int8_t *R q, float *R a, float *
     a[0] = e8m0_half(b[0]), c[0] = 0.0f;
 }
 
+/* The values and bytes of a block of each GGML type below (a constant where the type is). */
+static inline int block_values(int type) { return type == 12 || type == 13 || type == 14 ? 256 : 32; }
+static inline int block_bytes(int type) {
+    return type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : type == 7 ? 24 : type == 8 ? 34
+         : type == 12 ? 144 : type == 13 ? 176 : type == 14 ? 210 : 17;
+}
+
 /* PREFIX_<type>SUFFIX ARGS for a GGML type id (ggml.h: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8,
  * Q4_K 12, Q5_K 13, Q6_K 14, MXFP4 39), then return 0; -1 for a type without a kernel. */
 #define DISPATCH(PREFIX, TYPE, SUFFIX, ARGS)                                                  \

@@ -142,8 +142,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     Under tensor parallelism a rank holds ``cfg.local_experts``, ``experts`` indexed from
     its first; the others' shares are left to their ranks."""
     local = cfg.local_experts
-    if (len(x) == 1 and not kernels.batch_invariant()
-            and (out := _one_token(x, ids, weights, experts, cfg)) is not None):
+    if len(x) == 1 and (out := _one_token(x, ids, weights, experts, cfg)) is not None:
         return out
     k = ids.shape[1]
     flat, mix = ids.flatten(), weights.flatten()
@@ -168,8 +167,9 @@ def _one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert
     CPU, SwiGLU without biases) in one native call, experts in the order the general path
     adds them, then the ``shared`` expert (gate_up, down, its weight) if given (checked
     first: where it cannot join, the caller reads the routed experts while it computes);
-    None for any other."""
-    if (cfg.expert_act != "silu" or x.device.type != "cpu"
+    None for any other, and where products are batch invariant (one token then goes as
+    several do, operation by operation)."""
+    if (kernels.batch_invariant() or cfg.expert_act != "silu" or x.device.type != "cpu"
             or (shared and not all(map(integer_kernels_take, shared[:2])))):
         return None
     local = cfg.local_experts
@@ -197,9 +197,10 @@ def _one_token_at_hand(cfg: MoEConfig, w: dict, x: torch.Tensor
     (:func:`~tiergen.kernels.layer.moe_row`): what :func:`route` and :func:`_one_token`
     compute. (out, ids, weights), out None where an expert is still to be read; None where
     the call cannot take them (routing other than DeepSeek's float32 one, a gated shared
-    expert, experts over ranks, ...)."""
+    expert, experts over ranks, batch invariant products: see :func:`_one_token`)."""
     experts = w["experts"]
-    if (not cfg.router_float32 or cfg.shared_gate or cfg.expert_act != "silu"
+    if (kernels.batch_invariant() or not cfg.router_float32 or cfg.shared_gate
+            or cfg.expert_act != "silu"
             or len(cfg.local_experts) != experts.gate_up.shape[0] or x.dtype != torch.float32
             or x.device.type != "cpu"
             or isinstance(w["router"], Packed) or (table := experts.table()) is None):
@@ -232,9 +233,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    # (batch invariant: one token as several are, operation by operation)
-    one = len(x) == 1 and not kernels.batch_invariant()
-    routed = _one_token_at_hand(cfg, w, x) if one else None
+    routed = _one_token_at_hand(cfg, w, x) if len(x) == 1 else None
     if routed is not None and routed[0] is not None:
         return routed[0].to(x.dtype).view(shape)
     ids, weights = routed[1:] if routed else route(cfg, x, w["router"], w.get("router_bias"),
@@ -243,7 +242,7 @@ def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
         return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
     gate = _shared_gate(x, w["shared_gate"]) if cfg.shared_gate else None
     # one token: the shared expert in the routed experts' native call, after them
-    if one and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
+    if len(x) == 1 and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
             w["shared_gate_up"], w["shared_down"], 1.0 if gate is None else gate.item()))
             ) is not None:
         return out.view(shape)

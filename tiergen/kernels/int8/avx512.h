@@ -249,7 +249,7 @@ static inline __m512 negated(__m512 v) {  /* -v, as C's unary minus: the sign bi
  * for rows at rows[r] (the bytes of their block b), idx: each row's offset from rows[0]. */
 static inline __attribute__((always_inline)) void
 regs_b32(const int TYPE, const uint8_t *const rows[16], __m512i idx, int two, Regs64 *rg) {
-    const int bytes = TYPE == 2 ? 18 : TYPE == 3 ? 20 : TYPE == 6 ? 22 : TYPE == 7 ? 24 : TYPE == 8 ? 34 : 17;
+    const int bytes = block_bytes(TYPE);
     const int at = TYPE == 39 ? 1 : TYPE == 2 ? 2 : TYPE == 3 ? 4 : TYPE == 6 ? 6 : TYPE == 7 ? 8 : 2;
     const int five = TYPE == 6 || TYPE == 7, mx = TYPE == 39, q8 = TYPE == 8;
     const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16),
@@ -412,51 +412,46 @@ regs_step(const int NR, const int QA, Regs64 *rg, int64_t T0, const int8_t *rest
 static inline __attribute__((always_inline)) void
 regs_rows(const int NR, const int QA, const int TYPE, const uint8_t *w, int64_t n, int64_t k,
           const Panels *P, int rows, float *y, int64_t ldy, int64_t r0) {
-    const int64_t qk = TYPE == 12 || TYPE == 13 || TYPE == 14 ? 256 : 32,
-                  bytes = TYPE == 2 ? 18 : TYPE == 3 ? 20 : TYPE == 6 ? 22 : TYPE == 7 ? 24 : TYPE == 8 ? 34
-                        : TYPE == 12 ? 144 : TYPE == 13 ? 176 : TYPE == 14 ? 210 : 17,
-                  row = k / qk * bytes;
-    {
-        const int ncols = n - r0 < 16 ? (int)(n - r0) : 16;
-        const uint8_t *base[16];
-        int32_t off[16];
-        for (int r = 0; r < 16; r++) {  /* rows past the matrix repeat its last (never stored) */
-            const int64_t at = (r < ncols ? r : ncols - 1) * row;
-            base[r] = w + r0 * row + at, off[r] = (int32_t)at;
+    const int64_t qk = block_values(TYPE), bytes = block_bytes(TYPE), row = k / qk * bytes;
+    const int ncols = n - r0 < 16 ? (int)(n - r0) : 16;
+    const uint8_t *base[16];
+    int32_t off[16];
+    for (int r = 0; r < 16; r++) {  /* rows past the matrix repeat its last (never stored) */
+        const int64_t at = (r < ncols ? r : ncols - 1) * row;
+        base[r] = w + r0 * row + at, off[r] = (int32_t)at;
+    }
+    const __m512i idx = _mm512_loadu_si512(off);
+    for (int64_t k0 = 0; k0 < k; k0 += IKC) {
+        const int64_t len = k - k0 < IKC ? k - k0 : IKC;
+        const int8_t *q = P->q + k0 * MI;
+        const float *s = P->s + k0 / 4 * MI, *sum = P->sum + k0 / SB * MI,
+                    *start = P->start + k0 / SB * MI;
+        __m512 acc[MI];
+        for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
+        Regs64 rg;
+        __m512 a8[8], c8[8];  /* (Q4_K, Q5_K: a block's, from its first quarter on) */
+        for (int64_t j = 0; j < len; j += 64) {
+            const int64_t b = (k0 + j) / qk;  /* the block holding value k0 + j */
+            const uint8_t *at[16];
+            for (int r = 0; r < 16; r++) {
+                at[r] = base[r] + b * bytes;
+                __builtin_prefetch((const char *)at[r] + 16 * row, 0, 3);
+            }
+            if (qk == 32) {
+                regs_b32(TYPE, at, idx, len - j >= 64, &rg);
+            } else if (TYPE == 14) {
+                regs_q6k(at, idx, (int)((k0 + j) % 256 / 64), &rg);
+            } else {
+                if ((k0 + j) % 256 == 0) regs_k_scales(at[0], idx, a8, c8);
+                regs_q4k(TYPE == 13, at, (int)((k0 + j) % 256 / 64), a8, c8, &rg);
+            }
+            regs_step(NR, QA, &rg, j / SB, q, s, sum, start, acc);
         }
-        const __m512i idx = _mm512_loadu_si512(off);
-        for (int64_t k0 = 0; k0 < k; k0 += IKC) {
-            const int64_t len = k - k0 < IKC ? k - k0 : IKC;
-            const int8_t *q = P->q + k0 * MI;
-            const float *s = P->s + k0 / 4 * MI, *sum = P->sum + k0 / SB * MI,
-                        *start = P->start + k0 / SB * MI;
-            __m512 acc[MI];
-            for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();
-            Regs64 rg;
-            __m512 a8[8], c8[8];  /* (Q4_K, Q5_K: a block's, from its first quarter on) */
-            for (int64_t j = 0; j < len; j += 64) {
-                const int64_t b = (k0 + j) / qk;  /* the block holding value k0 + j */
-                const uint8_t *at[16];
-                for (int r = 0; r < 16; r++) {
-                    at[r] = base[r] + b * bytes;
-                    __builtin_prefetch((const char *)at[r] + 16 * row, 0, 3);
-                }
-                if (qk == 32) {
-                    regs_b32(TYPE, at, idx, len - j >= 64, &rg);
-                } else if (TYPE == 14) {
-                    regs_q6k(at, idx, (int)((k0 + j) % 256 / 64), &rg);
-                } else {
-                    if ((k0 + j) % 256 == 0) regs_k_scales(at[0], idx, a8, c8);
-                    regs_q4k(TYPE == 13, at, (int)((k0 + j) % 256 / 64), a8, c8, &rg);
-                }
-                regs_step(NR, QA, &rg, j / SB, q, s, sum, start, acc);
-            }
-            const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
-            for (int i = 0; i < rows; i++) {
-                float *out = y + i * ldy + r0;
-                if (k0 > 0) acc[i] = _mm512_add_ps(acc[i], _mm512_maskz_loadu_ps(keep, out));
-                _mm512_mask_storeu_ps(out, keep, acc[i]);
-            }
+        const __mmask16 keep = (__mmask16)((1u << ncols) - 1);
+        for (int i = 0; i < rows; i++) {
+            float *out = y + i * ldy + r0;
+            if (k0 > 0) acc[i] = _mm512_add_ps(acc[i], _mm512_maskz_loadu_ps(keep, out));
+            _mm512_mask_storeu_ps(out, keep, acc[i]);
         }
     }
 }
@@ -741,8 +736,7 @@ row2_q6k(const uint8_t *restrict w0, const uint8_t *restrict w1, int64_t nb, int
  * minimums of Q4_1 and Q5_1 against xm; m activation rows, k apart. */
 static void q4_rows(const int type, const uint8_t *w, int64_t n, int64_t k, int64_t m,
                       const int8_t *xq, const float *xs4, float *y, int64_t ldy) {
-    const int64_t bytes = type == 2 ? 18 : type == 3 ? 20 : type == 6 ? 22 : type == 7 ? 24 : 17,
-                  nb = k / 32, row = nb * bytes, ahead = pair_ahead(row);
+    const int64_t bytes = block_bytes(type), nb = k / 32, row = nb * bytes, ahead = pair_ahead(row);
     const int32_t by = type == 2 ? -8 : type == 39 ? -12 : -16;
     int32_t nn[m * (k / 4)];
     float xm[type == 3 || type == 7 ? m * (k / 4) : 1];
