@@ -136,6 +136,25 @@ def test_amx_product_of_mixed_types_writes_each_parts_columns():
     torch.testing.assert_close(kernels.amx_linear(x, fused).double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_rounding_to_bfloat16_is_torchs(dtype):
+    """kernels.to_bfloat16 (C where the layout allows) gives Tensor.bfloat16()'s bits: halfway
+    cases to even, subnormals, infinities and NaN, for whole tensors and the cache's slices."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31, (2, 3, 70, 64), generator=g, dtype=torch.int64)
+    bits = bits.to(torch.int32) & ~0xFFFF | 0x8000 | (bits.to(torch.int32) & 0x10000)  # halfway
+    x = bits.view(torch.float32) if dtype == torch.float32 else torch.randn(2, 3, 70, 64).half()
+    x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40])
+    if dtype == torch.float32:
+        x.view(-1)[6:70] = torch.randn(64) * 1e-39  # subnormals
+    for t in (x, x[:, :, :45], x[1, 2], x[:, 1:, :33], x.transpose(2, 3), x[..., :17]):
+        got, want = kernels.to_bfloat16(t), t.bfloat16()
+        assert got.is_contiguous() and got.dtype == torch.bfloat16 and got.shape == t.shape
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_mixed_types_fuse_into_parts(kernel_path):
     q = random_packed(GGMLType.Q4_K, 64, 512, 1)
     kv = random_packed(GGMLType.Q6_K, 32, 512, 2)

@@ -36,7 +36,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             return kernels.split_rows(amx, lambda r: attention(
                 q[r], k[r], v[r], None if mask is None else mask[r], sparsity,
                 None if key_valid is None else key_valid[r]))
-        half = [t.bfloat16() for t in (q, k, v)]
+        half = [kernels.to_bfloat16(t) for t in (q, k, v)]
         return attention(*half, mask, sparsity, key_valid).float()
     kvh = k.shape[1]
     if (sinks is None and T == 1 and sparsity == 1

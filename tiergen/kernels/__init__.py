@@ -471,7 +471,7 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
     rows = x.shape[:-1].numel()
     padded = -(-rows // 32) * 32  # the engine's rows come in 32s
     xb = torch.empty(padded, K, dtype=torch.bfloat16)
-    xb[:rows].copy_(x.reshape(rows, K))
+    to_bfloat16(x.reshape(rows, K), xb[:rows])
     xb[rows:].zero_()
     y = torch.empty(padded, N)
     base = w.data.data_ptr()
@@ -480,6 +480,23 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
                              y.data_ptr() + 4 * row, N):
             return None
     return y[:rows].view(*x.shape[:-1], N)
+
+
+def to_bfloat16(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t.bfloat16()`` into ``out`` (contiguous, t's shape; None: a new tensor), to the bit.
+    Threaded in C, several times faster than torch's conversion, for a float32 or float16
+    CPU tensor whose last two dimensions are contiguous and whose others collapse into one
+    stride (a slice of the cache's slots does); other tensors take torch's."""
+    lib = library()
+    out = torch.empty(t.shape, dtype=torch.bfloat16) if out is None else out
+    if (lib is None or t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float16)
+            or t.dim() < 2 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]
+            or any(t.stride(d) != t.stride(d + 1) * t.shape[d + 1] for d in range(t.dim() - 3))):
+        return out.copy_(t)
+    rows, stride = t.shape[:-2].numel(), t.stride(-3) if t.dim() > 2 else 0
+    lib.tg_bf16(t.data_ptr(), t.dtype == torch.float16, rows, t.shape[-2] * t.shape[-1],
+                stride, out.data_ptr())
+    return out
 
 
 def _bfloat16_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tensor:

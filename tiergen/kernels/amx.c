@@ -10,12 +10,67 @@
  * have asked the kernel for the tile state (tiergen._platform.amx_usable) before calling.
  * tg_amx_bf16 says whether this build has the engine. */
 #include "amx.h"
+#include "blocks.h"
 #include "tiergen.h"
 
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* ---- Rounding to bfloat16 -------------------------------------------------------------
+ * To nearest even, subnormals kept, NaN to 0xffff: torch's Tensor.bfloat16() to the bit. */
+
+static inline uint16_t bf16_of(uint32_t u) {
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512F__)
+static inline __m256i bf16_16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                   _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+/* out[0..n) = v[0..n) (float32, or float16 where f16) rounded to bfloat16. */
+static inline void round_bf16(const void *v, int f16, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (f16)
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(out + i), bf16_16(_mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)((const uint16_t *)v + i)))));
+    else
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(out + i), bf16_16(_mm512_loadu_ps((const float *)v + i)));
+#endif
+    for (; i < n; i++) {
+        uint32_t u;
+        const float f = f16 ? half((const uint8_t *)v + 2 * i) : ((const float *)v)[i];
+        memcpy(&u, &f, 4);
+        out[i] = bf16_of(u);
+    }
+}
+
+#define BF16_PIECE 4096 /* values a thread rounds at a time */
+
+void tg_bf16(const void *src, int f16, int64_t rows, int64_t n, int64_t stride, uint16_t *dst) {
+    const int64_t pieces = (n + BF16_PIECE - 1) / BF16_PIECE, size = f16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (rows * n >= (1 << 15))
+    for (int64_t t = 0; t < rows * pieces; t++) {
+        const int64_t r = t / pieces, i = t % pieces * BF16_PIECE;
+        const int64_t len = n - i < BF16_PIECE ? n - i : BF16_PIECE;
+        round_bf16((const char *)src + (r * stride + i) * size, f16, len, dst + r * n + i);
+    }
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
 
 #define KC 2048 /* values of a panel decoded at a time: 128 KB of bfloat16, in L2 */
 
@@ -93,10 +148,7 @@ static void decode_panel(block_decoder decode, int qk, int bytes, const uint8_t 
                     continue;
                 }
                 decode(w + (col * nb + k0 / qk + b) * bytes, v);
-                uint32_t u[256];
-                memcpy(u, v, (size_t)qk * 4);
-                for (int i = 0; i < qk; i++)
-                    half[c][i] = (uint16_t)((u[i] + 0x7fffu + ((u[i] >> 16) & 1u)) >> 16);
+                round_bf16(v, 0, qk, half[c]);
             }
             for (int i = 0; i < qk / 2; i += 16) { /* the pairs i..i+15: one step's rows */
                 const int64_t p = b * qk / 2 + i;

@@ -58,6 +58,9 @@ int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16
 
 /* amx.c: bfloat16 products on AMX tiles (for tg_amx_linear) */
 int tg_amx_bf16(void);
+/* dst (rows, n) = src's rows (float32, or float16 where f16; row stride `stride` values)
+ * rounded to bfloat16 as torch rounds */
+void tg_bf16(const void *src, int f16, int64_t rows, int64_t n, int64_t stride, uint16_t *dst);
 
 /* int8.c: integer products on packed blocks */
 void tg_quantize_act(const float *x, int64_t m, int64_t k, int qa, int8_t *xq, int8_t *xl,
