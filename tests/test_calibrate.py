@@ -13,7 +13,8 @@ import torch
 
 import tiergen
 from tiergen import TiergenError
-from tiergen import calibration, cli
+from tiergen import calibration, cli, kernels
+from tiergen.devices import resolve_activations
 from tiergen.offload.policy import parse_size
 from tiergen.planner import calibrate as cb
 from tiergen.planner.calibrate import attention, compute, memory, storage, timing
@@ -96,10 +97,14 @@ def test_calibrate_cpu_gives_positive_finite_numbers(fast, disk):
     assert datetime.fromisoformat(cal.measured_at).tzinfo is not None
     assert list(disk.iterdir()) == []  # the test file is gone
     threads = ("", " x1") if torch.get_num_threads() > 1 else ("",)
-    assert set(cal.linear_rows) == {f"{p}{d}{t}" for p in ("", "packed-", "packed-exact-")
-                                    for d in ("float32", "bfloat16") for t in threads}
-    for table in cal.linear_rows.values():
-        assert list(table) == [str(r) for r in compute.LINEAR_ROWS]
+    # a long prompt's rows on AMX tiles, where they take them here (the integer path)
+    amx = {f"packed-amx-float32{t}" for t in threads
+           if kernels.amx_prompt(kernels.AMX_PROMPT, resolve_activations("auto", torch.device("cpu")))}
+    assert set(cal.linear_rows) == amx | {f"{p}{d}{t}" for p in ("", "packed-", "packed-exact-")
+                                          for d in ("float32", "bfloat16") for t in threads}
+    for name, table in cal.linear_rows.items():
+        rows = compute.AMX_ROWS if name in amx else compute.LINEAR_ROWS
+        assert list(table) == [str(r) for r in rows]
         assert all(_positive(v) for v in table.values())
     assert cal.link["reduce_latency"] == 1e-3
 

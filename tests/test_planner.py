@@ -15,9 +15,9 @@ from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
 from tiergen.offload.weights import WeightPlan
 from tiergen import calibration, cli
-from tiergen.planner import calibrate, search
+from tiergen.planner import calibrate, paper, search
 from tiergen.calibration import Calibration
-from tiergen.planner.cost import Workload, blocks, estimate, touched_experts
+from tiergen.planner.cost import PlacedWeights, Workload, blocks, estimate, touched_experts
 from tiergen.planner.search import choose_policy, format_plan, kv_cache_line, plan, policy_flags
 from tiergen.weights import open_model
 from tiny_models import build
@@ -174,6 +174,24 @@ def test_faster_matmuls_predict_less_time():
     assert total_seconds(faster, policy) < total_seconds(CPU, policy)
 
 
+@pytest.mark.parametrize("prompt_len,faster", [(512, True), (64, False)])
+def test_a_long_prompts_packed_products_take_the_rates_measured_on_amx(prompt_len, faster):
+    """Where calibration timed packed products on AMX tiles (packed-amx-), a prompt of
+    AMX_PROMPT tokens or more is predicted at those rates; shorter prompts and the decode
+    steps keep the integer kernels' (kernels.amx_prompt)."""
+    packed = {"1": 50e9, "8": 10e9, "256": 1e9}
+    cal = dataclasses.replace(CPU, linear_rows={"float32": packed, "packed-float32": packed})
+    amx = dataclasses.replace(cal, linear_rows={**cal.linear_rows,
+                                                "packed-amx-float32": {"128": 4e9, "512": 2e9}})
+    placed = PlacedWeights.make(SMOL, torch.float32, Policy(), "cpu")
+    placed.layers = [dataclasses.replace(s, packed_params=s.params) for s in placed.layers]
+    work = Workload(prompt_len=prompt_len, gen_len=8, batch=4)
+    with_amx, without = (estimate(SMOL, torch.float32, Policy(), work, c, placed=placed)
+                         for c in (amx, cal))
+    assert (with_amx.prefill_seconds < without.prefill_seconds) == faster
+    assert with_amx.decode_seconds == without.decode_seconds
+
+
 def test_compression_speeds_up_disk_bound_decode():
     for field in ("weights", "cache"):
         plain = Policy(**{field: (0, 0)}, gpu_batch_size=32)
@@ -262,6 +280,17 @@ def test_plan_command_prints_the_plan(tiny, monkeypatch, capsys):
     assert "--percent" in out and "tok/s" in out and out.count("  or  ") == 2
 
 
+def test_plan_command_plans_a_packed_model_in_the_dtype_it_runs(monkeypatch, capsys):
+    """A GGUF model's matrices stay packed and it runs in float32 on a CPU (resolve_dtype),
+    whatever bfloat16 would do for its checkpoint: the plan is for that dtype, here or on a
+    machine profile (CPU's bfloat16 matmul is measured faster than its float32)."""
+    argv = ["-m", "smollm2", "--prompt-len", "8", "--gen-len", "4", "--device", "cpu"]
+    assert run_plan(argv, monkeypatch) == 0
+    assert "float32 on cpu" in capsys.readouterr().out
+    assert paper.default_dtype(CPU, torch.bfloat16, packed=True) == torch.float32
+    assert paper.default_dtype(CPU, torch.float32) == torch.bfloat16
+
+
 def test_plan_command_measures_when_uncalibrated(tiny, monkeypatch, capsys):
     _, path = tiny("llama-gqa-tied")
     monkeypatch.setattr(calibrate, "get", lambda device, progress=False: CPU)
@@ -313,7 +342,6 @@ PARAMETERS = {"llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.55e9, "qwen2.5-72b": 7
 
 @pytest.mark.parametrize("name", sorted(PARAMETERS))
 def test_shipped_configs_have_the_models_sizes(name):
-    from tiergen.planner import paper
 
     cfg, dtype = paper.load_config(name)
     model = build_model(cfg)
@@ -338,7 +366,6 @@ def test_plan_on_paper_for_a_shipped_model_and_machine(capsys):
 
 
 def test_a_calibration_file_is_a_machine_profile(tmp_path, capsys, monkeypatch):
-    from tiergen.planner import paper
 
     cal = dataclasses.replace(CPU, hardware={"cpu": "x", "ram_gib": "24.0"})
     path = calibration.save(cal, tmp_path / "calibration.json")  # as tiergen calibrate writes it
@@ -370,7 +397,6 @@ def test_plan_on_paper_errors(argv, match):
 
 
 def test_a_profile_without_calibration_fields_is_refused(tmp_path):
-    from tiergen.planner import paper
 
     bad = tmp_path / "m.json"
     bad.write_text('{"hardware": {}, "disk_read": 1e9}')

@@ -494,17 +494,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise TiergenError(f"--{name.replace('_', '-')} must be a positive integer, "
                                f"got {getattr(args, name)}")
     if args.config:
-        (cfg, checkpoint_dtype), source = paper.load_config(args.config), None
+        (cfg, checkpoint_dtype), source, packed = paper.load_config(args.config), None, False
     else:
         files = open_model(args.model, packed=not getattr(args, "dequantize", False),
                            quantize=args.quantize)
         cfg, checkpoint_dtype, source = files.config, files.default_dtype, files.source
+        packed = files.packed
     workload = Workload(args.prompt_len, args.gen_len, args.batch)
     if workload.prompt_len + workload.gen_len > cfg.context_length:
         raise TiergenError(f"--prompt-len {workload.prompt_len} plus --gen-len "
                            f"{workload.gen_len} exceeds the model's context of "
                            f"{cfg.context_length} tokens")
-    cal, budgets, dtype = _machine(args, checkpoint_dtype)
+    cal, budgets, dtype = _machine(args, checkpoint_dtype, packed)
     device_type = cal.device_type
     compress = not args.no_compression
     stages, tensor = args.pipeline_parallel, args.tensor_parallel
@@ -528,9 +529,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _machine(args: argparse.Namespace, checkpoint_dtype):
-    """The calibration, budgets and compute dtype of the plan: a machine profile's, or this
-    machine's (measured now if it was never calibrated)."""
+def _machine(args: argparse.Namespace, checkpoint_dtype, packed: bool):
+    """The calibration, budgets and compute dtype of the plan (``packed``: the model's
+    matrices stay packed): a machine profile's, or this machine's (measured now if it was
+    never calibrated)."""
     import torch
 
     from tiergen.devices import resolve_device, resolve_dtype
@@ -546,13 +548,13 @@ def _machine(args: argparse.Namespace, checkpoint_dtype):
         if args.device:
             raise TiergenError("--device and --machine exclude each other: the profile says "
                                f"which device it describes ({m.calibration.device})")
-        dtype = (paper.default_dtype(m.calibration, checkpoint_dtype) if args.dtype == "auto"
-                 else getattr(torch, args.dtype))
+        dtype = (paper.default_dtype(m.calibration, checkpoint_dtype, packed)
+                 if args.dtype == "auto" else getattr(torch, args.dtype))
         print(f"machine: {m.name}" + (f" ({m.note})" if m.note else ""))
         return (m.calibration, Budgets(budget(args.device_memory, m.budgets.device),
                                        budget(args.host_memory, m.budgets.host)), dtype)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)
+    dtype = resolve_dtype(args.dtype, device, checkpoint_dtype, packed)
     gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     cal = calibrate.load(device)
     if cal is None:

@@ -13,7 +13,8 @@ Simplifications (``benchmarks/bench_plan.py`` measures how far they hold):
   those figures, FLOPs at the large-GEMM rate plus weight bytes at the batch-1 GEMV rate (they
   add up rather than overlap: measured). Each layer call adds the calibrated dispatch overhead
   (``LAYER_OVERHEAD_S`` without one); unmeasured dtypes use the float32 figures. Chunked
-  prefill loads the weights once per chunk.
+  prefill loads the weights once per chunk. A prompt of ``AMX_PROMPT`` tokens or more
+  multiplies packed weights at the rates measured on AMX tiles, where the calibration has them.
 - Attention costs max(FLOPs at the GEMM rate, cache bytes read at the CPU attention rate on a
   CPU, the GEMV rate (device memory) on a GPU); ``attn_sparsity`` shrinks the V half.
 - MoE: b tokens make b * top_k independent uniform picks among E routed experts, touching
@@ -40,6 +41,7 @@ from tiergen.engine.executor import block_needs, cache_compression
 from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK, chunks
 from tiergen.engine.generate import prefill_chunk as prefill_chunk_of
 from tiergen.errors import TiergenError
+from tiergen.kernels import AMX_PROMPT
 from tiergen.models import build_model
 from tiergen.models.base import ModelFamily
 from tiergen.offload.experts import is_expert
@@ -165,6 +167,7 @@ class _Env:
 
     dtype_name: str = "float32"
     head: int = 0  # LM head parameters (vocabulary x hidden) this model's last step runs
+    prompt_len: int = 0  # the workload's, which decides whether its rows take AMX tiles
 
     @property
     def dequant(self) -> float:
@@ -183,15 +186,18 @@ class _Env:
         """Seconds of dispatch per layer call: measured by calibration, else a guess."""
         return self.cal.layer_overhead or LAYER_OVERHEAD_S
 
-    def linear(self, params: float, rows: float, packed: bool = False) -> float:
+    def linear(self, params: float, rows: float, packed: bool = False,
+               amx: bool = False) -> float:
         """Seconds to multiply ``params`` weights by ``rows`` rows: from the calibrated
         rates at each row count (interpolated; beyond the largest, compute grows with the
         rows), or else FLOPs at the GEMM rate plus the weights' bytes at the GEMV rate (they
-        add up rather than overlap on a CPU: measured)."""
+        add up rather than overlap on a CPU: measured). ``amx``: a long prompt's rows, whose
+        packed products take AMX tiles where the calibration measured them there."""
         if not params:
             return 0.0
-        table = self.cal.linear_rows.get(f"packed-{self.dtype_name}" if packed
-                                         else self.dtype_name)
+        names = ([f"packed-amx-{self.dtype_name}"] * amx + [f"packed-{self.dtype_name}"]
+                 if packed else [self.dtype_name])
+        table = next((t for n in names if (t := self.cal.linear_rows.get(n))), None)
         if not table:
             return 2 * params * rows / self.matmul + params * self.itemsize / self.gemv
         points = sorted((int(r), 1 / v) for r, v in table.items())  # (rows, s per param)
@@ -251,8 +257,9 @@ def _compute(layer: LayerShape, tier: str, rows: int, new: int, before: float,
              act_tier: str, env: _Env) -> float:
     """Seconds one micro-batch spends in a layer on the compute thread."""
     c, tokens = env.cfg, rows * new
+    amx = new > 1 and env.prompt_len >= AMX_PROMPT  # kernels.amx_prompt, by the whole prompt
     t = env.linear(layer.params - layer.packed_params, tokens) + env.overhead \
-        + env.linear(layer.packed_params, tokens, packed=True)
+        + env.linear(layer.packed_params, tokens, packed=True, amx=amx)
     if c.moe and layer.expert_params:  # each touched expert multiplies its share of the picks
         touched = env.picks(tokens)
         t += touched * env.linear(layer.expert_params, tokens * c.moe.top_k / touched)
@@ -318,7 +325,7 @@ def estimate(cfg: ModelConfig, dtype: torch.dtype, policy: Policy, workload: Wor
                cal.gemv.get(name) or cal.gemv["float32"],
                cfg.kv_bytes_per_token(dtype.itemsize) // cfg.num_layers,
                _cache_ratio(cfg, dtype, policy), name,
-               cfg.vocab_size * cfg.hidden_size if head is None else head)
+               cfg.vocab_size * cfg.hidden_size if head is None else head, p)
     groups = Counter(zip(placed.layers, tiers_for(cfg.num_layers, policy.cache_split)))
     cut = blocks(policy, batch, max_batch_size)
     prefill = decode = 0.0

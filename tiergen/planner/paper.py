@@ -86,12 +86,16 @@ def load_machine(spec: str) -> Machine:
                    Budgets(device, size("host_memory", hw.get("ram_gib"))), str(raw.get("note", "")))
 
 
-def default_dtype(cal: Calibration, checkpoint: torch.dtype | None) -> torch.dtype:
+def default_dtype(cal: Calibration, checkpoint: torch.dtype | None,
+                  packed: bool = False) -> torch.dtype:
     """What ``dtype="auto"`` would pick on that machine: on a GPU a half precision it has
-    figures for, the checkpoint's first; on a CPU bfloat16 for a bfloat16 checkpoint or where it
-    was measured faster, else float32."""
+    figures for, the checkpoint's first; on a CPU float32 for a model whose matrices stay
+    packed (as ``resolve_dtype``), else bfloat16 for a bfloat16 checkpoint or where it was
+    measured faster, else float32."""
     if cal.device_type == "cuda":  # the checkpoint's half type, else one the GPU was measured in
         halves = [d for d in (checkpoint, torch.bfloat16, torch.float16)
                   if d in (torch.float16, torch.bfloat16)]
         return next((d for d in halves if str(d).removeprefix("torch.") in cal.matmul), halves[0])
+    if packed:
+        return torch.float32
     return cpu_auto_dtype(checkpoint, cal.matmul.get("bfloat16", 0) > cal.matmul.get("float32", 0))

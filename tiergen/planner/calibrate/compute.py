@@ -13,7 +13,7 @@ from tiergen.cache.step import StepMeta
 from tiergen.calibration import ONE_THREAD
 from tiergen.config import ModelConfig
 from tiergen.devices import resolve_activations
-from tiergen.kernels import activations_set
+from tiergen.kernels import AMX_PROMPT, activations_set, amx_prompt, rows_on_amx
 from tiergen.models import layers
 from tiergen.models.llama import Llama
 from tiergen.offload.compress import decompress, decompress_rows, compress, compress_rows
@@ -27,6 +27,7 @@ GEMV = (2048, 8192)  # (K, N): (1, K) @ (K, N)
 GEMV_BYTES = 256 * 2**20  # weights cycled per gemv run: more than any L2/L3, so it hits RAM
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of the (rows, K) @ (K, N) products timed
 LINEAR_BYTES = 64 * 2**20  # weights cycled at the few-row counts (those read weights)
+AMX_ROWS = (128, 256, 512)  # prompt rows timed on AMX tiles, where a long prompt's go
 
 
 def matmul_dtypes(dev: torch.device) -> list[torch.dtype]:
@@ -80,26 +81,30 @@ def random_q4_0(n: int, k: int, dev: torch.device):
     return Packed(blocks.reshape(-1).to(dev), (n, k), ((GGMLType.Q4_0, n),))
 
 
-def measure_linear_rows(dev: torch.device, dtype: torch.dtype, packed: bool = False
-                         ) -> dict[str, float]:
+def measure_linear_rows(dev: torch.device, dtype: torch.dtype, packed: bool = False,
+                        amx: bool = False) -> dict[str, float]:
     """Weight parameters/s that tiergen's ``linear`` multiplies by (rows, 2048) inputs, for
     each row count of LINEAR_ROWS: few rows read the weights (cycled through more memory
     than the caches hold, as a model's layers are), many rows compute. Each kind of weight
-    has its own steps between the two (bfloat16 without native support, packed blocks)."""
+    has its own steps between the two (bfloat16 without native support, packed blocks).
+    ``amx``: packed products of a long prompt's rows, on AMX tiles, at AMX_ROWS instead."""
     k, n = GEMV
     first = random_q4_0(n, k, dev) if packed else torch.randn(n, k, device=dev).to(dtype)
     weights = [first] + [(replace(first, data=first.data.clone()) if packed else first.clone())
                          for _ in range(max(1, LINEAR_BYTES // first.nbytes) - 1)]
     out = {}
-    for rows in LINEAR_ROWS:
+    for rows in AMX_ROWS if amx else LINEAR_ROWS:
         x = torch.randn(rows, k, device=dev).to(dtype)
+        if amx:  # one prompt's rows, as a step gives them
+            x = x[None]
         use = weights if rows < 32 else weights[:1]
 
         def run() -> None:
             for w in use:
                 layers.linear(x, w)
 
-        out[str(rows)] = len(use) * n * k / seconds(run, dev, quick=True)
+        with rows_on_amx(torch.ones(1, dtype=torch.bool) if amx else None):
+            out[str(rows)] = len(use) * n * k / seconds(run, dev, quick=True)
     return out
 
 
@@ -107,7 +112,8 @@ def products(dev: torch.device, dtype: torch.dtype, name: str) -> dict[str, dict
     """linear_rows's tables for ``dtype``: dense and packed, with all threads and (on a CPU
     of several) with one. Packed products are measured as an LLM runs them by default
     (``activations="auto"``: the integer path on a CPU), and on a CPU on the float path too
-    ("packed-exact-")."""
+    ("packed-exact-"); where a long prompt's rows take AMX tiles there, those too
+    ("packed-amx-")."""
     out = {}
     threads = torch.get_num_threads()
     paths = [("packed-", resolve_activations("auto", dev))]
@@ -120,6 +126,10 @@ def products(dev: torch.device, dtype: torch.dtype, name: str) -> dict[str, dict
             for prefix, kind in paths:
                 with activations_set(kind):
                     out[f"{prefix}{name}{suffix}"] = measure_linear_rows(dev, dtype, packed=True)
+                    if prefix == "packed-" and dtype == torch.float32 and amx_prompt(
+                            AMX_PROMPT, kind):
+                        out[f"packed-amx-{name}{suffix}"] = measure_linear_rows(
+                            dev, dtype, packed=True, amx=True)
         finally:
             torch.set_num_threads(threads)
     return out
