@@ -8,11 +8,18 @@ oneDNN reads its ceiling once.
                                                  # oneDNN's, none
     python benchmarks/bench_amx.py --kld         # KL divergence from the float path, off and on
     python benchmarks/bench_amx.py --packed      # a Q4_1 matrix on the tiles: amx.c, oneDNN
+    python benchmarks/bench_amx.py --experts     # a MoE prompt, experts on the tiles or not
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
 of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
 ``kernels.AMX_PROMPT`` past any prompt; --prompt's "onednn" turn decodes each matrix to float32,
 rounds it to bfloat16 and lets torch's matmul (oneDNN) multiply on the tiles instead of amx.c.
+--experts builds random mixture-of-experts Q4_0 GGUFs once (in --dir; hidden 1024, 4 layers,
+each but the first of 32 experts of 512): Qwen3-MoE-shaped (4 experts a token) and
+Qwen2-MoE-shaped (the same and a shared expert of 2,048), and times one 2,048-token prompt in
+prompt chunks of --chunk with tiergen's choice of the tiles for their experts
+(moe.routed_on_tiles: the shared ones; the routed ones where an expert takes a quarter of the
+tokens), with all the experts on the tiles, and with none, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -125,6 +132,51 @@ def prompt(tiles: str) -> None:
     print(f"tiles {tiles}: {4096 / (time.perf_counter() - start):.0f} tok/s")
 
 
+MOE = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+           num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=32,
+           num_experts_per_tok=4, moe_intermediate_size=512, max_position_embeddings=4096)
+SHAPES_MOE = {"qwen3-moe": MOE, "qwen2-moe": MOE | dict(shared_expert_intermediate_size=2048)}
+
+
+def moe_gguf(directory: Path, case: str) -> Path:
+    """The random MoE Q4_0 GGUF of --experts shaped as ``case``, written once."""
+    path = directory / f"{case}-q4_0.gguf"
+    if not path.exists():
+        import gguf
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from test_gguf_moe import write_moe_gguf
+        from tiny_models import build
+
+        hf = build(case, directory / case, **SHAPES_MOE[case])
+        write_moe_gguf(hf, directory / case, case, path, gguf.GGMLQuantizationType.Q4_0)
+    return path
+
+
+def experts(path: str, tiles: str, chunk: int) -> None:
+    import torch
+
+    import tiergen.models.moe as moe
+    from tiergen import LLM, SamplingParams
+
+    if tiles == "none":
+        moe._tokens_mlp = lambda mlp, x, tiles: mlp(x)
+    elif tiles == "all":
+        moe.routed_on_tiles = lambda cfg: True
+    llm = LLM(path, prefill_chunk_size=chunk)
+    ids = torch.randint(10, MOE["vocab_size"], (2048,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate([ids[:300]], params)  # warm-up
+    best = 0.0
+    for _ in range(2):
+        start = time.perf_counter()
+        llm.generate([ids], params)
+        best = max(best, len(ids) / (time.perf_counter() - start))
+    print(f"{Path(path).stem}, chunks of {chunk}, experts on the tiles: {tiles}: "
+          f"{best:.0f} tok/s (best of two)")
+
+
 def kld(model: str) -> None:
     """The first 1,024 tokens of tests/data/perplexity.txt, prompt chunks of 512."""
     from tiergen import LLM, kernels
@@ -151,10 +203,16 @@ def main() -> None:
     ap.add_argument("--prompt", action="store_true")
     ap.add_argument("--kld", action="store_true")
     ap.add_argument("--packed", action="store_true")
+    ap.add_argument("--experts", action="store_true")
+    ap.add_argument("--dir", type=Path, default=Path("/var/tmp/tiergen-amx-moe"))
     ap.add_argument("--child-prompt", choices=["on", "onednn", "off"], help=argparse.SUPPRESS)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--child-experts", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_prompt:
         return prompt(args.child_prompt)
+    if args.child_experts:
+        return experts(*args.child_experts, args.chunk)
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}), {args.threads} threads; "
           f"AMX usable: {amx_usable()}")
@@ -166,6 +224,14 @@ def main() -> None:
         return
     if args.packed:
         return packed()
+    if args.experts:
+        for case in SHAPES_MOE:
+            path = moe_gguf(args.dir, case)
+            for _ in range(2):
+                for tiles in ("tiergen", "all", "none"):
+                    subprocess.run([sys.executable, __file__, "--child-experts", str(path), tiles,
+                                    "--chunk", str(args.chunk)], check=True)
+        return
     if args.kld:
         for model in ("smollm2", "gemma3-270m"):
             kld(model)

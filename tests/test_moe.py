@@ -316,3 +316,58 @@ def test_native_routing_chooses_as_the_tensor_operations(rows, method, scoring, 
     ids, _ = moe.route(cfg, torch.full_like(x, float("nan")), gate, None)
     assert all(sorted(set(row)) == sorted(row) and 0 <= min(row) and max(row) < 32
                for row in ids.tolist())
+
+
+@pytest.mark.parametrize("n,shared", [(6, 0), (16, 96)], ids=["routed", "shared"])
+def test_a_long_prompts_experts_multiply_on_amx_tiles_apart_from_the_others(n, shared,
+                                                                           monkeypatch):
+    """On the integer path, the tokens of a step's rows on AMX tiles (long prompts) go
+    through their shared experts on the tiles too, and through their routed experts there
+    where each expert takes a quarter of the tokens or more (routed_on_tiles: 2 of 6 do, 2 of
+    16 do not); the other rows' tokens through the integer kernels, apart. Batch invariant,
+    each row's numbers are those it gets alone, whatever the tokens beside it chose (one
+    token too)."""
+    from tiergen import kernels
+    from tiergen._platform import amx_usable
+    from tiergen.config import MoEConfig
+    from tiergen.weights.packed import stack
+    from tiergen.weights.quant import GGMLType
+    from test_packed import random_packed
+
+    hidden, inter = 128, 64
+    cfg = MoEConfig(num_experts=n, top_k=2, intermediate_size=inter,
+                    shared_intermediate_size=shared)
+    assert moe.routed_on_tiles(cfg) == (n == 6)
+    q4 = GGMLType.Q4_0
+    w = {"router": torch.randn(n, hidden, generator=torch.Generator().manual_seed(0)),
+         "experts": moe.Experts(
+             stack([random_packed(q4, 2 * inter, hidden, seed=e) for e in range(n)]),
+             stack([random_packed(q4, hidden, inter, seed=n + e) for e in range(n)]))}
+    if shared:
+        w["shared_gate_up"] = random_packed(q4, 2 * shared, hidden, seed=2 * n)
+        w["shared_down"] = random_packed(q4, hidden, shared, seed=2 * n + 1)
+    tiled = set()
+    real = kernels._bfloat16_linear
+    monkeypatch.setattr(kernels, "_bfloat16_linear",
+                        lambda x, w, b: tiled.add(tuple(w.shape)) or real(x, w, b))
+    g = torch.Generator().manual_seed(3)
+    for T in (9, 1):
+        x = torch.randn(3, T, hidden, generator=g)
+        with kernels.activations_set("int8", batch_invariant=True):
+            rows = kernels.amx_rows(torch.tensor([300, 20, 300]))
+            if rows is None:  # no AMX here: every row on the integer kernels
+                assert not amx_usable()
+                return
+            with kernels.rows_on_amx(rows):
+                got = moe.moe_mlp(cfg, w, x)
+            alone = []
+            for r in range(3):
+                with kernels.rows_on_amx(rows[r:r + 1] if rows[r] else None):
+                    alone.append(moe.moe_mlp(cfg, w, x[r:r + 1]))
+            integer = moe.moe_mlp(cfg, w, x[:1])  # outside a step: the integer kernels
+        for r in range(3):
+            assert torch.equal(got[r:r + 1], alone[r]), (T, r)
+        assert not torch.equal(got[:1], integer)
+        torch.testing.assert_close(got[:1], integer, rtol=0.05, atol=0.05 * integer.abs().max())
+    routed = {(2 * inter, hidden), (hidden, inter)}
+    assert tiled == (routed if n == 6 else {(2 * shared, hidden), (hidden, shared)})

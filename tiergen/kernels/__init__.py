@@ -300,6 +300,15 @@ def split_rows(rows: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor])
     return y
 
 
+def tokens_on_amx(step: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+                  ) -> torch.Tensor:
+    """``step`` over tokens x (N, H) of rows on AMX tiles (gathered from them, as a
+    mixture-of-experts layer gathers an expert's tokens), each token as a row of its own, so
+    that their products take the tiles as their rows' do."""
+    with rows_on_amx(torch.ones(len(x), dtype=torch.bool)):
+        return step(x[:, None])[:, 0]
+
+
 def matrix_descriptor(w: Packed) -> ctypes.Array:
     """``w`` as the C kernels take a packed matrix of several parts: {rows, columns, parts,
     then (GGML type, rows, address, its kept tiles' address or 0) for each part}."""

@@ -137,12 +137,14 @@ def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                   experts: Experts, cfg: MoEConfig) -> torch.Tensor:
+                   experts: Experts, cfg: MoEConfig, tiles: bool = False) -> torch.Tensor:
     """Mix the chosen experts' outputs for tokens x (N, H); returns (N, H) in x's dtype.
     Under tensor parallelism a rank holds ``cfg.local_experts``, ``experts`` indexed from
-    its first; the others' shares are left to their ranks."""
+    its first; the others' shares are left to their ranks. ``tiles``: the tokens are of rows
+    on AMX tiles, and so are their experts' products (:func:`moe_mlp`)."""
     local = cfg.local_experts
-    if len(x) == 1 and (out := _one_token(x, ids, weights, experts, cfg)) is not None:
+    if (len(x) == 1 and not tiles
+            and (out := _one_token(x, ids, weights, experts, cfg)) is not None):
         return out
     k = ids.shape[1]
     flat, mix = ids.flatten(), weights.flatten()
@@ -155,7 +157,7 @@ def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     for e in active:
         slots = order[ends[e] - counts[e]:ends[e]]
         tokens = slots // k
-        y = experts.mlp(e - local.start, x[tokens], cfg)
+        y = _tokens_mlp(lambda t: experts.mlp(e - local.start, t, cfg), x[tokens], tiles)
         out.index_add_(0, tokens, y * mix[slots, None].to(y.dtype))
     return out
 
@@ -225,32 +227,58 @@ def _shared_gate(x: torch.Tensor, weight: torch.Tensor | Packed) -> torch.Tensor
     return torch.sigmoid(logits)
 
 
+def routed_on_tiles(cfg: MoEConfig) -> bool:
+    """Whether the routed experts of a long prompt's tokens multiply on AMX tiles, as the
+    shared ones do: where an expert takes a quarter of the tokens or more on average (128 of a
+    prompt chunk of 512), since amx.c decodes an expert's matrices at every product. 64 tokens
+    do not repay it (0.89x), 128 about do (1.03-1.05x), 256 do (1.09-1.16x): 32 experts of
+    512 choosing 4, chunks of 512, 1,024 and 2,048 (``python benchmarks/bench_amx.py
+    --experts [--chunk N]``, 2-core AMX Xeon). The model's choice, not the step's: a token's
+    numbers stay what its row gets alone."""
+    return 4 * cfg.top_k >= cfg.num_experts
+
+
+def _tokens_mlp(mlp, x: torch.Tensor, tiles: bool) -> torch.Tensor:
+    """``mlp`` on tokens x (N, H); with ``tiles``, as tokens of rows on AMX tiles."""
+    return kernels.tokens_on_amx(mlp, x) if tiles else mlp(x)
+
+
 def moe_mlp(cfg: MoEConfig, w: dict, x: torch.Tensor) -> torch.Tensor:
     """The MoE MLP of a layer on x (B, T, H): routed experts plus shared experts.
 
     ``w`` holds "router" (E, H), "experts" (an :class:`Experts`) and, with shared experts,
-    "shared_gate_up", "shared_down" and optionally "shared_gate" (1, H).
+    "shared_gate_up", "shared_down" and optionally "shared_gate" (1, H). The tokens of a
+    step's rows on AMX tiles (long prompts, :func:`~tiergen.kernels.rows_on_amx`) go apart
+    from the others', through their shared experts on the tiles too, and through their routed
+    ones there where :func:`routed_on_tiles`.
     """
+    amx = kernels.on_amx(x.shape[0]) if x.dim() == 3 else None
+    if amx is not None and not bool(amx.all()):
+        return kernels.split_rows(amx, lambda r: moe_mlp(cfg, w, x[r]))
+    tiles = amx is not None
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    routed = _one_token_at_hand(cfg, w, x) if len(x) == 1 else None
+    one = len(x) == 1 and not tiles  # one token: the native calls, where they take it
+    routed = _one_token_at_hand(cfg, w, x) if one else None
     if routed is not None and routed[0] is not None:
         return routed[0].to(x.dtype).view(shape)
     ids, weights = routed[1:] if routed else route(cfg, x, w["router"], w.get("router_bias"),
                                                      w.get("router_logit_bias"))
+    routed_tiles = tiles and routed_on_tiles(cfg)
     if not cfg.shared_intermediate_size:
-        return routed_experts(x, ids, weights, w["experts"], cfg).view(shape)
+        return routed_experts(x, ids, weights, w["experts"], cfg, routed_tiles).view(shape)
     gate = _shared_gate(x, w["shared_gate"]) if cfg.shared_gate else None
     # one token: the shared expert in the routed experts' native call, after them
-    if len(x) == 1 and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
+    if one and (out := _one_token(x, ids, weights, w["experts"], cfg, shared=(
             w["shared_gate_up"], w["shared_down"], 1.0 if gate is None else gate.item()))
             ) is not None:
         return out.view(shape)
     w["experts"].announce(ids, cfg.local_experts)  # read while the shared experts run
-    shared = swiglu_mlp(x, w["shared_gate_up"], w["shared_down"])
+    shared = _tokens_mlp(lambda t: swiglu_mlp(t, w["shared_gate_up"], w["shared_down"]), x, tiles)
     if gate is not None:
         shared = gate * shared
-    return (routed_experts(x, ids, weights, w["experts"], cfg) + shared).view(shape)
+    return (routed_experts(x, ids, weights, w["experts"], cfg, routed_tiles) + shared
+            ).view(shape)
 
 
 # -- the feed-forward part of a layer: a dense SwiGLU MLP, or a MoE one ---------------------
