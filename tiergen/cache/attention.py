@@ -131,6 +131,30 @@ def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return torch.cat(out, dim=2)
 
 
+def rows_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               sinks: torch.Tensor, query_valid: torch.Tensor, key_slots: torch.Tensor
+               ) -> torch.Tensor:
+    """Sink attention, batch invariant: each row's own queries (``query_valid`` (B, T)) over
+    the keys they see, in timeline order (``key_slots`` (S,): each key's timeline slot), as
+    the row runs alone. Over the padded slots, or a ring's keys in the order of its turn, the
+    softmax's sums and the products would fall in other lanes, so a row's numbers would
+    depend on the rows beside it. A padding query's output is 0."""
+    B, H, T, _ = q.shape
+    if mask is None:  # plain causal: the T queries are the last T of the S keys
+        S = k.shape[2]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+    out = q.new_zeros(B, H, T, v.shape[-1])
+    for b in range(B):
+        queries = query_valid[b].nonzero()[:, 0]
+        own = mask[b if len(mask) > 1 else 0, 0, queries]  # (T', S)
+        keys = own.any(0).nonzero()[:, 0]
+        keys = keys[key_slots[keys].argsort()]
+        out[b, :, queries] = _sink_attention(q[b:b + 1, :, queries], k[b:b + 1, :, keys],
+                                             v[b:b + 1, :, keys], own[None, None][..., keys],
+                                             sinks)[0]
+    return out
+
+
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      key_valid: torch.Tensor) -> torch.Tensor:
     """A prompt chunk's attention over the cache before it plus itself, without SDPA's masked

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from tiergen import kernels
+from tiergen.cache.attention import attention, rows_alone
 from tiergen.cache.step import StepMeta
-from tiergen.cache.attention import attention
 
 
 class KVView:
@@ -35,6 +36,10 @@ class KVView:
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta,
                 sinks: torch.Tensor | None) -> torch.Tensor:
         k_all, v_all = self.update(k, v, meta)
+        if sinks is not None and kernels.batch_invariant():  # see rows_alone
+            return rows_alone(q, k_all, v_all, meta.mask, sinks,
+                              meta.valid[:, meta.start:meta.end],
+                              torch.arange(k_all.shape[2], device=q.device))
         return attention(q, k_all, v_all, meta.mask, self.sparsity, meta.valid[:, :meta.end],
                          sinks)
 
@@ -107,18 +112,23 @@ class RollingKVView(KVView):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMeta,
                 sinks: torch.Tensor | None) -> torch.Tensor:
+        alone = sinks is not None and kernels.batch_invariant()  # see rows_alone
+        queries = meta.valid[:, meta.start:meta.end]
         if k.shape[2] == 1:  # decode: write first, then the ring is exactly the window
             self._write(k, v, meta)
+            if alone:
+                return rows_alone(q, self.k, self.v, self._decode_mask(meta), sinks, queries,
+                                  self._slots(meta.end, q.device))
             return attention(q, self.k, self.v, self._decode_mask(meta), self.sparsity,
                              sinks=sinks)
-        own = torch.arange(meta.start, meta.end, device=q.device)
-        if meta.start == 0:  # the ring holds nothing yet: the chunk's own keys
-            out = attention(q, k, v, self._mask(own, meta), key_valid=meta.valid[:, :meta.end],
-                            sinks=sinks)
-        else:
-            key_slots = torch.cat([self._slots(meta.start, q.device), own])
-            out = attention(q, torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2),
-                            self._mask(key_slots, meta), sinks=sinks)
+        slots = torch.arange(meta.start, meta.end, device=q.device)
+        keys, valid = (k, v), meta.valid[:, :meta.end]
+        if meta.start > 0:  # the ring as it was, then the chunk's own keys
+            slots = torch.cat([self._slots(meta.start, q.device), slots])
+            keys, valid = (torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)), None
+        mask = self._mask(slots, meta)
+        out = (rows_alone(q, *keys, mask, sinks, queries, slots) if alone
+               else attention(q, *keys, mask, key_valid=valid, sinks=sinks))
         self._write(k, v, meta)
         return out
 

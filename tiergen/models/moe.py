@@ -91,7 +91,16 @@ def expert_mlp(cfg: MoEConfig, x: torch.Tensor, gate_up: torch.Tensor, down: tor
         gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=cfg.swiglu_limit)
     up = up.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
-    return linear((up + 1) * (gate * torch.sigmoid(gate * cfg.swiglu_alpha)), down, down_bias)
+    return linear((up + 1) * (gate * _sigmoid(gate * cfg.swiglu_alpha)), down, down_bias)
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch's sigmoid; batch invariant, of each token's values alone: torch takes one path
+    for fewer than 32 values and another beyond, and where a tensor's values fall in its
+    vectors depends on the rows before them; the paths can differ in the last bit."""
+    if kernels.batch_invariant():
+        return torch.cat([torch.sigmoid(t) for t in x.split(1)])
+    return torch.sigmoid(x)
 
 
 def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
@@ -218,13 +227,8 @@ def _one_token_at_hand(cfg: MoEConfig, w: dict, x: torch.Tensor
 
 
 def _shared_gate(x: torch.Tensor, weight: torch.Tensor | Packed) -> torch.Tensor:
-    """The shared experts' gate, sigmoid(x @ weight.T) (N, 1). Batch invariant, each token's
-    alone: torch's sigmoid takes one path for fewer than 32 values and another beyond, and
-    the two can differ in the last bit."""
-    logits = linear(x, weight)
-    if kernels.batch_invariant():
-        return torch.cat([torch.sigmoid(v) for v in logits.split(1)])
-    return torch.sigmoid(logits)
+    """The shared experts' gate, sigmoid(x @ weight.T) (N, 1)."""
+    return _sigmoid(linear(x, weight))
 
 
 def routed_on_tiles(cfg: MoEConfig) -> bool:
