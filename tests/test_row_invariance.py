@@ -84,3 +84,22 @@ def test_batch_invariant_a_rows_numbers_are_the_same_alone_and_in_any_batch(mode
 def test_a_rows_numbers_are_the_same_alone_and_in_any_batch(rows):
     for m in BATCHES:
         assert rows[m] == rows[1], f"{m} rows"
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
+def test_batch_invariant_long_prompts_and_shared_prefixes_give_each_row_its_numbers_alone(
+        model):
+    """Batch invariant, a prompt is computed whole and without a shared prefix, as it is
+    alone: prompts longer than the default chunk of 512 tokens, left-padded to the longest
+    (one short enough to take the integer kernels, the others AMX tiles where they work),
+    and decode steps past Gemma 3's sliding window of 512, whose ring the padding turns
+    (its keys are then taken oldest first); and prompts that share a prefix (a system
+    prompt), which a batch would otherwise compute once."""
+    llm = LLM(model, device="cpu", batch_invariant=True)
+    assert llm.prefill_chunk_size is None and not llm.share_prefixes
+    long = " ".join(WORDS * 30)  # about 900 tokens
+    cut = [len(long) // k for k in (1, 2, 20)]
+    batches = [[long[:c] for c in cut], [PROMPT + " " + other for other in OTHERS[:3]]]
+    for prompts in batches:
+        together = [numbers(r) for r in llm.generate(prompts, PARAMS)]
+        assert together == [numbers(llm.generate([p], PARAMS)[0]) for p in prompts]

@@ -52,16 +52,17 @@ MODEL_OPTIONS = [
     _opt("--batch-invariant", action="store_true",
          help="a prompt's tokens and log-probabilities the same whatever runs beside it "
               "(alone, in any batch, among concurrent requests) on the integer path too; "
-              "decode steps of one or two sequences are slower"),
+              "decode steps of one or two sequences are slower, and prompts are computed "
+              "whole"),
     _opt("--compile", action="store_true",
          help="compile batch-1 CPU matmuls: faster single-stream decode after a few "
               "seconds of compilation on first use"),
     _opt("--prefill-chunk-size", type=int, default=None,
          help="feed prompts in chunks of this many tokens, bounding prefill memory "
-              "(default: 512)"),
-    _opt("--no-share-prefixes", action="store_false", dest="share_prefixes",
+              "(default: 512, or whole prompts with --batch-invariant)"),
+    _opt("--no-share-prefixes", action="store_false", dest="share_prefixes", default=None,
          help="compute every prompt whole, even the prefix the prompts of a batch "
-              "share (default: once)"),
+              "share (default: once, but not with --batch-invariant)"),
     _opt("--max-batch-size", type=int, default=64,
          help="most prompts run together in one batch when --gpu-batch-size is not "
               "given (default: 64)"),
@@ -255,13 +256,12 @@ def _policy(args: argparse.Namespace):
 def _load(args: argparse.Namespace, prompts: list[str] | None = None):
     """The LLM of the command line, with a planned policy under --policy auto (or when the
     default policy does not fit the budgets and no --percent was given)."""
-    from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK
     from tiergen.engine.llm import LLM
     from tiergen.weights import open_model
 
     files = open_model(args.model, packed=not args.dequantize,
                        quantize=args.quantize)  # once, planned or not
-    chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk_size is None else args.prefill_chunk_size
+    chunk = "auto" if args.prefill_chunk_size is None else args.prefill_chunk_size
 
     def load(policy):
         return LLM(files, dtype=args.dtype, device=args.device,

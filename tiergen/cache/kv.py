@@ -104,6 +104,20 @@ class RollingKVView(KVView):
     def _decode_slot(self, meta: StepMeta) -> tuple[int, torch.Tensor]:
         return (meta.end - 1) % self.window, self._decode_mask(meta)
 
+    def decode_slots(self, meta: StepMeta) -> tuple[int, torch.Tensor] | None:
+        if self._oldest_first(meta) is not None:
+            return None  # the fused layer would take the ring in its own order
+        return super().decode_slots(meta)
+
+    def _oldest_first(self, meta: StepMeta) -> torch.Tensor | None:
+        """Batch invariant, the ring's indices oldest slot first once a decode step's ring
+        has turned (None before it has, or by default): its keys then come in the order a row
+        alone takes them, whatever turn the padding before the row gave the ring. (The decode
+        attention sums a row's slots in the order it is given them.)"""
+        if not kernels.batch_invariant() or meta.end <= self.window:
+            return None
+        return (torch.arange(self.window, device=self.k.device) + meta.end) % self.window
+
     def _write(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> None:
         keep = min(k.shape[2], self.window)
         idx = torch.arange(meta.end - keep, meta.end, device=k.device) % self.window
@@ -119,8 +133,10 @@ class RollingKVView(KVView):
             if alone:
                 return rows_alone(q, self.k, self.v, self._decode_mask(meta), sinks, queries,
                                   self._slots(meta.end, q.device))
-            return attention(q, self.k, self.v, self._decode_mask(meta), self.sparsity,
-                             sinks=sinks)
+            keys, values, mask = self.k, self.v, self._decode_mask(meta)
+            if (order := self._oldest_first(meta)) is not None:
+                keys, values, mask = keys[:, :, order], values[:, :, order], mask[..., order]
+            return attention(q, keys, values, mask, self.sparsity, sinks=sinks)
         slots = torch.arange(meta.start, meta.end, device=q.device)
         keys, valid = (k, v), meta.valid[:, :meta.end]
         if meta.start > 0:  # the ring as it was, then the chunk's own keys

@@ -21,7 +21,11 @@ from tiergen.weights import ModelFiles, open_model, quantized
 class EngineConfig:
     """The arguments of :class:`~tiergen.engine.llm.LLM`, which documents each. They stay as
     given ("auto", None): each rank resolves the device, dtype and activations on its own
-    machine. ``budgets``: ``device_memory`` and ``host_memory`` read once, as bytes."""
+    machine. ``budgets``: ``device_memory`` and ``host_memory`` read once, as bytes.
+    ``prefill_chunk_size`` ("auto") and ``share_prefixes`` (None) are resolved here: chunks
+    of DEFAULT_PREFILL_CHUNK and shared prefixes, except batch invariant, where a prompt is
+    computed whole, as it is alone (a chunk's or a shared prefix's boundaries would fall
+    elsewhere in a padded row or one whose batch shares a prefix)."""
 
     model: str | Path | ModelFiles
     dtype: str | torch.dtype = "auto"
@@ -31,7 +35,7 @@ class EngineConfig:
     device_memory: int | str | None = None
     host_memory: int | str | None = None
     compile: bool = False
-    prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK
+    prefill_chunk_size: int | None | str = "auto"
     packed: bool = True
     activations: str = "auto"
     batch_invariant: bool = False
@@ -39,7 +43,7 @@ class EngineConfig:
     tensor_parallel: int = 1
     parallel_timeout: float = 60.0
     quantize: str | None = None
-    share_prefixes: bool = True
+    share_prefixes: bool | None = None
     budgets: Budgets = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +51,10 @@ class EngineConfig:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise TiergenError("max_batch_size must be a positive integer, got "
                                f"{self.max_batch_size!r}")
+        if self.prefill_chunk_size == "auto":  # (see above)
+            self.prefill_chunk_size = None if self.batch_invariant else DEFAULT_PREFILL_CHUNK
+        if self.share_prefixes is None:
+            self.share_prefixes = not self.batch_invariant
         chunk = self.prefill_chunk_size
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "

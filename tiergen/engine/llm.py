@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from tiergen.engine.config import EngineConfig
-from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK, Sequence
+from tiergen.engine.generate import Sequence
 from tiergen.engine.runner import open_runner
 from tiergen.engine.sampler import PositionLogprobs, SamplingParams
 from tiergen.errors import TiergenError
@@ -79,9 +79,11 @@ class LLM:
     ``compile=True`` compiles batch-1 CPU matmuls (faster decode after a few seconds of
     compilation on first use); ``prefill_chunk_size`` feeds long prompts in chunks that each
     attend to the cache plus themselves, so prefill memory grows with chunk x context rather
-    than context squared (None: whole prompts at once); ``share_prefixes`` computes a prompt
-    prefix that every sequence of a block (or of a server micro-batch) starts with once, and
-    copies its cache into each row (False: every row computes its whole prompt).
+    than context squared (None: whole prompts at once; "auto": chunks of 512, or whole
+    prompts where batch invariant); ``share_prefixes`` computes a prompt prefix that every
+    sequence of a block (or of a server micro-batch) starts with once, and copies its cache
+    into each row (False: every row computes its whole prompt; None: True, or False where
+    batch invariant).
     ``packed=False`` decodes a GGUF's quantised matrices at load (by default they stay in
     their blocks and are multiplied packed). ``activations`` says how those products treat
     their inputs: "auto" (int8 on a CPU, float32 elsewhere), "int8" (quantised to 8 bits, a
@@ -91,7 +93,10 @@ class LLM:
     decode-then-multiply). ``batch_invariant=True`` gives a sequence's tokens and
     log-probabilities on the integer path the same bits whatever else runs beside it (alone,
     in any batch, among a server's streams), at a cost for decode steps of one or two
-    sequences (docs/BENCHMARKS.md, "Batch invariance"; not yet for gpt-oss's attention sinks). ``quantize`` ("q8_0",
+    sequences (docs/BENCHMARKS.md, "Batch invariance"); its prompts are then computed whole
+    and alone, without shared prefixes, unless ``prefill_chunk_size`` or
+    ``share_prefixes`` say otherwise (a prompt longer than its step's budget allows is still
+    cut into chunks, and then may round otherwise in a batch). ``quantize`` ("q8_0",
     "q4_0" or "q4_k") quantises a float checkpoint's layer matrices into those GGML blocks at
     load, once (cached), so that they run packed as a GGUF's would
     (:mod:`tiergen.weights.quantize`).
@@ -125,11 +130,11 @@ class LLM:
                  policy: Policy | list[Policy] | None = None,
                  device_memory: int | str | None = None, host_memory: int | str | None = None,
                  compile: bool = False,
-                 prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK, packed: bool = True,
+                 prefill_chunk_size: int | None | str = "auto", packed: bool = True,
                  activations: str = "auto", batch_invariant: bool = False,
                  pipeline_parallel: int = 1,
                  tensor_parallel: int = 1, parallel_timeout: float = 60.0,
-                 quantize: str | None = None, share_prefixes: bool = True) -> None:
+                 quantize: str | None = None, share_prefixes: bool | None = None) -> None:
         self.engine_config = EngineConfig(
             model=model, dtype=dtype, device=device, max_batch_size=max_batch_size,
             policy=policy, device_memory=device_memory, host_memory=host_memory,
