@@ -8,7 +8,9 @@
  *
  * Built where the compiler targets AMX (-march=native on such a CPU); a process must also
  * have asked the kernel for the tile state (tiergen._platform.amx_usable) before calling.
- * tg_amx_bf16 says whether this build has the engine. */
+ * tg_amx_bf16 says whether this build has the engine. tg_bf16, built everywhere, rounds
+ * float32 or float16 to bfloat16 as torch does, for the tiles' inputs (a long prompt's
+ * activations, its attention's queries and cache). */
 #include "amx.h"
 #include "blocks.h"
 #include "tiergen.h"
