@@ -289,6 +289,7 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
 
 def _plan(args: argparse.Namespace, files, prompts: list[str]):
     from tiergen.devices import resolve_device, resolve_dtype
+    from tiergen.engine.config import resolve_prefill_chunk
     from tiergen.offload.memory import Budgets
     from tiergen.planner import calibrate
     from tiergen.planner.cost import Workload
@@ -310,9 +311,10 @@ def _plan(args: argparse.Namespace, files, prompts: list[str]):
         policy = estimate.policies
         text = format_parallel(estimate, files.config, dtype)
     else:
+        chunk = resolve_prefill_chunk(args.prefill_chunk_size or "auto", args.batch_invariant)
         policy, estimate = choose_policy(files.config, dtype, workload, cal, device.type,
                                          budgets.for_tensors(device.type), args.max_batch_size,
-                                         source=files.source)
+                                         source=files.source, prefill_chunk=chunk)
         text = format_plan(estimate, files.config, dtype)
     for p in policy if isinstance(policy, list) else [policy]:
         p.offload_dir = args.offload_dir or p.offload_dir

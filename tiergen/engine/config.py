@@ -17,6 +17,14 @@ from tiergen.parallel.group import under_torchrun
 from tiergen.weights import ModelFiles, open_model, quantized
 
 
+def resolve_prefill_chunk(chunk: int | None | str, batch_invariant: bool) -> int | None:
+    """An LLM's ``prefill_chunk_size``: as given, or for "auto" DEFAULT_PREFILL_CHUNK, and
+    None (whole prompts) where batch invariant (see EngineConfig)."""
+    if chunk != "auto":
+        return chunk
+    return None if batch_invariant else DEFAULT_PREFILL_CHUNK
+
+
 @dataclass
 class EngineConfig:
     """The arguments of :class:`~tiergen.engine.llm.LLM`, which documents each. They stay as
@@ -51,8 +59,8 @@ class EngineConfig:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise TiergenError("max_batch_size must be a positive integer, got "
                                f"{self.max_batch_size!r}")
-        if self.prefill_chunk_size == "auto":  # (see above)
-            self.prefill_chunk_size = None if self.batch_invariant else DEFAULT_PREFILL_CHUNK
+        self.prefill_chunk_size = resolve_prefill_chunk(self.prefill_chunk_size,
+                                                        self.batch_invariant)
         if self.share_prefixes is None:
             self.share_prefixes = not self.batch_invariant
         chunk = self.prefill_chunk_size

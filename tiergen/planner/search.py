@@ -175,11 +175,11 @@ def plan(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calibrat
 def choose_policy(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal: Calibration,
                   device_type: str, budgets: Budgets, max_batch_size: int = 64,
                   allow_compression: bool = True, bits: tuple[int, ...] = (4,),
-                  model_family: ModelFamily | None = None, source=None
-                  ) -> tuple[Policy, Estimate]:
+                  model_family: ModelFamily | None = None, source=None,
+                  prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK) -> tuple[Policy, Estimate]:
     """The fastest policy that fits, or a TiergenError saying what is missing."""
     request = SearchRequest(cfg, dtype, workload, cal, device_type, budgets, max_batch_size,
-                            allow_compression, bits, model_family, source)
+                            allow_compression, bits, model_family, source, prefill_chunk)
     found = search(request)
     if not found.fits:
         raise nothing_fits(found, request)
