@@ -109,14 +109,19 @@ class RollingKVView(KVView):
             return None  # the fused layer would take the ring in its own order
         return super().decode_slots(meta)
 
-    def _oldest_first(self, meta: StepMeta) -> torch.Tensor | None:
+    def _oldest_first(self, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Batch invariant, the ring's indices oldest slot first once a decode step's ring
-        has turned (None before it has, or by default): its keys then come in the order a row
-        alone takes them, whatever turn the padding before the row gave the ring. (The decode
+        has turned, and the decode mask in that order (None before it has, or by default;
+        made once per step, as the mask is): its keys then come in the order a row alone
+        takes them, whatever turn the padding before the row gave the ring. (The decode
         attention sums a row's slots in the order it is given them.)"""
         if not kernels.batch_invariant() or meta.end <= self.window:
             return None
-        return (torch.arange(self.window, device=self.k.device) + meta.end) % self.window
+        key = ("ring oldest first", self.window)
+        if key not in meta.derived:
+            order = (torch.arange(self.window, device=self.k.device) + meta.end) % self.window
+            meta.derived[key] = order, self._decode_mask(meta)[..., order]
+        return meta.derived[key]
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, meta: StepMeta) -> None:
         keep = min(k.shape[2], self.window)
@@ -134,8 +139,9 @@ class RollingKVView(KVView):
                 return rows_alone(q, self.k, self.v, self._decode_mask(meta), sinks, queries,
                                   self._slots(meta.end, q.device))
             keys, values, mask = self.k, self.v, self._decode_mask(meta)
-            if (order := self._oldest_first(meta)) is not None:
-                keys, values, mask = keys[:, :, order], values[:, :, order], mask[..., order]
+            if (oldest := self._oldest_first(meta)) is not None:
+                order, mask = oldest
+                keys, values = keys[:, :, order], values[:, :, order]
             return attention(q, keys, values, mask, self.sparsity, sinks=sinks)
         slots = torch.arange(meta.start, meta.end, device=q.device)
         keys, valid = (k, v), meta.valid[:, :meta.end]
