@@ -9,6 +9,7 @@ oneDNN reads its ceiling once.
     python benchmarks/bench_amx.py --kld         # KL divergence from the float path, off and on
     python benchmarks/bench_amx.py --packed      # a Q4_1 matrix on the tiles: amx.c, oneDNN
     python benchmarks/bench_amx.py --experts     # a MoE prompt, experts on the tiles or not
+    python benchmarks/bench_amx.py --rounding    # to bfloat16: tiergen's C against torch's
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
 of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
@@ -114,6 +115,25 @@ def packed() -> None:
               f"{best['matmul']:.2f} | {2 * m * k * n / best['amx'] / 1e9:.2f} |")
 
 
+def rounding() -> None:
+    """A cache slice (2, 3, 3001, 64 of 4,100 slots) to bfloat16, float16 and float32:
+    kernels.to_bfloat16 against Tensor.bfloat16(), best of twenty each, in turns."""
+    import torch
+
+    from tiergen import kernels
+
+    for dtype in (torch.float16, torch.float32):
+        t = torch.randn(2, 3, 4100, 64).to(dtype)[:, :, :3001]
+        runs = {"tiergen": lambda: kernels.to_bfloat16(t), "torch": lambda: t.bfloat16()}
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(20):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+        print(f"{dtype}: tiergen {best['tiergen']:.3f} ms, torch {best['torch']:.3f} ms")
+
+
 def prompt(tiles: str) -> None:
     import torch
 
@@ -204,6 +224,7 @@ def main() -> None:
     ap.add_argument("--kld", action="store_true")
     ap.add_argument("--packed", action="store_true")
     ap.add_argument("--experts", action="store_true")
+    ap.add_argument("--rounding", action="store_true")
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/tiergen-amx-moe"))
     ap.add_argument("--child-prompt", choices=["on", "onednn", "off"], help=argparse.SUPPRESS)
     ap.add_argument("--chunk", type=int, default=512)
@@ -224,6 +245,8 @@ def main() -> None:
         return
     if args.packed:
         return packed()
+    if args.rounding:
+        return rounding()
     if args.experts:
         for case in SHAPES_MOE:
             path = moe_gguf(args.dir, case)

@@ -1,15 +1,20 @@
 """How close the cost model's predictions come on an idle machine, without the page-cache
 eviction that ``bench_plan.py`` runs: predicted against measured decode tokens/s for a few
 policies on SmolLM2-135M (bfloat16), prompt 64, 32 new tokens. Uses the cached calibration
-(run ``tiergen calibrate`` first).
+(run ``tiergen calibrate`` first). --prefill: predicted against measured prefill tokens/s
+of the packaged GGUF models on the integer path (one 4,096-token prompt; 32 of 128), with the
+calibration's products on AMX tiles (packed-amx-) and without them.
 
-    python benchmarks/bench_predict.py
+    python benchmarks/bench_predict.py [--prefill]
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import shutil
 import tempfile
+import time
 
 import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first bfloat16 matmul)
 
@@ -17,11 +22,40 @@ import torch
 
 from tiergen import LLM, Policy, SamplingParams
 from tiergen.planner import calibrate
-from tiergen.planner.cost import Workload, estimate
+from tiergen.planner.cost import PlacedWeights, Workload, estimate
 from tiergen.planner.search import policy_flags
+from tiergen.weights import open_model
+
+
+def prefill() -> None:
+    cal = calibrate.get("cpu")
+    plain = dataclasses.replace(cal, linear_rows={k: t for k, t in cal.linear_rows.items()
+                                                  if not k.startswith("packed-amx-")})
+    print("| model | prompts | measured tok/s | predicted, with the AMX table | without |")
+    print("|---|---|---:|---:|---:|")
+    for model in ("smollm2", "gemma3-270m"):
+        llm, files = LLM(model), open_model(model)
+        placed = PlacedWeights.make(files.config, torch.float32, Policy(), "cpu",
+                                    source=files.source)
+        llm.generate([list(range(100, 400))], SamplingParams(max_tokens=1))  # warm-up
+        for length, batch in ((4096, 1), (128, 32)):
+            work = Workload(length, 1, batch)
+            with_amx, without = (estimate(files.config, torch.float32, Policy(), work, c,
+                                          placed=placed).prefill_tok_s for c in (cal, plain))
+            ids = torch.randint(100, 40000, (batch, length),
+                                generator=torch.Generator().manual_seed(0)).tolist()
+            start = time.perf_counter()
+            llm.generate(ids, SamplingParams(max_tokens=1, temperature=0))
+            measured = batch * length / (time.perf_counter() - start)
+            print(f"| {model} | {batch} x {length} | {measured:.0f} | {with_amx:.0f} | "
+                  f"{without:.0f} |", flush=True)
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefill", action="store_true")
+    if p.parse_args().prefill:
+        return prefill()
     cal = calibrate.get("cpu")
     offload = tempfile.mkdtemp(prefix="tiergen-bench-predict-")
     prompts = torch.randint(100, 40000, (32, 64), generator=torch.Generator().manual_seed(0)).tolist()
