@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--rows", type=int, default=10, help="rows of the profiler's table")
     a = p.parse_args()
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
@@ -69,7 +70,7 @@ def main() -> None:
     K.packed_linear, layers.decode_layer = packed_linear, decode_layer
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(ids, params)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
 
 
 if __name__ == "__main__":

@@ -84,12 +84,16 @@ def test_rope_in_pairs_is_the_half_split_rope_in_llama_cpp_order(B, H, T, D, tor
                                         (8, 2, 128, 128), (4, 1, 256, 256)],
                          ids=["gqa", "mqa-latent-like", "mha", "gqa-128", "mqa-256"])
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["kv32", "kv16", "bf16"])
 def test_decode_attention(H, KVH, D, Dv, masked, kv_dtype, torch_path):
-    """A float16 cache (the integer path's) is read as the float32 cache of its values."""
+    """A float16 cache (the integer path's) is read as the float32 cache of its values; a
+    bfloat16 model's queries and cache likewise, its output rounded to bfloat16 once."""
     g = torch.Generator().manual_seed(2)
     B, S, capacity = 3, 37, 50
     q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2)
+    if kv_dtype == torch.bfloat16:
+        q = q.bfloat16()
     cache = torch.randn(2, B, KVH, capacity, max(D, Dv), generator=g).to(kv_dtype)  # views
     k, v = cache[0, :, :, :S, :D], cache[1, :, :, :S, :Dv]
     mask = None
@@ -98,7 +102,12 @@ def test_decode_attention(H, KVH, D, Dv, masked, kv_dtype, torch_path):
         mask[..., S - 1] = True
         mask[1, ..., : S - 1] = False  # a row that sees only itself
     assert kernels.decode_attention(q, k, v, mask) is not None
-    want = torch_path(attention, q, k.float(), v.float(), mask)
+    want = torch_path(attention, q.float(), k.float(), v.float(), mask)
+    if q.dtype == torch.bfloat16:  # float32 sums, then one rounding
+        assert torch.equal(attention(q, k, v, mask), kernels.decode_attention(
+            q.float(), k.float(), v.float(), mask).bfloat16())
+        close(torch_path(attention, q, k, v, mask).float(), want, 2e-2)  # bfloat16 sums
+        return
     close(attention(q, k, v, mask), want)
     close(torch_path(attention, q, k, v, mask), want)  # torch converts the cache
 
@@ -123,7 +132,8 @@ def test_decode_attention_ignores_unwritten_slots_and_wide_score_ranges(torch_pa
 
 
 @pytest.mark.parametrize("D", [64, 24], ids=["vectors", "odd-width"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["kv32", "kv16", "bf16"])
 def test_a_rows_decode_attention_does_not_depend_on_where_its_tokens_sit(D, kv_dtype):
     """The same query over the same 29 tokens gives the same output to the bit, whether they
     fill a cache of their own from slot 0 (a row alone) or follow padding of any length in a
@@ -131,6 +141,7 @@ def test_a_rows_decode_attention_does_not_depend_on_where_its_tokens_sit(D, kv_d
     g = torch.Generator().manual_seed(4)
     H, KVH, L = 6, 2, 29
     q = torch.randn(1, H, 1, D, generator=g)
+    q = q.bfloat16() if kv_dtype == torch.bfloat16 else q
     k, v = torch.randn(2, 1, KVH, L, D, generator=g).to(kv_dtype)
     alone = kernels.decode_attention(q, k, v, None)
     assert alone is not None

@@ -41,7 +41,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     kvh = k.shape[1]
     if (sinks is None and T == 1 and sparsity == 1
             and (out := kernels.decode_attention(q, k, v, mask)) is not None):
-        return out  # float32 queries on a CPU: one call
+        return out  # on a CPU: one call
     if k.dtype != q.dtype:  # a float16 cache under float32 queries (see Executor.kv_dtype)
         k, v = k.to(q.dtype), v.to(q.dtype)
     if sinks is not None:

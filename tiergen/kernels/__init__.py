@@ -528,12 +528,15 @@ def _cpu_float32(*ts: torch.Tensor) -> bool:
     return True
 
 
-def kv_half(k: torch.Tensor, v: torch.Tensor) -> bool | None:
-    """Whether a CPU cache's K/V, as the C kernels take them, hold float16 (False: float32;
-    None: neither, or not on the CPU)."""
+KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32...
+
+
+def kv_format(k: torch.Tensor, v: torch.Tensor) -> int | None:
+    """A CPU cache's K/V number format as the C kernels name it (:data:`KV_FORMATS`); None
+    where they cannot take it (another dtype, K and V apart, not on the CPU)."""
     if k.device.type != "cpu" or v.dtype != k.dtype:
         return None
-    return {torch.float32: False, torch.float16: True}.get(k.dtype)
+    return KV_FORMATS.get(k.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: float = 0.0
@@ -609,12 +612,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None) -> torch.Tensor | None:
     """Attention of one query token per row, q (B, H, 1, D), over k (B, KVH, S, D) and
     v (B, KVH, S, Dv) where ``mask`` (B, 1, 1, S) allows, scaled by D**-0.5, in one call
-    for CPU tensors, q float32 and the cache float32 or float16 (:func:`kv_half`); None
-    where the library cannot take them."""
+    for CPU tensors: q float32 over a float32 or float16 cache, or q and the cache both
+    bfloat16 (a bfloat16 model's; its scores and sums then float32, the output rounded to
+    bfloat16 once); None where the library cannot take them."""
     B, H, T, D = q.shape
     kvh, S = k.shape[1], k.shape[2]
-    kv16 = kv_half(k, v)
-    if (not _cpu_float32(q) or kv16 is None or T != 1 or k.shape[0] != B
+    kv = kv_format(k, v)
+    if (q.device.type != "cpu" or q.dtype != (torch.bfloat16 if kv == 2 else torch.float32)
+            or kv is None or T != 1 or k.shape[0] != B
             or v.shape[:3] != k.shape[:3]
             or k.stride(-1) != 1 or v.stride(-1) != 1 or H % kvh
             or (mask is not None and mask.shape != (B, 1, 1, S))):
@@ -622,14 +627,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lib = library()
     if lib is None:
         return None
-    q = q.contiguous()
+    qf = q.float().contiguous()
     if mask is not None:
         mask = mask.contiguous()
     out = torch.empty(B, H, 1, v.shape[-1])
     strides = (ctypes.c_int64 * 6)(*k.stride()[:3], *v.stride()[:3])
-    if lib.tg_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+    if lib.tg_decode_attention(qf.data_ptr(), k.data_ptr(), v.data_ptr(),
                                None if mask is None else mask.data_ptr(), B, H, kvh, S, D,
                                v.shape[-1], strides, ctypes.byref(strides, 24), D**-0.5,
-                               kv16, out.data_ptr()):
+                               kv, out.data_ptr()):
         raise MemoryError("decode attention: out of memory for its score buffer")
-    return out
+    return out.to(q.dtype)

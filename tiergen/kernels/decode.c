@@ -1,5 +1,6 @@
 /* The small operations of a decode step, for the CPU, in float32: RMSNorm, the rotary
- * embedding and one new token's attention over the cache (held in float32 or float16). Each is a few microseconds of arithmetic, where the
+ * embedding and one new token's attention over the cache (held in float32, float16 or
+ * bfloat16). Each is a few microseconds of arithmetic, where the
  * several torch operations they otherwise take cost tens (each dispatch is microseconds);
  * at batch 1 that dispatch is most of a step outside the matrix products. Built into the
  * same library as packed.c.
@@ -180,36 +181,54 @@ static inline int hidden(const uint8_t *mask) {
     return any == 0;
 }
 
-/* Cache number i at p: float32, or float16 (KV16) */
-static inline float kv_at(const int KV16, const void *p, int64_t i) {
-    return KV16 ? half((const uint8_t *)p + 2 * i) : ((const float *)p)[i];
+/* The cache's number formats (tg_decode_attention's kv). */
+enum { KV_F32, KV_F16, KV_BF16 };
+
+/* Cache number i at p, in format KV */
+static inline float kv_at(const int KV, const void *p, int64_t i) {
+    if (KV == KV_F16) return half((const uint8_t *)p + 2 * i);
+    if (KV == KV_BF16) {
+        const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
 }
 
-static inline vf load_kv(const int KV16, const void *p, int64_t i) {
-    if (!KV16) return loadv((const float *)p + i);
+static inline vf load_kv(const int KV, const void *p, int64_t i) {
+    if (KV == KV_F32) return loadv((const float *)p + i);
+    const uint16_t *h = (const uint16_t *)p + i;
 #if VW == 16
-    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-#elif defined(__F16C__)
-    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
-#else
-    vf x;
-    for (int j = 0; j < VW; j++) x[j] = kv_at(1, p, i + j);
-    return x;
+    if (KV == KV_BF16)
+        return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif defined(__AVX2__)
+    if (KV == KV_BF16)
+        return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
+#if defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 #endif
+#endif
+    vf x;
+    for (int j = 0; j < VW; j++) x[j] = kv_at(KV, p, i + j);
+    return x;
 }
 
-static inline float dot_kv(const int KV16, const float *restrict a, const void *b, int64_t i, int64_t n) {
-    if (!KV16) return dot(a, (const float *)b + i, n);
+static inline float dot_kv(const int KV, const float *restrict a, const void *b, int64_t i, int64_t n) {
+    if (KV == KV_F32) return dot(a, (const float *)b + i, n);
     float t = 0.0f;
-    for (int64_t j = 0; j < n; j++) t = fmaf(a[j], kv_at(1, b, i + j), t);
+    for (int64_t j = 0; j < n; j++) t = fmaf(a[j], kv_at(KV, b, i + j), t);
     return t;
 }
 
 /* One query token per row: out[b, h] = softmax_s(scale * q[b, h] . k[b, g, s]) v[b, g, s]
  * over the slots s < S that mask[b, s] allows (every slot when mask is NULL), where the query
  * heads h of a group share the K/V head g = h / (H / KVH). q (B, H, D) and out (B, H, Dv) are
- * contiguous; a K (V) row starts at k + b * ks[0] + g * ks[1] + s * ks[2] (numbers: float32, or
- * float16 where kv16 is set). The heads
+ * contiguous; a K (V) row starts at k + b * ks[0] + g * ks[1] + s * ks[2] (numbers in format
+ * kv: KV_F32, KV_F16 or KV_BF16). The heads
  * of a group are scored together, so every K and V row is read once per group. A row with no
  * allowed slot gets zeros. Returns nonzero when out of memory.
  *
@@ -223,7 +242,7 @@ static inline float dot_kv(const int KV16, const float *restrict a, const void *
  * alone; the products of an incomplete last group likewise; V is summed slot by slot, in
  * order. */
 static inline __attribute__((always_inline)) int
-attend(const int KV16, const float *q, const void *k, const void *v, const uint8_t *mask,
+attend(const int KV, const float *q, const void *k, const void *v, const uint8_t *mask,
        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv, const int64_t *ks,
        const int64_t *vs, float scale, float *out) {
     const int64_t G = H / KVH;
@@ -261,14 +280,14 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
                     for (int64_t c = 0; c < D; c += VW) {  /* VW independent sums: no chain waits */
                         const vf x = loadv(qj + c);
                         int64_t at = kb + s0 * ks[2] + c;
-                        for (int u = 0; u < VW; u++, at += ks[2]) acc[u] += x * load_kv(KV16, k, at);
+                        for (int u = 0; u < VW; u++, at += ks[2]) acc[u] += x * load_kv(KV, k, at);
                     }
                 else  /* the same products (lanes past S repeat the last slot, unseen) */
                     for (int64_t c = 0; c < D; c += VW) {
                         const vf x = loadv(qj + c);
                         const int64_t at = kb + s0 * ks[2] + c;
                         for (int u = 0; u < VW; u++)
-                            acc[u] += x * load_kv(KV16, k, at + (u < n ? u : n - 1) * ks[2]);
+                            acc[u] += x * load_kv(KV, k, at + (u < n ? u : n - 1) * ks[2]);
                     }
                 const vf e = pick(seen, lane_sums(acc) * scale, none);
                 memcpy(p + j * SP + s0 - o, &e, sizeof e);
@@ -277,7 +296,7 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
         for (int64_t s0 = o; D % VW != 0 && s0 < o + SP; s0++)
             for (int64_t j = 0; j < G; j++)
                 p[j * SP + s0 - o] = s0 < S && (!mb || mb[s0])
-                                         ? dot_kv(KV16, qg + j * D, k, kb + s0 * ks[2], D) * scale
+                                         ? dot_kv(KV, qg + j * D, k, kb + s0 * ks[2], D) * scale
                                          : -INFINITY;
         /* their exponentials (0 where -inf) against the largest, and their sum */
         float total[G];
@@ -306,11 +325,11 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
                 vf acc[3][4] = {{{0}}};
                 for (int64_t s = o; s < S; s++) {
                     for (int u = 0; u < 4 * VW; u += 16)
-                        __builtin_prefetch((const char *)v + (vb + (s + 8) * vs[2] + c + u) * (KV16 ? 2 : 4));
+                        __builtin_prefetch((const char *)v + (vb + (s + 8) * vs[2] + c + u) * (KV == KV_F32 ? 4 : 2));
                     if (mb && !mb[s]) continue;
                     const int64_t vr = vb + s * vs[2] + c;
-                    const vf x0 = load_kv(KV16, v, vr), x1 = load_kv(KV16, v, vr + VW),
-                             x2 = load_kv(KV16, v, vr + 2 * VW), x3 = load_kv(KV16, v, vr + 3 * VW);
+                    const vf x0 = load_kv(KV, v, vr), x1 = load_kv(KV, v, vr + VW),
+                             x2 = load_kv(KV, v, vr + 2 * VW), x3 = load_kv(KV, v, vr + 3 * VW);
                     for (int64_t j = 0; j < n; j++) {
                         const float e = p[(j0 + j) * SP + s - o];
                         acc[j][0] += e * x0, acc[j][1] += e * x1;
@@ -329,7 +348,7 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
                 for (int64_t j = j0; j < j0 + n; j++) {
                     float t = 0.0f;
                     for (int64_t s = o; s < S; s++)
-                        if (!mb || mb[s]) t = fmaf(p[j * SP + s - o], kv_at(KV16, v, vb + s * vs[2] + c), t);
+                        if (!mb || mb[s]) t = fmaf(p[j * SP + s - o], kv_at(KV, v, vb + s * vs[2] + c), t);
                     og[j * Dv + c] = t * (total[j] > 0.0f ? 1.0f / total[j] : 0.0f);
                 }
         }
@@ -340,9 +359,10 @@ attend(const int KV16, const float *q, const void *k, const void *v, const uint8
 
 int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
                         int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
-                        const int64_t *ks, const int64_t *vs, float scale, int kv16, float *out) {
-    if (kv16) return attend(1, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
-    return attend(0, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
+                        const int64_t *ks, const int64_t *vs, float scale, int kv, float *out) {
+    if (kv == KV_F16) return attend(KV_F16, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
+    if (kv == KV_BF16) return attend(KV_BF16, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
+    return attend(KV_F32, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
 }
 
 /* n float32 values as float16, rounded to nearest even as torch's .half() rounds: how the
