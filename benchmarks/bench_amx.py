@@ -10,6 +10,7 @@ oneDNN reads its ceiling once.
     python benchmarks/bench_amx.py --packed      # a Q4_1 matrix on the tiles: amx.c, oneDNN
     python benchmarks/bench_amx.py --experts     # a MoE prompt, experts on the tiles or not
     python benchmarks/bench_amx.py --rounding    # to bfloat16: tiergen's C against torch's
+    python benchmarks/bench_amx.py --dense       # a bfloat16 matrix as stored: amx.c, oneDNN
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
 of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
@@ -134,6 +135,33 @@ def rounding() -> None:
         print(f"{dtype}: tiergen {best['tiergen']:.3f} ms, torch {best['torch']:.3f} ms")
 
 
+def dense() -> None:
+    """SmolLM2's matrices and LM head in bfloat16, as a checkpoint stores them, by rows:
+    amx.c (kernels.dense_bfloat16_linear) against torch's F.linear (oneDNN on the tiles), best
+    of five each, in turns."""
+    import torch
+    import torch.nn.functional as F
+
+    from tiergen import kernels
+
+    print("| rows | k x n | oneDNN us | amx.c us | ratio |")
+    print("|---:|---|---:|---:|---:|")
+    for m in (1, 8, 32, 64, 96, 128, 256, 512):
+        for k, n in ((576, 960), (576, 3072), (1536, 576), (576, 49152)):
+            x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+            runs = {"onednn": lambda: F.linear(x, w),
+                    "amx": lambda: kernels.dense_bfloat16_linear(x, w)}
+            best = dict.fromkeys(runs, float("inf"))
+            for _ in range(5):
+                for name, run in runs.items():
+                    start = time.perf_counter()
+                    for _ in range(10):
+                        run()
+                    best[name] = min(best[name], (time.perf_counter() - start) * 1e5)
+            print(f"| {m} | {k} x {n} | {best['onednn']:.0f} | {best['amx']:.0f} | "
+                  f"{best['onednn'] / best['amx']:.2f}x |", flush=True)
+
+
 def prompt(tiles: str) -> None:
     import torch
 
@@ -225,6 +253,7 @@ def main() -> None:
     ap.add_argument("--packed", action="store_true")
     ap.add_argument("--experts", action="store_true")
     ap.add_argument("--rounding", action="store_true")
+    ap.add_argument("--dense", action="store_true")
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/tiergen-amx-moe"))
     ap.add_argument("--child-prompt", choices=["on", "onednn", "off"], help=argparse.SUPPRESS)
     ap.add_argument("--chunk", type=int, default=512)
@@ -247,6 +276,8 @@ def main() -> None:
         return packed()
     if args.rounding:
         return rounding()
+    if args.dense:
+        return dense()
     if args.experts:
         for case in SHAPES_MOE:
             path = moe_gguf(args.dir, case)

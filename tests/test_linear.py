@@ -1,9 +1,18 @@
-"""``linear`` on CPUs without native bfloat16: many rows are multiplied widened to float32."""
+"""``linear``: on CPUs without native bfloat16 many rows are multiplied widened to float32; on
+AMX tiles a bfloat16 matrix as stored multiplies few rows by amx.c."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from tiergen import kernels
+from tiergen._platform import amx_usable
 from tiergen.models import layers
+
+
+def _amx_engine() -> bool:
+    lib = kernels.library()
+    return lib is not None and bool(lib.tg_amx_bf16()) and amx_usable()
 
 
 def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
@@ -15,6 +24,7 @@ def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
         return real(x, w, b)
 
     monkeypatch.setattr(layers, "cpu_has_fast_bfloat16", lambda: False)
+    monkeypatch.setattr(kernels, "dense_bfloat16_linear", lambda *a: None)  # (no AMX there)
     monkeypatch.setattr(layers.F, "linear", spy)
     torch.manual_seed(0)
     monkeypatch.setattr(layers, "UPCAST_SCRATCH", 96 * 10)  # 10 rows at a time: 5 slices
@@ -28,6 +38,43 @@ def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
         assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], 48)
         want = real(x.float(), w.float(), b.float())
         torch.testing.assert_close(y.float(), want, atol=1e-6, rtol=2**-8)  # one bf16 rounding
+
+
+@pytest.mark.skipif(not _amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
+# rows: one, a tile and one, and past the 256 tokens laid out at a time; matrix rows: whole
+# 32-row panels, and a last panel cut short; values: two tile steps, and SmolLM2's width
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (17, 40, 576), (33, 96, 64), (300, 100, 576)])
+def test_amx_dense_product_is_its_plain_bfloat16_arithmetic_and_each_rows_own(rows, n, k):
+    """amx.c on a bfloat16 matrix as stored: the exact products summed in float32 and rounded to
+    bfloat16 once (with a bias: added before that rounding); every row's numbers the same alone
+    as in the batch, to the bit."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    sums, size = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+    for bias, want in ((None, sums), (b, sums + b.double())):
+        got = kernels.dense_bfloat16_linear(x, w, bias)
+        assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # within float32 summation error of the exact sums, then one rounding to bfloat16
+        assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 1e-5 * size).all()
+        alone = torch.cat([kernels.dense_bfloat16_linear(r, w, bias) for r in x.split(1)])
+        assert torch.equal(alone, got)
+
+
+@pytest.mark.skipif(not _amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
+def test_linear_takes_amx_for_few_bfloat16_rows_and_torch_for_many(monkeypatch):
+    taken = []
+    real = kernels.dense_bfloat16_linear
+    monkeypatch.setattr(kernels, "dense_bfloat16_linear",
+                        lambda *a: taken.append(a[0].shape[:-1].numel()) or real(*a))
+    w = torch.randn(48, 96).bfloat16()
+    for rows in (1, kernels.AMX_DENSE_ROWS, kernels.AMX_DENSE_ROWS + 1):
+        y = layers.linear(torch.randn(1, rows, 96).bfloat16(), w)
+        assert y.shape == (1, rows, 48) and y.dtype == torch.bfloat16
+    assert taken == [1, kernels.AMX_DENSE_ROWS]
+    with kernels.activations_set("float32", batch_invariant=True):  # every row its own
+        layers.linear(torch.randn(1, 100, 96).bfloat16(), w)
+    assert taken[-1] == 100
 
 
 def _mlp_passes(monkeypatch, x, gate_up, down, gelu=False):

@@ -76,6 +76,11 @@ ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
 # and every decode step take the integer kernels.
 AMX_PROMPT = 128
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
+# A bfloat16 matrix as stored (a bfloat16 checkpoint's) multiplies up to this many rows on AMX
+# tiles by amx.c (dense_bfloat16_linear), more by torch (oneDNN, which reorders the matrix for
+# each product): amx.c was 1.17-1.76x faster at 1-64 rows for SmolLM2's matrices and LM head,
+# even at 96, mostly slower from 128 (benchmarks/bench_amx.py --dense, 2-core AMX Xeon).
+AMX_DENSE_ROWS = 64
 TILE_ROWS = 3  # integer products of this many rows or more may read tiles (reads_tiles says)
 
 
@@ -489,6 +494,33 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
                              y.data_ptr() + 4 * row, N):
             return None
     return y[:rows].view(*x.shape[:-1], N)
+
+
+def dense_bfloat16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+                          ) -> torch.Tensor | None:
+    """``x @ w.T + bias`` (bfloat16, x's shape but the last) for a bfloat16 matrix as it is
+    stored (a bfloat16 checkpoint's), on AMX tiles by ``amx.c``: the matrix read in place,
+    float32 sums rounded once, each row's numbers its own whatever the batch; None where AMX
+    does not work here, this build has no AMX, or the tensors are not such."""
+    lib = library()
+    if (lib is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.dim() != 2
+            or x.device.type != "cpu" or w.device.type != "cpu" or not w.is_contiguous()
+            or w.shape[1] % 32 or x.shape[-1] != w.shape[1] or not amx_usable()
+            or not lib.tg_amx_bf16()):
+        return None
+    N, K = w.shape
+    rows = x.shape[:-1].numel()
+    xc = x.reshape(rows, K).contiguous()
+    y = torch.empty(rows, N, dtype=torch.bfloat16 if bias is None else torch.float32)
+    err = lib.tg_amx_dense(w.data_ptr(), N, K, xc.data_ptr(), rows, y.data_ptr(), N,
+                           bias is None)
+    if err == -2:
+        raise MemoryError(f"bfloat16 product of {rows} rows: out of memory for its buffers")
+    if err:
+        return None
+    if bias is not None:  # added to the float32 sums: one rounding, as torch's
+        y = (y + bias.float()).bfloat16()
+    return y.view(*x.shape[:-1], N)
 
 
 def to_bfloat16(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@
 #include "blocks.h"
 #include "tiergen.h"
 
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -236,6 +237,124 @@ void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, 
     }
 }
 
+/* ---- bfloat16 weights as a checkpoint stores them -----------------------------------------
+ * y (m, n) = x (m, k) @ W (n, k)^T for a bfloat16 W in its own row-major layout: the tiles
+ * take W as their A operand, 16 of its rows by 32 values loaded straight from the matrix, and
+ * x as B, turned into the pair layout once per call (x is small beside W). Each accumulator
+ * (16 weight rows by 16 tokens) is turned across on its way out. No copy of W, no reorder:
+ * a decode step streams each weight once for all its rows. A token's sums do not depend on
+ * the others in its tile, so each row's numbers are the same in any batch. */
+
+#define DENSE_TOKENS 256 /* tokens whose pair layout (DENSE_TOKENS x k bfloat16) stays in L2 */
+
+/* xt[b][s] (16 pairs by 16 tokens, 32-bit) = the B tile of token block b, step s, for
+ * tokens t0.. of x (m rows of k values; tokens past m zero). */
+static void pair_layout(const uint16_t *x, int64_t m, int64_t k, int64_t t0, int64_t blocks,
+                        uint32_t *xt) {
+    const int64_t steps = k / 32, ld = k / 2;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t first = t0 + 16 * b, valid = m - first < 16 ? m - first : 16;
+        uint32_t edge[16][16] __attribute__((aligned(64)));
+        for (int64_t s = 0; s < steps; s++) {
+            uint32_t *out = xt + (b * steps + s) * 256;
+            if (valid == 16) {
+                transpose16((const uint32_t *)x + first * ld + 16 * s, ld, out);
+                continue;
+            }
+            memset(edge, 0, sizeof edge);
+            for (int64_t i = 0; i < valid; i++)
+                memcpy(edge[i], (const uint32_t *)x + (first + i) * ld + 16 * s, 64);
+            transpose16(edge[0], 16, out);
+        }
+    }
+}
+
+/* Accumulator tile t (weight rows r.. by tokens t..) out to y, turned across: rows of y are
+ * tokens; `rows` weight rows and `tokens` tokens of it are real. */
+static inline void store_across(int t, float *y, int64_t ldy, int rows, int64_t tokens,
+                                int bf16) {
+    uint32_t acc[16][16] __attribute__((aligned(64))), across[16][16] __attribute__((aligned(64)));
+    switch (t) {
+    case 0: _tile_stored(0, acc, 64); break;
+    case 1: _tile_stored(1, acc, 64); break;
+    case 2: _tile_stored(2, acc, 64); break;
+    default: _tile_stored(3, acc, 64); break;
+    }
+    transpose16(acc[0], 16, across[0]);
+    for (int64_t i = 0; i < tokens; i++) {
+        if (bf16)
+            round_bf16(across[i], 0, rows, (uint16_t *)y + i * ldy);
+        else
+            memcpy(y + i * ldy, across[i], 4 * rows);
+    }
+}
+
+int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m, void *y,
+                 int64_t ldy, int bf16) {
+    if (k % 32) return -1;
+    const int64_t steps = k / 32, panels = (n + 31) / 32, size = bf16 ? 2 : 4;
+    const int64_t most = m < DENSE_TOKENS ? (m + 31) / 32 * 32 : DENSE_TOKENS;
+    uint32_t *xt = aligned_alloc(64, (size_t)most * k * 2);
+    if (xt == NULL) return -2;
+    int failed = 0;
+#pragma omp parallel
+    {
+        load_tiles();
+        uint16_t *own = NULL; /* the last panel's rows and zeros (where n is not 32's multiple) */
+        for (int64_t t0 = 0; t0 < m; t0 += DENSE_TOKENS) {
+            const int64_t tokens = m - t0 < DENSE_TOKENS ? m - t0 : DENSE_TOKENS;
+            const int64_t blocks = (tokens + 31) / 32 * 2;
+            pair_layout(x, m, k, t0, blocks, xt); /* (its omp for ends in a barrier) */
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < panels; j++) {
+                const int64_t r0 = 32 * j;
+                const int rows = n - r0 < 32 ? (int)(n - r0) : 32;
+                const uint16_t *a = w + r0 * k;
+                if (rows < 32) { /* the last, narrower panel: its rows, then zeros */
+                    if (own == NULL && (own = aligned_alloc(64, (size_t)32 * k * 2)) == NULL) {
+                        failed = 1;
+                        continue;
+                    }
+                    memset(own, 0, (size_t)32 * k * 2);
+                    memcpy(own, a, (size_t)rows * k * 2);
+                    a = own;
+                }
+                for (int64_t b = 0; b < blocks; b += 2) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    const uint32_t *b0 = xt + b * steps * 256, *b1 = b0 + steps * 256;
+                    for (int64_t s = 0; s < steps; s++) {
+                        _tile_loadd(4, a + 32 * s, k * 2);
+                        _tile_loadd(6, b0 + 256 * s, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_loadd(7, b1 + 256 * s, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_loadd(5, a + 16 * k + 32 * s, k * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    /* tile 2a + h: weight rows r0 + 16a.., tokens t0 + 16(b + h).. */
+                    for (int t = 0; t < 4; t++) {
+                        const int64_t first = t0 + 16 * (b + t % 2), col = r0 + 16 * (t / 2);
+                        const int64_t valid = m - first < 16 ? m - first : 16;
+                        const int wide = rows - 16 * (t / 2) < 16 ? rows - 16 * (t / 2) : 16;
+                        if (valid > 0 && wide > 0)
+                            store_across(t, (float *)((char *)y + (first * ldy + col) * size),
+                                         ldy, wide, valid, bf16);
+                    }
+                }
+            }
+        }
+        _tile_release();
+        free(own);
+    }
+    free(xt);
+    return failed ? -2 : 0;
+}
+
 int tg_amx_bf16(void) { return 1; }
 
 #else
@@ -244,6 +363,12 @@ void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, 
                      int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy) {
     (void)decode, (void)qk, (void)bytes, (void)w, (void)n, (void)k, (void)x, (void)m, (void)y,
         (void)ldy;
+}
+
+int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m, void *y,
+                 int64_t ldy, int bf16) {
+    (void)w, (void)n, (void)k, (void)x, (void)m, (void)y, (void)ldy, (void)bf16;
+    return -1;
 }
 
 int tg_amx_bf16(void) { return 0; }

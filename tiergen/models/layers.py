@@ -104,6 +104,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | 
     if isinstance(weight, Packed):  # the integer kernels write float32 straight into out
         y = kernels.packed_linear(x, weight, bias, out=out if out is not None
                                   and out.dtype == torch.float32 else None)
+    elif (weight.dtype == torch.bfloat16 and (x.shape[:-1].numel() <= kernels.AMX_DENSE_ROWS
+                                             or kernels.batch_invariant())
+            and (amx := kernels.dense_bfloat16_linear(x, weight, bias)) is not None):
+        y = amx  # on AMX tiles, each row alone as in any batch
     elif (x.device.type == "cpu" and kernels.batch_invariant()
             and weight.numel() <= INVARIANT_FLOAT):
         # the BLAS takes one row (a vector product) in another order than several
