@@ -15,6 +15,7 @@
 #include "blocks.h"
 #include "tiergen.h"
 
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
@@ -190,51 +191,75 @@ static inline void multiply(const uint16_t *x, int64_t k, int64_t i, int64_t k0,
     }
 }
 
+/* Decoded panels a thread keeps at a time (a group), multiplying each 32-row block of x by all
+ * of them: x is then read once a group from memory, not once a panel, which a long prompt's
+ * rows (megabytes, past L2) made the bound. */
+#define GROUP_BYTES (1 << 20)
+
 void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
                      int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy) {
     const int64_t nb = k / qk, panels = (n + 31) / 32, chunks = (k + KC - 1) / KC;
     int64_t step = (k + chunks - 1) / chunks; /* even chunks of at most KC, whole blocks */
     step = (step + qk - 1) / qk * qk;
+    /* groups of at most GROUP_BYTES, as many as a multiple of the threads (even work) */
+    const int64_t threads = omp_get_max_threads(), most = GROUP_BYTES / (step * 64);
+    const int64_t rounds = (panels + threads * most - 1) / (threads * (most > 1 ? most : 1));
+    int64_t group = (panels + threads * rounds - 1) / (threads * rounds);
+    /* each thread's group: panels of step / 32 steps (64 bytes a value pair row) each */
+    const size_t size = (size_t)step * 64;
+    char *groups_at = group > 1 ? aligned_alloc(64, threads * group * size) : NULL;
+    if (groups_at == NULL) group = 1; /* (then the one panel each thread keeps anyway) */
+    const int64_t groups = (panels + group - 1) / group;
 #pragma omp parallel
     {
-        static __thread panel_t panel __attribute__((aligned(64)));
+        static __thread panel_t one __attribute__((aligned(64)));
+        char *own = groups_at ? groups_at + omp_get_thread_num() * group * size : (char *)one;
+#define PANEL(j) (*(panel_t *)(own + (j) * size))
         float edge[32][32] __attribute__((aligned(64)));
         load_tiles();
         for (int64_t k0 = 0; k0 < k; k0 += step) {
             const int64_t len = k - k0 < step ? k - k0 : step;
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < panels; j++) {
-                const int64_t r0 = 32 * j;
-                const int ncols = n - r0 < 32 ? (int)(n - r0) : 32;
-                decode_panel(decode, qk, bytes, w, nb, r0, ncols, k0, len, panel);
-                for (int64_t i = 0; i < m; i += 32) {
-                    float *c = y + i * ldy + r0;
-                    if (ncols == 32) {
-                        if (k0 == 0) {
-                            _tile_zero(0);
-                            _tile_zero(1);
-                            _tile_zero(2);
-                            _tile_zero(3);
-                        } else {
-                            load_acc(c, ldy);
-                        }
-                        multiply(x, k, i, k0, len, panel);
-                        store_acc(c, ldy);
-                        continue;
-                    }
-                    /* the last, narrower panel: through a 32 x 32 buffer */
-                    memset(edge, 0, sizeof edge);
-                    if (k0 > 0)
-                        for (int r = 0; r < 32; r++) memcpy(edge[r], c + r * ldy, ncols * 4);
-                    load_acc(edge[0], 32);
-                    multiply(x, k, i, k0, len, panel);
-                    store_acc(edge[0], 32);
-                    for (int r = 0; r < 32; r++) memcpy(c + r * ldy, edge[r], ncols * 4);
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t j0 = g * group, j1 = j0 + group < panels ? j0 + group : panels;
+                for (int64_t j = j0; j < j1; j++) {
+                    const int64_t r0 = 32 * j;
+                    const int ncols = n - r0 < 32 ? (int)(n - r0) : 32;
+                    decode_panel(decode, qk, bytes, w, nb, r0, ncols, k0, len, PANEL(j - j0));
                 }
+                for (int64_t i = 0; i < m; i += 32)
+                    for (int64_t j = j0; j < j1; j++) {
+                        const int64_t r0 = 32 * j;
+                        const int ncols = n - r0 < 32 ? (int)(n - r0) : 32;
+                        float *c = y + i * ldy + r0;
+                        if (ncols == 32) {
+                            if (k0 == 0) {
+                                _tile_zero(0);
+                                _tile_zero(1);
+                                _tile_zero(2);
+                                _tile_zero(3);
+                            } else {
+                                load_acc(c, ldy);
+                            }
+                            multiply(x, k, i, k0, len, PANEL(j - j0));
+                            store_acc(c, ldy);
+                            continue;
+                        }
+                        /* the last, narrower panel: through a 32 x 32 buffer */
+                        memset(edge, 0, sizeof edge);
+                        if (k0 > 0)
+                            for (int r = 0; r < 32; r++) memcpy(edge[r], c + r * ldy, ncols * 4);
+                        load_acc(edge[0], 32);
+                        multiply(x, k, i, k0, len, PANEL(j - j0));
+                        store_acc(edge[0], 32);
+                        for (int r = 0; r < 32; r++) memcpy(c + r * ldy, edge[r], ncols * 4);
+                    }
             }
         }
+#undef PANEL
         _tile_release();
     }
+    free(groups_at);
 }
 
 /* ---- bfloat16 weights as a checkpoint stores them -----------------------------------------
