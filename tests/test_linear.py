@@ -72,6 +72,7 @@ def test_linear_takes_amx_for_few_bfloat16_rows_and_torch_for_many(monkeypatch):
         y = layers.linear(torch.randn(1, rows, 96).bfloat16(), w)
         assert y.shape == (1, rows, 48) and y.dtype == torch.bfloat16
     assert taken == [1, kernels.AMX_DENSE_ROWS]
+    assert kernels.dense_bfloat16_linear(torch.empty(0, 96).bfloat16(), w) is None  # no rows
     with kernels.activations_set("float32", batch_invariant=True):  # every row its own
         layers.linear(torch.randn(1, 100, 96).bfloat16(), w)
     assert taken[-1] == 100

@@ -496,31 +496,34 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
     return y[:rows].view(*x.shape[:-1], N)
 
 
+def amx_engine() -> bool:
+    """Whether amx.c multiplies here: built for AMX, and the tiles work in this process."""
+    lib = library()
+    return lib is not None and bool(lib.tg_amx_bf16()) and amx_usable()
+
+
 def dense_bfloat16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
                           ) -> torch.Tensor | None:
     """``x @ w.T + bias`` (bfloat16, x's shape but the last) for a bfloat16 matrix as it is
     stored (a bfloat16 checkpoint's), on AMX tiles by ``amx.c``: the matrix read in place,
     float32 sums rounded once, each row's numbers its own whatever the batch; None where AMX
     does not work here, this build has no AMX, or the tensors are not such."""
-    lib = library()
-    if (lib is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.dim() != 2
+    if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or w.dim() != 2
             or x.device.type != "cpu" or w.device.type != "cpu" or not w.is_contiguous()
-            or w.shape[1] % 32 or x.shape[-1] != w.shape[1] or not amx_usable()
-            or not lib.tg_amx_bf16()):
+            or w.shape[1] % 32 or x.shape[-1] != w.shape[1] or not x.shape[:-1].numel()
+            or not amx_engine()):
         return None
+    lib = library()
     N, K = w.shape
     rows = x.shape[:-1].numel()
     xc = x.reshape(rows, K).contiguous()
-    y = torch.empty(rows, N, dtype=torch.bfloat16 if bias is None else torch.float32)
-    err = lib.tg_amx_dense(w.data_ptr(), N, K, xc.data_ptr(), rows, y.data_ptr(), N,
-                           bias is None)
+    b = None if bias is None else bias.float().contiguous()  # added before the one rounding
+    y = torch.empty(rows, N, dtype=torch.bfloat16)
+    err = lib.tg_amx_dense(w.data_ptr(), N, K, xc.data_ptr(), rows,
+                           None if b is None else b.data_ptr(), y.data_ptr(), N, 1)
     if err == -2:
         raise MemoryError(f"bfloat16 product of {rows} rows: out of memory for its buffers")
-    if err:
-        return None
-    if bias is not None:  # added to the float32 sums: one rounding, as torch's
-        y = (y + bias.float()).bfloat16()
-    return y.view(*x.shape[:-1], N)
+    return None if err else y.view(*x.shape[:-1], N)
 
 
 def to_bfloat16(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -295,19 +295,23 @@ static void pair_layout(const uint16_t *x, int64_t m, int64_t k, int64_t t0, int
     }
 }
 
-/* Accumulator tile t (weight rows r.. by tokens t..) out to y, turned across: rows of y are
- * tokens; `rows` weight rows and `tokens` tokens of it are real. */
+/* Accumulator tile t (weight rows r.. by tokens t..) out to y, turned across, plus bias (its
+ * `rows` values, or NULL): rows of y are tokens; `rows` weight rows and `tokens` tokens of it
+ * are real. */
 static inline void store_across(int t, float *y, int64_t ldy, int rows, int64_t tokens,
-                                int bf16) {
-    uint32_t acc[16][16] __attribute__((aligned(64))), across[16][16] __attribute__((aligned(64)));
+                                const float *bias, int bf16) {
+    uint32_t acc[16][16] __attribute__((aligned(64)));
+    float across[16][16] __attribute__((aligned(64)));
     switch (t) {
     case 0: _tile_stored(0, acc, 64); break;
     case 1: _tile_stored(1, acc, 64); break;
     case 2: _tile_stored(2, acc, 64); break;
     default: _tile_stored(3, acc, 64); break;
     }
-    transpose16(acc[0], 16, across[0]);
+    transpose16(acc[0], 16, (uint32_t *)across[0]);
     for (int64_t i = 0; i < tokens; i++) {
+        if (bias != NULL)
+            for (int j = 0; j < rows; j++) across[i][j] += bias[j];
         if (bf16)
             round_bf16(across[i], 0, rows, (uint16_t *)y + i * ldy);
         else
@@ -315,9 +319,10 @@ static inline void store_across(int t, float *y, int64_t ldy, int rows, int64_t 
     }
 }
 
-int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m, void *y,
-                 int64_t ldy, int bf16) {
+int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m,
+                 const float *bias, void *y, int64_t ldy, int bf16) {
     if (k % 32) return -1;
+    if (m <= 0) return 0;
     const int64_t steps = k / 32, panels = (n + 31) / 32, size = bf16 ? 2 : 4;
     const int64_t most = m < DENSE_TOKENS ? (m + 31) / 32 * 32 : DENSE_TOKENS;
     uint32_t *xt = aligned_alloc(64, (size_t)most * k * 2);
@@ -368,7 +373,7 @@ int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int
                         const int wide = rows - 16 * (t / 2) < 16 ? rows - 16 * (t / 2) : 16;
                         if (valid > 0 && wide > 0)
                             store_across(t, (float *)((char *)y + (first * ldy + col) * size),
-                                         ldy, wide, valid, bf16);
+                                         ldy, wide, valid, bias ? bias + col : NULL, bf16);
                     }
                 }
             }
@@ -390,9 +395,9 @@ void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, 
         (void)ldy;
 }
 
-int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m, void *y,
-                 int64_t ldy, int bf16) {
-    (void)w, (void)n, (void)k, (void)x, (void)m, (void)y, (void)ldy, (void)bf16;
+int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m,
+                 const float *bias, void *y, int64_t ldy, int bf16) {
+    (void)w, (void)n, (void)k, (void)x, (void)m, (void)bias, (void)y, (void)ldy, (void)bf16;
     return -1;
 }
 

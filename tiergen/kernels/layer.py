@@ -129,7 +129,7 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     cos, sin (B, 1, 1, D). None where the C layer cannot run it (see the module docstring)."""
     B = h.shape[0]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
-    kv16 = kernels.kv_format(k, v)
+    kv16 = kernels.kv_format(k, v)  # (the layer writes float32 and float16 caches)
     if (_too_many(B, fmt) or not _usable(h) or not _usable(cos) or not _usable(sin)
             or kv16 not in (0, 1) or k.stride(-1) != 1 or v.stride(-1) != 1 or mask is None
             or not mask.is_contiguous() or mask.dtype != torch.bool or mask.device.type != "cpu"):
@@ -345,7 +345,7 @@ def mla_attention(kind: MlaKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     "kv_norm", "k_b", "v_b", "o". None where the C kernels cannot run it."""
     B = h.shape[0]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
-    kv16 = kernels.kv_format(rows, rows)
+    kv16 = kernels.kv_format(rows, rows)  # (float32 and float16 caches, as decode_layer)
     if (_too_many(B, fmt) or not _usable(h) or not _usable(cos) or not _usable(sin)
             or kv16 not in (0, 1) or rows.stride(-1) != 1 or mask is None or not mask.is_contiguous()
             or mask.dtype != torch.bool or mask.device.type != "cpu"

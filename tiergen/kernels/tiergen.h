@@ -58,11 +58,11 @@ int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16
 
 /* amx.c: bfloat16 products on AMX tiles (for tg_amx_linear) */
 int tg_amx_bf16(void);
-/* y (m rows, row stride ldy; float32, or bfloat16 where bf16) = x (m, k) @ W (n, k)^T, x and W
- * bfloat16, W row-major as stored; k a multiple of 32. -1: no AMX in this build or k; -2: out
- * of memory. */
-int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m, void *y,
-                 int64_t ldy, int bf16);
+/* y (m rows, row stride ldy; float32, or bfloat16 where bf16) = x (m, k) @ W (n, k)^T + bias
+ * (n float32 values, or NULL), x and W bfloat16, W row-major as stored; k a multiple of 32.
+ * -1: no AMX in this build or k; -2: out of memory. */
+int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m,
+                 const float *bias, void *y, int64_t ldy, int bf16);
 /* dst (rows, n) = src's rows (float32, or float16 where f16; row stride `stride` values)
  * rounded to bfloat16 as torch rounds */
 void tg_bf16(const void *src, int f16, int64_t rows, int64_t n, int64_t stride, uint16_t *dst);

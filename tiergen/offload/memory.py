@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiergen import kernels
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import TIERS, parse_size
@@ -133,7 +134,12 @@ def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int,
         moments.append(n * (cfg.moe.num_experts * 8 + hidden * 8))
     head = rows * (hidden * (4 + dt) + cfg.vocab_size * (dt + 4))
     extra = 0
-    if device_type == "cpu" and dtype.itemsize < 4:
+    # Few bfloat16 rows multiply on AMX tiles with the matrix as it lies (layers.linear), not
+    # packed. gpt-oss's step holds more than the moments above count (its sink attention and
+    # clamped experts, not modelled apart): the packing's bytes still cover that there.
+    tiles = (dtype == torch.bfloat16 and n <= kernels.AMX_DENSE_ROWS and not cfg.attention_sinks
+             and kernels.amx_engine())
+    if device_type == "cpu" and dtype.itemsize < 4 and not tiles:
         extra = hidden * max(q + kv, 2 * _mlp_width(cfg)) * dtype.itemsize
     return max(held + max(moments), head) + extra
 
