@@ -6,13 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tiergen import kernels
-from tiergen._platform import amx_usable
 from tiergen.models import layers
-
-
-def _amx_engine() -> bool:
-    lib = kernels.library()
-    return lib is not None and bool(lib.tg_amx_bf16()) and amx_usable()
 
 
 def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
@@ -40,7 +34,7 @@ def test_many_bfloat16_rows_are_multiplied_in_float32_on_slow_cpus(monkeypatch):
         torch.testing.assert_close(y.float(), want, atol=1e-6, rtol=2**-8)  # one bf16 rounding
 
 
-@pytest.mark.skipif(not _amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
+@pytest.mark.skipif(not kernels.amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
 # rows: one, a tile and one, and past the 256 tokens laid out at a time; matrix rows: whole
 # 32-row panels, and a last panel cut short; values: two tile steps, and SmolLM2's width
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (17, 40, 576), (33, 96, 64), (300, 100, 576)])
@@ -61,7 +55,7 @@ def test_amx_dense_product_is_its_plain_bfloat16_arithmetic_and_each_rows_own(ro
         assert torch.equal(alone, got)
 
 
-@pytest.mark.skipif(not _amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
+@pytest.mark.skipif(not kernels.amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
 def test_linear_takes_amx_for_few_bfloat16_rows_and_torch_for_many(monkeypatch):
     taken = []
     real = kernels.dense_bfloat16_linear

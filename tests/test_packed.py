@@ -93,14 +93,7 @@ def test_packed_matmul_on_cuda(ggml_type):
     assert_close_relative(got, reference(x, w))
 
 
-def _amx_engine() -> bool:
-    from tiergen._platform import amx_usable
-
-    lib = kernels.library()
-    return lib is not None and bool(lib.tg_amx_bf16()) and amx_usable()
-
-
-@pytest.mark.skipif(not _amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
+@pytest.mark.skipif(not kernels.amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
 @pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
 # output rows: a whole 32-column panel, and panels cut short (16 + 8, 100 = 3 x 32 + 4);
 # activation rows: one, 32 exactly, and 37 (the engine's rows come in 32s); values: one
@@ -124,7 +117,7 @@ def test_amx_product_is_its_plain_bfloat16_arithmetic(ggml_type, n, rows, wide):
     assert not torch.equal(got, reference(x, w))
 
 
-@pytest.mark.skipif(not _amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
+@pytest.mark.skipif(not kernels.amx_engine(), reason="needs AMX (bfloat16 tiles) and a build for it")
 def test_amx_product_of_mixed_types_writes_each_parts_columns():
     fused = cat_rows([random_packed(GGMLType.Q4_K, 48, 512, 1),
                       random_packed(GGMLType.Q6_K, 40, 512, 2),

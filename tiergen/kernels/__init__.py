@@ -477,10 +477,9 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
     bfloat16, summed in float32 on AMX tiles by ``amx.c`` (each weight block decoded once, into
     the tiles' layout); None where AMX does not work here, this build has no AMX, or a part's
     type is not taken."""
-    lib = library()
-    if (lib is None or w.device.type != "cpu" or w.shape[1] % 32 or not amx_usable()
-            or not lib.tg_amx_bf16()):
+    if w.device.type != "cpu" or w.shape[1] % 32 or not amx_engine():
         return None
+    lib = library()
     N, K = w.shape
     rows = x.shape[:-1].numel()
     padded = -(-rows // 32) * 32  # the engine's rows come in 32s
