@@ -83,6 +83,21 @@ def attention() -> None:
         print(f"{dtype}: {(time.perf_counter() - start) / 5 * 1000:.1f} ms")
 
 
+def best_in_turns(runs: dict, turns: int, calls: int = 1, warm: bool = False) -> dict:
+    """Seconds a call of each of ``runs`` (name -> function) took at best, over ``turns``
+    turns that time each in order, ``calls`` calls at a time (``warm``: one call before)."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(turns):
+        for name, run in runs.items():
+            if warm:
+                run()
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls)
+    return best
+
+
 def packed() -> None:
     """One product of a prompt chunk (512 rows) by a Q4_1 matrix: amx.c (decoding into the
     tiles' layout, float32 sums out) against decoding to float32, rounding to bfloat16 and
@@ -105,13 +120,7 @@ def packed() -> None:
         half, xb = w.dequantize().bfloat16(), x.bfloat16()
         runs = {"amx": lambda: kernels.amx_linear(x, w), "onednn": lambda: onednn(x, w),
                 "matmul": lambda: F.linear(xb, half)}
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(5):
-            for name, run in runs.items():
-                run()
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+        best = {name: t * 1e3 for name, t in best_in_turns(runs, 5, warm=True).items()}
         print(f"| {m} x {k} x {n} | {best['amx']:.2f} | {best['onednn']:.2f} | "
               f"{best['matmul']:.2f} | {2 * m * k * n / best['amx'] / 1e9:.2f} |")
 
@@ -126,12 +135,7 @@ def rounding() -> None:
     for dtype in (torch.float16, torch.float32):
         t = torch.randn(2, 3, 4100, 64).to(dtype)[:, :, :3001]
         runs = {"tiergen": lambda: kernels.to_bfloat16(t), "torch": lambda: t.bfloat16()}
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(20):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+        best = {name: t * 1e3 for name, t in best_in_turns(runs, 20).items()}
         print(f"{dtype}: tiergen {best['tiergen']:.3f} ms, torch {best['torch']:.3f} ms")
 
 
@@ -151,13 +155,7 @@ def dense() -> None:
             x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
             runs = {"onednn": lambda: F.linear(x, w),
                     "amx": lambda: kernels.dense_bfloat16_linear(x, w)}
-            best = dict.fromkeys(runs, float("inf"))
-            for _ in range(5):
-                for name, run in runs.items():
-                    start = time.perf_counter()
-                    for _ in range(10):
-                        run()
-                    best[name] = min(best[name], (time.perf_counter() - start) * 1e5)
+            best = {name: t * 1e6 for name, t in best_in_turns(runs, 5, calls=10).items()}
             print(f"| {m} | {k} x {n} | {best['onednn']:.0f} | {best['amx']:.0f} | "
                   f"{best['onednn'] / best['amx']:.2f}x |", flush=True)
 

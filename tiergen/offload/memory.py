@@ -135,8 +135,9 @@ def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int,
     head = rows * (hidden * (4 + dt) + cfg.vocab_size * (dt + 4))
     extra = 0
     # Few bfloat16 rows multiply on AMX tiles with the matrix as it lies (layers.linear), not
-    # packed. gpt-oss's step holds more than the moments above count (its sink attention and
-    # clamped experts, not modelled apart): the packing's bytes still cover that there.
+    # packed. gpt-oss's step holds more than the moments above count where its biased expert
+    # products go to torch (addmm; the test model's experts are 48 wide, not whole tile
+    # steps): the packing's bytes still cover that there.
     tiles = (dtype == torch.bfloat16 and n <= kernels.AMX_DENSE_ROWS and not cfg.attention_sinks
              and kernels.amx_engine())
     if device_type == "cpu" and dtype.itemsize < 4 and not tiles:
