@@ -11,6 +11,7 @@ oneDNN reads its ceiling once.
     python benchmarks/bench_amx.py --experts     # a MoE prompt, experts on the tiles or not
     python benchmarks/bench_amx.py --rounding    # to bfloat16: tiergen's C against torch's
     python benchmarks/bench_amx.py --dense       # a bfloat16 matrix as stored: amx.c, oneDNN
+    python benchmarks/bench_amx.py --panels      # amx.c's packed product alone, by rows
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
 of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
@@ -123,6 +124,26 @@ def packed() -> None:
         best = {name: t * 1e3 for name, t in best_in_turns(runs, 5, warm=True).items()}
         print(f"| {m} x {k} x {n} | {best['amx']:.2f} | {best['onednn']:.2f} | "
               f"{best['matmul']:.2f} | {2 * m * k * n / best['amx'] / 1e9:.2f} |")
+
+
+def panels() -> None:
+    """amx.c's packed product alone (tg_amx_linear into buffers made once), Q4_1 matrices of
+    SmolLM2's MLP at 512 and 4,096 rows, best of five."""
+    import torch
+
+    from bench_int8 import random_packed
+    from tiergen import kernels
+    from tiergen.weights.packed import layout
+
+    lib = kernels.library()
+    for n, k in ((3072, 576), (576, 1536)):
+        w = random_packed(GGMLType.Q4_1, n, k)
+        (ggml_type, _, _, start, _), = layout(w.shape, w.parts)
+        for m in (512, 4096):
+            x, y = torch.randn(m, k).bfloat16(), torch.empty(m, n)
+            run = {"amx": lambda: lib.tg_amx_linear(ggml_type, w.data.data_ptr() + start, n, k,
+                                                    x.data_ptr(), m, y.data_ptr(), n)}
+            print(f"{n} x {k}, {m} rows: {best_in_turns(run, 5, warm=True)['amx'] * 1e3:.2f} ms")
 
 
 def rounding() -> None:
@@ -252,6 +273,7 @@ def main() -> None:
     ap.add_argument("--experts", action="store_true")
     ap.add_argument("--rounding", action="store_true")
     ap.add_argument("--dense", action="store_true")
+    ap.add_argument("--panels", action="store_true")
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/tiergen-amx-moe"))
     ap.add_argument("--child-prompt", choices=["on", "onednn", "off"], help=argparse.SUPPRESS)
     ap.add_argument("--chunk", type=int, default=512)
@@ -276,6 +298,8 @@ def main() -> None:
         return rounding()
     if args.dense:
         return dense()
+    if args.panels:
+        return panels()
     if args.experts:
         for case in SHAPES_MOE:
             path = moe_gguf(args.dir, case)

@@ -4,6 +4,8 @@ prompts.
 
     python benchmarks/profile_generate.py                          # batch 1 decode: 128 + 64
     python benchmarks/profile_generate.py --prompt-len 4096 --gen-len 1   # a long prefill
+    python benchmarks/profile_generate.py --model DIR --batch 32 --split  # a Llama-family
+        model's decode step by the family's calls (a generate of 1 token subtracted)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--rows", type=int, default=10, help="rows of the profiler's table")
+    p.add_argument("--split", action="store_true")
     a = p.parse_args()
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])})")
@@ -36,6 +39,8 @@ def main() -> None:
     ids = torch.randint(100, llm.config.vocab_size, (a.batch, a.prompt_len), generator=g).tolist()
     params = SamplingParams(max_tokens=a.gen_len, temperature=0, ignore_eos=True)
     llm.generate(ids, params)  # warm-up
+    if a.split:
+        return split(llm, ids, a.gen_len)
 
     spent = {"prefill": 0.0, "decode": 0.0, "fused": 0.0}
     packed_linear, decode_layer = K.packed_linear, layers.decode_layer
@@ -71,6 +76,35 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(ids, params)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
+
+
+def split(llm: LLM, ids: list[list[int]], gen_len: int) -> None:
+    """Milliseconds a decode step spends in a Llama-family layer and its parts (each timed
+    around its call; attention with the cache's writes), and in the head: a generate of
+    ``gen_len`` tokens less one of a single token, over ``gen_len - 1`` steps."""
+    import tiergen.cache.kv as kv
+    import tiergen.models.llama as llama
+
+    spent: dict[str, float] = {}
+    patched = [(llama.Llama, "layer"), (llama.Llama, "head"), (llama, "linear"),
+               (llama, "ffn"), (llama, "apply_rope"), (llama, "rms_norm"), (kv, "attention")]
+    for owner, name in patched:
+        def timed(*args, _f=getattr(owner, name), _n=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _f(*args, **kw)
+            finally:
+                spent[_n] = spent.get(_n, 0.0) + time.perf_counter() - t
+        setattr(owner, name, timed)
+
+    def run(n: int) -> dict[str, float]:
+        spent.clear()
+        llm.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return dict(spent)
+
+    one, many = run(1), run(gen_len)
+    for name, total in many.items():
+        print(f"{name}: {(total - one.get(name, 0.0)) / (gen_len - 1) * 1e3:.1f} ms a decode step")
 
 
 if __name__ == "__main__":
