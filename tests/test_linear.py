@@ -114,3 +114,25 @@ def test_a_float_mlp_over_many_rows_in_passes_equals_it_at_once(monkeypatch):
     torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5)
     _, _, passes = _mlp_passes(monkeypatch, torch.randn(2, 500, 64), gate_up, down)
     assert passes == [1000]  # fewer than two passes' worth: at once
+
+
+def test_a_prompts_mlp_on_amx_tiles_rounds_its_activation_where_it_makes_it(monkeypatch):
+    """On AMX tiles (every row there) act(gate) * up comes out rounded to bfloat16 for down's
+    tiles: the same numbers, to the bit, as down rounding the float32 activation itself."""
+    from test_packed import random_packed
+    from tiergen.weights.quant import GGMLType
+
+    gate_up, down = random_packed(GGMLType.Q4_1, 2 * 256, 64), random_packed(GGMLType.Q4_0, 64, 256)
+    x = torch.randn(2, 48, 64)
+    rounded = []
+    real = kernels.rounded_linear
+    monkeypatch.setattr(kernels, "rounded_linear",  # (down's inputs recorded)
+                        lambda a, w, *args: (rounded.append(a.dtype) if w is down else None)
+                        or real(a, w, *args))
+    with kernels.activations_set("int8"), kernels.rows_on_amx(torch.ones(2, dtype=torch.bool)):
+        for gelu in (False, True):
+            got = (layers.gelu_tanh_mlp if gelu else layers.swiglu_mlp)(x, gate_up, down)
+            act = layers._glu(layers.linear(x, gate_up), gelu)  # float32
+            assert act.dtype == torch.float32
+            assert got.dtype == torch.float32 and torch.equal(got, layers.linear(act, down))
+    assert rounded == [torch.bfloat16, torch.float32] * 2  # the MLP's, then linear's above

@@ -483,9 +483,12 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
     N, K = w.shape
     rows = x.shape[:-1].numel()
     padded = -(-rows // 32) * 32  # the engine's rows come in 32s
-    xb = torch.empty(padded, K, dtype=torch.bfloat16)
-    to_bfloat16(x.reshape(rows, K), xb[:rows])
-    xb[rows:].zero_()
+    if x.dtype == torch.bfloat16 and padded == rows and x.is_contiguous():
+        xb = x.view(rows, K)  # rounded already (rounded_linear)
+    else:
+        xb = torch.empty(padded, K, dtype=torch.bfloat16)
+        to_bfloat16(x.reshape(rows, K), xb[:rows])
+        xb[rows:].zero_()
     y = torch.empty(padded, N)
     base = w.data.data_ptr()
     for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
@@ -544,7 +547,21 @@ def to_bfloat16(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
 def _bfloat16_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ w.T + bias`` with ``w`` decoded and ``x`` rounded to bfloat16, summed in float32
-    on AMX tiles (tiergen's own, else torch's through oneDNN)."""
+    on AMX tiles (tiergen's own, else torch's through oneDNN), as ``x``'s dtype."""
+    return rounded_linear(x, w, bias).to(x.dtype)
+
+
+def takes_rounded(w: torch.Tensor | Packed) -> bool:
+    """Whether :func:`rounded_linear` multiplies by ``w``: where a prompt's rows are on AMX
+    tiles (:func:`rows_on_amx`), a producer of a product's input (layers' MLP) may then round
+    it to bfloat16 as it writes it, instead of the product reading it in float32 to round it."""
+    return integer_kernels_take(w) and library() is not None
+
+
+def rounded_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """float32 ``x @ w.T + bias`` of a prompt's rows on AMX tiles: ``x`` (float32, or already
+    rounded to bfloat16) rounded to bfloat16, ``w`` decoded, sums in float32."""
     y = amx_linear(x, w)
     if y is None:
         dense = dequantize_into(w, _scratch_buffer(w.shape, torch.float32, x.device))
@@ -552,7 +569,7 @@ def _bfloat16_linear(x: torch.Tensor, w: Packed, bias: torch.Tensor | None) -> t
         y = F.linear(x.to(torch.bfloat16), half).float()
     if bias is not None:
         y += bias
-    return y.to(x.dtype)
+    return y
 
 
 def _cpu_float32(*ts: torch.Tensor) -> bool:
@@ -605,11 +622,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None
-        ) -> torch.Tensor | None:
+def glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None,
+        bfloat16: bool = False) -> torch.Tensor | None:
     """``act(gate) * up`` for ``gate_up`` (..., 2 I) = [gate | up]: act SiLU, or GELU's tanh
     form with ``gelu``, in one call for a contiguous float32 CPU tensor; None where the library
-    cannot take it."""
+    cannot take it. With ``bfloat16`` the float32 values come out rounded to bfloat16, as
+    :func:`to_bfloat16` would round them (the input of :func:`rounded_linear`)."""
     if not (_cpu_float32(gate_up) and gate_up.is_contiguous()):
         return None
     lib = library()
@@ -617,8 +635,10 @@ def glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None
         return None
     I = gate_up.shape[-1] // 2
     if out is None:
-        out = torch.empty(*gate_up.shape[:-1], I)
-    lib.tg_glu(gate_up.data_ptr(), gate_up.numel() // (2 * I), I, int(gelu), out.data_ptr())
+        out = torch.empty(*gate_up.shape[:-1], I,
+                          dtype=torch.bfloat16 if bfloat16 else torch.float32)
+    lib.tg_glu(gate_up.data_ptr(), gate_up.numel() // (2 * I), I, int(gelu), out.data_ptr(),
+               int(bfloat16))
     return out
 
 

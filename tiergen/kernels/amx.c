@@ -23,12 +23,7 @@
 #endif
 
 /* ---- Rounding to bfloat16 -------------------------------------------------------------
- * To nearest even, subnormals kept, NaN to 0xffff: torch's Tensor.bfloat16() to the bit. */
-
-static inline uint16_t bf16_of(uint32_t u) {
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+ * As bf16_of (blocks.h) does, sixteen at a time. */
 
 #if defined(__AVX512F__)
 static inline __m256i bf16_16(__m512 v) {

@@ -39,6 +39,13 @@ static inline float half(const uint8_t *p) {
 }
 #endif
 
+/* The bits u of a float32 rounded to bfloat16: to nearest even, subnormals kept, NaN to
+ * 0xffff; torch's Tensor.bfloat16() to the bit. */
+static inline uint16_t bf16_of(uint32_t u) {
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 /* float32 to float16, rounding to nearest even as torch's .half() does (overflow: inf). */
 static inline uint16_t to_half(float f) {
 #if defined(__F16C__)

@@ -425,19 +425,42 @@ static inline float exp_poly(float x) {
     return p * two_n;
 }
 
+static inline float glu_one(float g, float u, int gelu) {
+    if (!gelu) return g / (1.0f + exp_poly(-g)) * u;
+    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return 0.5f * g * (2.0f - 2.0f / (exp_poly(2.0f * z) + 1.0f)) * u;
+}
+
+#define GLU_PIECE 256 /* values of a row rounded to bfloat16 at a time */
+
 /* out (rows, I) = act(gate) * up for gu (rows, 2 I) = [gate | up] per row: act SiLU, or with
- * gelu GELU's tanh form, tanh(z) = 1 - 2 / (e^2z + 1). */
-void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, float *out) {
+ * gelu GELU's tanh form, tanh(z) = 1 - 2 / (e^2z + 1). out is float32, or with bf16 the same
+ * values rounded to bfloat16 (bf16_of), for a product on AMX tiles that takes them so. */
+void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, void *out, int bf16) {
 #pragma omp parallel for schedule(static) if (rows * I >= 16384)
     for (int64_t b = 0; b < rows; b++) {
         const float *restrict gr = gu + b * 2 * I, *restrict ur = gr + I;
-        float *restrict ar = out + b * I;
-        if (gelu)
-            for (int64_t j = 0; j < I; j++) {
-                const float g = gr[j], z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-                ar[j] = 0.5f * g * (2.0f - 2.0f / (exp_poly(2.0f * z) + 1.0f)) * ur[j];
+        if (!bf16) {
+            float *restrict ar = (float *)out + b * I;
+            if (gelu)
+                for (int64_t j = 0; j < I; j++) ar[j] = glu_one(gr[j], ur[j], 1);
+            else
+                for (int64_t j = 0; j < I; j++) ar[j] = glu_one(gr[j], ur[j], 0);
+            continue;
+        }
+        uint16_t *restrict hr = (uint16_t *)out + b * I;
+        for (int64_t j0 = 0; j0 < I; j0 += GLU_PIECE) {
+            const int64_t n = I - j0 < GLU_PIECE ? I - j0 : GLU_PIECE;
+            float a[GLU_PIECE];
+            if (gelu)
+                for (int64_t j = 0; j < n; j++) a[j] = glu_one(gr[j0 + j], ur[j0 + j], 1);
+            else
+                for (int64_t j = 0; j < n; j++) a[j] = glu_one(gr[j0 + j], ur[j0 + j], 0);
+            for (int64_t j = 0; j < n; j++) {
+                uint32_t u;
+                memcpy(&u, &a[j], 4);
+                hr[j0 + j] = bf16_of(u);
             }
-        else
-            for (int64_t j = 0; j < I; j++) ar[j] = gr[j] / (1.0f + exp_poly(-gr[j])) * ur[j];
+        }
     }
 }

@@ -115,7 +115,7 @@ int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, co
     /* MLP */
     tg_rms_norm(h, L->ffn_norm, L->shift, B, H, L->eps, x);
     if ((err = product(L, L->gate_up, x, B, gu, L->gate_up_bias, &a))) goto done;
-    tg_glu(gu, B, I, L->gelu, act);
+    tg_glu(gu, B, I, L->gelu, act, 0);
     if ((err = product(L, L->down, act, B, y, L->down_bias, &a))) goto done;
     norm_rows(L, L->ffn_out_norm, y, B, H);
     for (int64_t i = 0; i < B * H; i++) h[i] += y[i];
@@ -149,7 +149,7 @@ int tg_experts_row(const tg_layer *L, const int64_t *const *mats, int64_t E, con
     memset(out, 0, sizeof(float) * H);
     for (int64_t e = 0; e < E; e++) {
         if ((err = product(L, mats[2 * e], x, 1, gu, NULL, &a))) break;
-        tg_glu(gu, 1, mats[2 * e + 1][1], L->gelu, act);
+        tg_glu(gu, 1, mats[2 * e + 1][1], L->gelu, act, 0);
         if ((err = product(L, mats[2 * e + 1], act, 1, y, NULL, &a))) break;
         for (int64_t i = 0; i < H; i++) {
             out[i] += mix[e] * y[i];

@@ -94,7 +94,7 @@ int tg_decode_attention(const float *q, const void *k, const void *v, const uint
                         const int64_t *ks, const int64_t *vs, float scale, int kv, float *out);
 void tg_to_half(const float *x, int64_t n, uint16_t *out);
 void tg_argmax(const float *x, int64_t rows, int64_t n, int64_t *out);
-void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, float *out);
+void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, void *out, int bf16);
 
 /* layer.c: a whole layer, or most of one, in one call */
 int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, const float *sin,

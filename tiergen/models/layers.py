@@ -174,7 +174,11 @@ def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor
     if amx is not None and not bool(amx.all()):  # rows on AMX tiles and not: each kind apart
         return kernels.split_rows(
             amx, lambda r: _glu_mlp(x[r], gate_up, down, gate_up_bias, down_bias, gelu))
-    # on AMX tiles, a product decodes its matrix once for all its rows: no passes
+    if amx is not None and x.dtype == torch.float32 and kernels.takes_rounded(down):
+        # on AMX tiles: no passes (each product decodes its matrix once for all its rows),
+        # and the activation comes out of act(gate) * up rounded as down's tiles take it
+        act = _glu(linear(x, gate_up, gate_up_bias), gelu, rounded=True)
+        return kernels.rounded_linear(act, down, down_bias)
     if rows < 2 * MLP_ROWS or x.device.type != "cpu" or amx is not None:
         return linear(_glu(linear(x, gate_up, gate_up_bias), gelu), down, down_bias)
     # one sequence of all the rows: a product keeps its tiles only for a token of each of
@@ -204,13 +208,15 @@ def gelu_tanh_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
     return _glu_mlp(x, gate_up, down, None, None, gelu=True)
 
 
-def _glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+def _glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None,
+         rounded: bool = False) -> torch.Tensor:
     """act(gate) * up, act SiLU or GELU's tanh form: in one native call on a CPU; into ``out``
-    (contiguous, gate_up's rows) if given."""
-    y = kernels.glu(gate_up, gelu, out)
+    (contiguous, gate_up's rows) if given; ``rounded``: rounded to bfloat16."""
+    y = kernels.glu(gate_up, gelu, out, bfloat16=rounded)
     if y is None:
         gate, up = gate_up.chunk(2, dim=-1)
         y = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
+        y = y.bfloat16() if rounded else y
     return _into(y, out)
 
 
