@@ -12,6 +12,7 @@ oneDNN reads its ceiling once.
     python benchmarks/bench_amx.py --rounding    # to bfloat16: tiergen's C against torch's
     python benchmarks/bench_amx.py --dense       # a bfloat16 matrix as stored: amx.c, oneDNN
     python benchmarks/bench_amx.py --panels      # amx.c's packed product alone, by rows
+    python benchmarks/bench_amx.py --glu         # a prompt's act(gate) * up into bfloat16
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
 of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
@@ -146,6 +147,24 @@ def panels() -> None:
             print(f"{n} x {k}, {m} rows: {best_in_turns(run, 5, warm=True)['amx'] * 1e3:.2f} ms")
 
 
+def glu() -> None:
+    """act(gate) * up at 4,096 rows (SmolLM2's SiLU, Gemma 3's GELU): written rounded to
+    bfloat16 against written in float32 and then rounded (kernels.to_bfloat16), best of
+    twenty each, in turns."""
+    import torch
+
+    from tiergen import kernels
+
+    for width, gelu in ((1536, False), (2048, True)):
+        gu = torch.randn(4096, 2 * width)
+        wide, half = torch.empty(4096, width), torch.empty(4096, width, dtype=torch.bfloat16)
+        runs = {"rounded": lambda: kernels.glu(gu, gelu, half, bfloat16=True),
+                "float32": lambda: kernels.to_bfloat16(kernels.glu(gu, gelu, wide), half)}
+        best = {name: t * 1e3 for name, t in best_in_turns(runs, 20).items()}
+        print(f"{width} wide, {'GELU' if gelu else 'SiLU'}: rounded as written "
+              f"{best['rounded']:.2f} ms, float32 then rounded {best['float32']:.2f} ms")
+
+
 def rounding() -> None:
     """A cache slice (2, 3, 3001, 64 of 4,100 slots) to bfloat16, float16 and float32:
     kernels.to_bfloat16 against Tensor.bfloat16(), best of twenty each, in turns."""
@@ -274,6 +293,7 @@ def main() -> None:
     ap.add_argument("--rounding", action="store_true")
     ap.add_argument("--dense", action="store_true")
     ap.add_argument("--panels", action="store_true")
+    ap.add_argument("--glu", action="store_true")
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/tiergen-amx-moe"))
     ap.add_argument("--child-prompt", choices=["on", "onednn", "off"], help=argparse.SUPPRESS)
     ap.add_argument("--chunk", type=int, default=512)
@@ -300,6 +320,8 @@ def main() -> None:
         return dense()
     if args.panels:
         return panels()
+    if args.glu:
+        return glu()
     if args.experts:
         for case in SHAPES_MOE:
             path = moe_gguf(args.dir, case)

@@ -1,8 +1,10 @@
-"""A prompt batch's buffers, two ways: freed buffers kept by glibc for reuse (tiergen's default,
-``_platform.keep_freed_buffers``) and glibc's default, which unmaps every allocation above its
-threshold when it is freed. A batch of 32 random prompts of 128 tokens, prefill alone (one new
-token) and a whole generation of 64 new tokens, each way in fresh processes taking turns.
-Reports each way's median seconds and the page faults of one prefill.
+"""A prompt batch's buffers, three ways: every buffer from glibc's heap, none mapped apart (tiergen's
+default, ``_platform.keep_freed_buffers``); buffers above 32 MB mapped apart when the heap has
+no free block for them (tiergen's setting before); and glibc's default, which maps every
+allocation above its (lower) threshold afresh and unmaps it when it is freed. A batch of 32
+random prompts of 128 tokens, prefill alone (one new token) and a whole generation of 64 new
+tokens, each way in fresh processes taking turns. Reports each way's median seconds, the page
+faults of one prefill and the process's peak resident memory.
 
     python benchmarks/bench_prefill_buffers.py [--model smollm2] [--turns 3]
 """
@@ -31,12 +33,15 @@ faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 t = time.perf_counter(); llm.generate(ids, one); prefill = time.perf_counter() - t
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 t = time.perf_counter(); llm.generate(ids, many); whole = time.perf_counter() - t
-print(json.dumps({"prefill_s": prefill, "faults": faults, "whole_s": whole}))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"prefill_s": prefill, "faults": faults, "whole_s": whole, "peak_mb": peak}))
 """
 
 # glibc's default: a malloc tunable of the user's (a no-op) makes tiergen leave malloc alone
 WAYS = {
-    "freed buffers kept (tiergen)": {},
+    "all from the heap (tiergen)": {},
+    "mapped above 32 MB": {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:"
+                                             "glibc.malloc.trim_threshold=268435456"},
     "glibc's default": {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"},
 }
 
@@ -56,12 +61,13 @@ def main() -> None:
             out = subprocess.run([sys.executable, "-c", CHILD, args.model], env=env,
                                  check=True, capture_output=True, text=True).stdout
             runs[way].append(json.loads(out.strip().splitlines()[-1]))
-    print("| buffers | prefill s | page faults in a prefill | 128 + 64 tokens s | total tok/s |")
-    print("|---|---|---|---|---|")
+    print("| buffers | prefill s | page faults in a prefill | 128 + 64 tokens s | total tok/s "
+          "| peak RSS MB |")
+    print("|---|---|---|---|---|---|")
     for way, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         print(f"| {way} | {med['prefill_s']:.3f} | {med['faults']:,.0f} | {med['whole_s']:.3f} | "
-              f"{32 * 64 / med['whole_s']:.1f} |")
+              f"{32 * 64 / med['whole_s']:.1f} | {med['peak_mb']:,.0f} |")
 
 
 if __name__ == "__main__":

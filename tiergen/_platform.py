@@ -176,15 +176,18 @@ cap_onednn()
 
 
 def keep_freed_buffers() -> bool:
-    """Let glibc reuse freed buffers of up to 32 MB instead of unmapping them.
+    """Let glibc reuse freed buffers of every size instead of unmapping them.
 
     A prompt batch's products allocate tens of MB of outputs and quantised activations each.
-    glibc maps every allocation above its threshold afresh and unmaps it when freed, so the
-    kernel faults in and zeroes each of its pages again at every product: about 350,000 page
-    faults for a prefill of 32 prompts of 128 tokens (benchmarks/bench_prefill_buffers.py). So
-    the threshold is set to glibc's largest, 32 MB, and the heap is trimmed only once 256 MB lie
-    free at its top. A process that tunes malloc itself (GLIBC_TUNABLES or MALLOC_*_
-    variables) keeps its own settings. Whether the settings were applied."""
+    glibc maps an allocation above its threshold afresh (where no free block of its heap is
+    large enough) and unmaps it when it is freed, so the kernel faults in and zeroes each of
+    its pages again at every product: about 350,000 page faults for a prefill of 32 prompts of
+    128 tokens (benchmarks/bench_prefill_buffers.py). The threshold cannot be raised past
+    32 MB, and SmolLM2's MLP alone makes a 50 MB buffer a layer at that batch, so glibc maps
+    nothing apart (M_MMAP_MAX 0; it still maps what its heap cannot hold), and the heap is
+    trimmed only once 256 MB lie free at its top. A process that tunes malloc itself
+    (GLIBC_TUNABLES or MALLOC_*_ variables) keeps its own settings. Whether the settings were
+    applied."""
     if platform.system() != "Linux" or "GLIBC_TUNABLES" in os.environ or any(
             k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
         return False
@@ -192,8 +195,8 @@ def keep_freed_buffers() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc
         return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 256 << 20))
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 256 << 20))
 
 
 keep_freed_buffers()
