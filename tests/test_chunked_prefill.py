@@ -164,3 +164,13 @@ def test_prefill_chunks_cover_the_prompt_once():
     assert prefill_chunk(512, 37) == 37
     assert [(c.start, c.stop) for c in chunks(16, 37)] == [(0, 16), (16, 32), (32, 37)]
     assert [(c.start, c.stop) for c in chunks(None, 5)] == [(0, 5)]
+
+
+def test_the_default_prefill_chunk_is_the_devices():
+    """"auto" chunks: 1,024 tokens on a CPU, 512 on a GPU; whole prompts batch invariant."""
+    from tiergen.engine.config import resolve_prefill_chunk
+
+    assert resolve_prefill_chunk("auto", False, "cpu") == 1024
+    assert resolve_prefill_chunk("auto", False, "cuda") == 512
+    assert resolve_prefill_chunk("auto", True, "cpu") is None
+    assert resolve_prefill_chunk(64, False, "cuda") == 64

@@ -309,12 +309,12 @@ def test_policy_auto_plans_within_the_budget(flags, note, monkeypatch, tmp_path,
     assert ("does not fit the budgets" in err) == note
 
 
-@pytest.mark.parametrize("flags, chunk", [([], 512), (["--batch-invariant"], None),
+@pytest.mark.parametrize("flags, chunk", [([], 1024), (["--batch-invariant"], None),
                                           (["--batch-invariant", "--prefill-chunk-size", "64"], 64)])
 def test_a_planned_policy_is_for_the_prompt_chunks_the_run_takes(flags, chunk, monkeypatch,
                                                                  tmp_path):
-    """--policy auto plans each prefill step as the run will take it: chunks of 512 tokens,
-    or whole prompts batch invariant (EngineConfig), or the chunks asked for."""
+    """--policy auto plans each prefill step as the run will take it: chunks of 1,024 tokens
+    on a CPU, or whole prompts batch invariant (EngineConfig), or the chunks asked for."""
     from test_planner import CPU
     from tiergen.planner import calibrate, search
 
@@ -322,6 +322,7 @@ def test_a_planned_policy_is_for_the_prompt_chunks_the_run_takes(flags, chunk, m
     seen, real = [], search.choose_policy
     monkeypatch.setattr(search, "choose_policy",
                         lambda *a, **k: seen.append(k["prefill_chunk"]) or real(*a, **k))
-    assert cli.main(["generate", "--policy", "auto", *flags, "--device-memory", "60M",
-                     "--max-tokens", "2", "--offload-dir", str(tmp_path), "Hi"]) == 0
+    assert cli.main(["generate", "--policy", "auto", "--device", "cpu", *flags,
+                     "--device-memory", "60M", "--max-tokens", "2", "--offload-dir",
+                     str(tmp_path), "Hi"]) == 0
     assert seen == [chunk]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tiergen.devices import resolve_activations, resolve_device
-from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK
+from tiergen.engine.generate import default_prefill_chunk
 from tiergen.errors import TiergenError
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
@@ -17,12 +17,14 @@ from tiergen.parallel.group import under_torchrun
 from tiergen.weights import ModelFiles, open_model, quantized
 
 
-def resolve_prefill_chunk(chunk: int | None | str, batch_invariant: bool) -> int | None:
-    """An LLM's ``prefill_chunk_size``: as given, or for "auto" DEFAULT_PREFILL_CHUNK, and
-    None (whole prompts) where batch invariant (see EngineConfig)."""
+def resolve_prefill_chunk(chunk: int | None | str, batch_invariant: bool, device_type: str
+                          ) -> int | None:
+    """An LLM's ``prefill_chunk_size``: as given, or for "auto" the default for the compute
+    device's type (generate.default_prefill_chunk), and None (whole prompts) where batch
+    invariant (see EngineConfig)."""
     if chunk != "auto":
         return chunk
-    return None if batch_invariant else DEFAULT_PREFILL_CHUNK
+    return None if batch_invariant else default_prefill_chunk(device_type)
 
 
 @dataclass
@@ -31,7 +33,7 @@ class EngineConfig:
     given ("auto", None): each rank resolves the device, dtype and activations on its own
     machine. ``budgets``: ``device_memory`` and ``host_memory`` read once, as bytes.
     ``prefill_chunk_size`` ("auto") and ``share_prefixes`` (None) are resolved here: chunks
-    of DEFAULT_PREFILL_CHUNK and shared prefixes, except batch invariant, where a prompt is
+    of the device's default_prefill_chunk and shared prefixes, except batch invariant, where a prompt is
     computed whole, as it is alone (a chunk's or a shared prefix's boundaries would fall
     elsewhere in a padded row or one whose batch shares a prefix)."""
 
@@ -59,8 +61,8 @@ class EngineConfig:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise TiergenError("max_batch_size must be a positive integer, got "
                                f"{self.max_batch_size!r}")
-        self.prefill_chunk_size = resolve_prefill_chunk(self.prefill_chunk_size,
-                                                        self.batch_invariant)
+        self.prefill_chunk_size = resolve_prefill_chunk(
+            self.prefill_chunk_size, self.batch_invariant, resolve_device(self.device).type)
         if self.share_prefixes is None:
             self.share_prefixes = not self.batch_invariant
         chunk = self.prefill_chunk_size

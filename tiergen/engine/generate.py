@@ -20,7 +20,17 @@ from tiergen.kernels import amx_prompt
 from tiergen.tokenizer import IncrementalDetokenizer, Tokenizer
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill step (LLM's prefill_chunk_size)
+# On a CPU: each chunk decodes every packed matrix again, and the chunk's activations stay in
+# host RAM. One 4,096-token prompt ran 1.10x (SmolLM2) and 1.05-1.09x (Gemma 3) faster in
+# chunks of 1,024 than of 512, for 32-41 MB more (docs/BENCHMARKS.md, "Prefill chunks after
+# both"; Gemma 3 falls back past 1,024, its sliding window's double).
+CPU_PREFILL_CHUNK = 1024
 MIN_SHARED_PREFIX = 32  # prompt tokens in common below which a block computes them per row
+
+
+def default_prefill_chunk(device_type: str) -> int:
+    """The prompt tokens per prefill step an LLM takes by default on ``device_type``."""
+    return CPU_PREFILL_CHUNK if device_type == "cpu" else DEFAULT_PREFILL_CHUNK
 
 
 def prefill_chunk(chunk_size: int | None, tokens: int) -> int:

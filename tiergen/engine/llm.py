@@ -79,8 +79,8 @@ class LLM:
     ``compile=True`` compiles batch-1 CPU matmuls (faster decode after a few seconds of
     compilation on first use); ``prefill_chunk_size`` feeds long prompts in chunks that each
     attend to the cache plus themselves, so prefill memory grows with chunk x context rather
-    than context squared (None: whole prompts at once; "auto": chunks of 512, or whole
-    prompts where batch invariant); ``share_prefixes`` computes a prompt prefix that every
+    than context squared (None: whole prompts at once; "auto": chunks of 1,024 on a CPU and
+    512 on a GPU, or whole prompts where batch invariant); ``share_prefixes`` computes a prompt prefix that every
     sequence of a block (or of a server micro-batch) starts with once, and copies its cache
     into each row (False: every row computes its whole prompt; None: True, or False where
     batch invariant).

@@ -36,7 +36,7 @@ from tiergen.errors import TiergenError
 from tiergen.models import build_model
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
-from tiergen.engine.generate import DEFAULT_PREFILL_CHUNK, chunks
+from tiergen.engine.generate import chunks, default_prefill_chunk
 from tiergen.engine.pipeline import micro_batch_size, pipeline_chunk
 from tiergen.parallel import link as rank_link
 from tiergen.parallel.shard import Shard
@@ -179,7 +179,7 @@ def plan_parallel(cfg: ModelConfig, dtype: torch.dtype, workload: Workload, cal:
     # need less memory, so every rank still fits)
     shape = min(chosen, key=lambda p: (p.gpu_batch_size or max_batch_size) * p.num_gpu_batches)
     cut = units(shape, workload.batch, max_batch_size, stages)
-    chunk = pipeline_chunk(DEFAULT_PREFILL_CHUNK, workload.prompt_len, stages)
+    chunk = pipeline_chunk(default_prefill_chunk(device_type), workload.prompt_len, stages)
     link = cal.link or DEFAULT_LINK
     prefill = decode = 0.0
     plans = []
