@@ -11,7 +11,7 @@ resident memory over the loaded model, each (engine, model, length) in a fresh p
 ``../shared/peers/build_llamacpp.sh`` has built it) reads the same GGUF with 2 threads, 512
 tokens per ``llama_decode``.
 
-    python benchmarks/bench_prefill.py [--models smollm2 gemma3-270m] [--chunk 512] [--repeat 3]
+    python benchmarks/bench_prefill.py [--models smollm2 gemma3-270m] [--chunk auto] [--repeat 3]
 """
 
 
@@ -31,7 +31,7 @@ from bench_packed import LLAMA_CPP, LLAMA_PYTHON
 LENGTHS = {"smollm2": [1024, 4096, 8000], "gemma3-270m": [4096, 8192, 16384, 32000]}
 
 
-def child(engine: str, length: int, chunk: int, gguf: str, dtype: str) -> dict:
+def child(engine: str, length: int, chunk: int | str, gguf: str, dtype: str) -> dict:
     import torch
 
     from tiergen import TiergenError
@@ -74,14 +74,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
     p.add_argument("--lengths", type=int, nargs="+", help="instead of each model's own list")
-    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--chunk", default="auto",
+                   help="tiergen's prefill chunk (default: its own, for the CPU)")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of each engine, in turns; the table gives each one's median")
     p.add_argument("--child", nargs=5)
     args = p.parse_args()
     if args.child:
         engine, length, chunk, gguf, dtype = args.child
-        print(json.dumps(child(engine, int(length), int(chunk), gguf, dtype)))
+        print(json.dumps(child(engine, int(length), chunk if chunk == "auto" else int(chunk),
+                               gguf, dtype)))
         return
     from tiergen._platform import cpu_has_fast_bfloat16
     from tiergen.bench import cpu_description
