@@ -33,9 +33,9 @@ class EngineConfig:
     given ("auto", None): each rank resolves the device, dtype and activations on its own
     machine. ``budgets``: ``device_memory`` and ``host_memory`` read once, as bytes.
     ``prefill_chunk_size`` ("auto") and ``share_prefixes`` (None) are resolved here: chunks
-    of the device's default_prefill_chunk and shared prefixes, except batch invariant, where a prompt is
-    computed whole, as it is alone (a chunk's or a shared prefix's boundaries would fall
-    elsewhere in a padded row or one whose batch shares a prefix)."""
+    of the device's default_prefill_chunk and shared prefixes, except batch invariant, where
+    a prompt is computed whole, as it is alone (a chunk's or a shared prefix's boundaries
+    would fall elsewhere in a padded row or one whose batch shares a prefix)."""
 
     model: str | Path | ModelFiles
     dtype: str | torch.dtype = "auto"

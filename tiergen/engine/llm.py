@@ -80,9 +80,9 @@ class LLM:
     compilation on first use); ``prefill_chunk_size`` feeds long prompts in chunks that each
     attend to the cache plus themselves, so prefill memory grows with chunk x context rather
     than context squared (None: whole prompts at once; "auto": chunks of 1,024 on a CPU and
-    512 on a GPU, or whole prompts where batch invariant); ``share_prefixes`` computes a prompt prefix that every
-    sequence of a block (or of a server micro-batch) starts with once, and copies its cache
-    into each row (False: every row computes its whole prompt; None: True, or False where
+    512 on a GPU, or whole prompts where batch invariant); ``share_prefixes`` computes a
+    prompt prefix that every sequence of a block (or of a server micro-batch) starts with
+    once, and copies its cache into each row (False: every row computes its whole prompt; None: True, or False where
     batch invariant).
     ``packed=False`` decodes a GGUF's quantised matrices at load (by default they stay in
     their blocks and are multiplied packed). ``activations`` says how those products treat
