@@ -82,8 +82,8 @@ class LLM:
     than context squared (None: whole prompts at once; "auto": chunks of 1,024 on a CPU and
     512 on a GPU, or whole prompts where batch invariant); ``share_prefixes`` computes a
     prompt prefix that every sequence of a block (or of a server micro-batch) starts with
-    once, and copies its cache into each row (False: every row computes its whole prompt; None: True, or False where
-    batch invariant).
+    once, and copies its cache into each row (False: every row computes its whole prompt;
+    None: True, or False where batch invariant).
     ``packed=False`` decodes a GGUF's quantised matrices at load (by default they stay in
     their blocks and are multiplied packed). ``activations`` says how those products treat
     their inputs: "auto" (int8 on a CPU, float32 elsewhere), "int8" (quantised to 8 bits, a
