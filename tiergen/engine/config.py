@@ -61,8 +61,9 @@ class EngineConfig:
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise TiergenError("max_batch_size must be a positive integer, got "
                                f"{self.max_batch_size!r}")
-        self.prefill_chunk_size = resolve_prefill_chunk(
-            self.prefill_chunk_size, self.batch_invariant, resolve_device(self.device).type)
+        device = resolve_device(self.device)
+        self.prefill_chunk_size = resolve_prefill_chunk(self.prefill_chunk_size,
+                                                        self.batch_invariant, device.type)
         if self.share_prefixes is None:
             self.share_prefixes = not self.batch_invariant
         chunk = self.prefill_chunk_size
@@ -70,7 +71,7 @@ class EngineConfig:
             raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "
                                f"whole prompt at once), got {chunk!r}")
         self.budgets = Budgets.parse(self.device_memory, self.host_memory)
-        resolve_activations(self.activations, resolve_device(self.device))
+        resolve_activations(self.activations, device)
         if isinstance(self.policy, (list, tuple)):
             if not self.parallel:
                 raise TiergenError("a list of policies is for pipeline_parallel or "

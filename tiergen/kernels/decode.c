@@ -431,7 +431,7 @@ static inline float glu_one(float g, float u, int gelu) {
     return 0.5f * g * (2.0f - 2.0f / (exp_poly(2.0f * z) + 1.0f)) * u;
 }
 
-#define GLU_PIECE 256 /* values of a row rounded to bfloat16 at a time */
+#define GLU_PIECE 256 /* values of a row made at a time (rounded to bfloat16 from a buffer) */
 
 /* out (rows, I) = act(gate) * up for gu (rows, 2 I) = [gate | up] per row: act SiLU, or with
  * gelu GELU's tanh form, tanh(z) = 1 - 2 / (e^2z + 1). out is float32, or with bf16 the same
@@ -440,26 +440,20 @@ void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, void *out, int b
 #pragma omp parallel for schedule(static) if (rows * I >= 16384)
     for (int64_t b = 0; b < rows; b++) {
         const float *restrict gr = gu + b * 2 * I, *restrict ur = gr + I;
-        if (!bf16) {
-            float *restrict ar = (float *)out + b * I;
-            if (gelu)
-                for (int64_t j = 0; j < I; j++) ar[j] = glu_one(gr[j], ur[j], 1);
-            else
-                for (int64_t j = 0; j < I; j++) ar[j] = glu_one(gr[j], ur[j], 0);
-            continue;
-        }
-        uint16_t *restrict hr = (uint16_t *)out + b * I;
+        float piece[GLU_PIECE];
         for (int64_t j0 = 0; j0 < I; j0 += GLU_PIECE) {
             const int64_t n = I - j0 < GLU_PIECE ? I - j0 : GLU_PIECE;
-            float a[GLU_PIECE];
+            float *restrict a = bf16 ? piece : (float *)out + b * I + j0;
             if (gelu)
                 for (int64_t j = 0; j < n; j++) a[j] = glu_one(gr[j0 + j], ur[j0 + j], 1);
             else
                 for (int64_t j = 0; j < n; j++) a[j] = glu_one(gr[j0 + j], ur[j0 + j], 0);
+            if (!bf16) continue;
+            uint16_t *restrict hr = (uint16_t *)out + b * I + j0;
             for (int64_t j = 0; j < n; j++) {
                 uint32_t u;
                 memcpy(&u, &a[j], 4);
-                hr[j0 + j] = bf16_of(u);
+                hr[j] = bf16_of(u);
             }
         }
     }
