@@ -3,7 +3,7 @@ the tiles work) against oneDNN capped at AVX512_CORE_BF16, each in a fresh proce
 oneDNN reads its ceiling once.
 
     python benchmarks/bench_amx.py [--threads N]
-    python benchmarks/bench_amx.py --attention   # a prompt chunk's attention by dtype
+    python benchmarks/bench_amx.py --attention   # a prompt's attention: amx.c, torch
     python benchmarks/bench_amx.py --prompt      # one 4,096-token prompt: tiergen's tiles,
                                                  # oneDNN's, none
     python benchmarks/bench_amx.py --kld         # KL divergence from the float path, off and on
@@ -70,19 +70,35 @@ def rates(threads: int, cap: str | None) -> list[float]:
 
 
 def attention() -> None:
-    """512 queries over 4,096 keys with SmolLM2's heads (9 query heads, 3 K/V heads)."""
+    """A prompt's attention in bfloat16, SmolLM2's heads (9 query heads, 3 K/V heads of 64) and
+    Gemma 3 270M's (4, 1 of 256): amx.c's tiles (``kernels.amx_attention``) against torch's
+    flash attention, for one 4,096-token prompt in one call and for its last chunk of 1,024
+    queries over the 4,096 keys (torch: the two flash passes tiergen ran before, see
+    ``cache.attention._chunk_attention``)."""
     import torch
     import torch.nn.functional as F
 
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        q = torch.randn(1, 9, 512, 64, dtype=dtype)
-        k, v = (torch.randn(1, 3, 4096, 64, dtype=dtype).repeat_interleave(3, 1) for _ in "kv")
-        mask = torch.ones(512, 4096, dtype=torch.bool).tril(4096 - 512)
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        start = time.perf_counter()
-        for _ in range(5):
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        print(f"{dtype}: {(time.perf_counter() - start) / 5 * 1000:.1f} ms")
+    from tiergen import kernels
+    from tiergen.cache.attention import _chunk_attention
+
+    if not kernels.amx_engine():
+        sys.exit("amx.c's tiles do not work here")
+    for name, (H, KVH, D) in {"SmolLM2": (9, 3, 64), "Gemma 3 270M": (4, 1, 256)}.items():
+        q = torch.randn(1, H, 4096, D, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, KVH, 4096, D, dtype=torch.bfloat16) for _ in "kv")
+        valid = torch.ones(1, 4096, dtype=torch.bool)
+        tail = q[:, :, -1024:]
+        best = best_in_turns({
+            "prompt, tiles": lambda: kernels.amx_attention(q, k, v),
+            "prompt, torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    enable_gqa=True),
+            "last chunk, tiles": lambda: kernels.amx_attention(tail, k, v),
+            "last chunk, torch": lambda: _chunk_attention(tail, k, v, None, valid),
+        }, turns=5, warm=True)
+        for case in ("prompt", "last chunk"):
+            tiles, torch_ = best[f"{case}, tiles"], best[f"{case}, torch"]
+            print(f"{name}, {case}: tiles {tiles * 1e3:.1f} ms, torch {torch_ * 1e3:.1f} ms, "
+                  f"{torch_ / tiles:.2f}x")
 
 
 def best_in_turns(runs: dict, turns: int, calls: int = 1, warm: bool = False) -> dict:

@@ -228,9 +228,8 @@ def test_a_steps_rows_on_amx_and_off_are_each_their_own_product():
                 else kernels.integer_linear(alone, w, None, 8))
         assert torch.equal(got[r:r + 1], want), r
         qkv = [t[r:r + 1] for t in (q, k, v)]
-        want = (attention(*(t.bfloat16() for t in qkv), None).float() if rows[r]
-                else attention(*qkv, None))
-        assert torch.equal(att[r:r + 1], want), r
+        with kernels.activations_set("int8"), kernels.rows_on_amx(rows[r:r + 1]):
+            assert torch.equal(att[r:r + 1], attention(*qkv, None)), r
 
 
 @pytest.mark.skipif(not amx_usable(), reason="needs AMX")
@@ -264,9 +263,10 @@ def test_a_long_prompts_attention_on_the_integer_path_runs_in_bfloat16_where_amx
         with kernels.rows_on_amx(kernels.amx_rows(torch.tensor([kernels.AMX_PROMPT]))):
             got = attention(q, k, v, None)
     exact = attention(q, k, v, None)  # the float path: float32 throughout
-    if amx_usable():
-        half = attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None).float()
-        assert torch.equal(got, half) and not torch.equal(got, exact)
+    if amx_usable():  # rounded to bfloat16 and summed in float32 on the tiles
+        want = (kernels.amx_attention(q, k, v) if kernels.amx_engine()
+                else attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None).float())
+        assert torch.equal(got, want) and not torch.equal(got, exact)
     else:
         assert torch.equal(got, exact)
 

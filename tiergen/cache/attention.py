@@ -28,6 +28,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     attention sinks, one logit per head that joins the softmax but adds no value.
     """
     B, H, T, D = q.shape
+    if sinks is None and T > 1 and (out := _on_tiles(q, k, v, mask, key_valid)) is not None:
+        return out
     if sinks is None and q.dtype == torch.float32 and (amx := kernels.on_amx(B)) is not None:
         # a prompt step on the integer path: its long prompts' rows in bfloat16 on AMX tiles,
         # 2.4x faster than in float32 (512 queries over 4,096 keys, SmolLM2's heads, 2-core
@@ -64,6 +66,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              key_valid: torch.Tensor | None) -> torch.Tensor | None:
+    """A prompt step's plain causal attention on AMX tiles (``kernels.amx_attention``), for
+    bfloat16 queries and for rows on the tiles (the integer path's long prompts, whose float32
+    q, k, v it rounds itself); None where it does not apply. 1.5x torch's flash attention in
+    bfloat16 at SmolLM2's heads of 64, about even at Gemma 3's of 256
+    (benchmarks/bench_amx.py --attention)."""
+    if q.dtype == torch.float32:
+        amx = kernels.on_amx(q.shape[0])
+        if amx is None or not bool(amx.all()):
+            return None
+    elif q.dtype != torch.bfloat16:
+        return None
+    T, S = q.shape[2], k.shape[2]
+    if key_valid is None:  # keys: the step's own, or a ring's (then the mask is a window's)
+        causal = mask is None and S == T
+    else:  # keys: timeline slots [0, S) ending with the step's own; a ring's first chunk
+        # comes with its window's mask, a cache's with the causal one, all of it valid
+        causal = bool(key_valid.all()) and (S > T or mask is None or _causal(mask[:1]))
+    out = kernels.amx_attention(q, k, v) if causal else None
+    return None if out is None else out.to(q.dtype)
 
 
 def _each_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

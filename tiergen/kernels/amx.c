@@ -15,6 +15,7 @@
 #include "blocks.h"
 #include "tiergen.h"
 
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -380,6 +381,263 @@ int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int
     return failed ? -2 : 0;
 }
 
+/* ---- A prompt's attention ---------------------------------------------------------------
+ * Causal flash attention on the tiles, turned across: a block of 32 queries of one head
+ * against its keys, ATT_KB at a time, as k.q (keys by queries) and v^T p^T (dimensions by
+ * queries), so that each query is a lane of the softmax's vectors and the online softmax runs
+ * down the keys without a sum or maximum across a vector. Inputs rounded to bfloat16, float32
+ * sums, the probabilities rounded to bfloat16 for p.v; the output (float32) stays in L1/L2
+ * until the block's last keys. K and V are first laid out for the tiles, each row once per
+ * call (in place of a copy to bfloat16). */
+
+#define ATT_KB 128  /* keys of one online-softmax step */
+#define ATT_DMAX 256 /* the widest head */
+
+/* 2^y for y <= 0 (huge negatives give 0), to about 3e-6 relative: y = n + f, 2^f by a
+ * polynomial of degree 5 (Taylor's, |f| <= 1/2), 2^n by scalef */
+static inline __m512 exp2_16(__m512 y) {
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* lane i = the bfloat16 pair (a[i], b[i]), each rounded to nearest even (no NaN comes here) */
+static inline __m512i bf16_pairs(__m512 a, __m512 b) {
+#if defined(__AVX512BF16__)
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+#else
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(bf16_16(a)),
+                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_16(b)), 16));
+#endif
+}
+
+/* dst[r][0..D) (row-major, D values a row) = the first `rows` of src's rows (element type
+ * 0 float32, 1 float16, 2 bfloat16; `stride` elements apart) in bfloat16; rows..n zero. */
+static void rows_bf16(const char *src, int type, int64_t stride, int rows, int n, int64_t D,
+                      uint16_t *dst) {
+    const int size = type == 0 ? 4 : 2;
+    for (int r = 0; r < rows; r++) {
+        const char *row = src + r * stride * size;
+        if (type == 2)
+            memcpy(dst + r * D, row, D * 2);
+        else
+            round_bf16(row, type == 1, D, dst + r * D);
+    }
+    if (rows < n) memset(dst + rows * D, 0, (size_t)(n - rows) * D * 2);
+}
+
+/* Keys j0..j0+31 of one head (rows D values apart): kb = their rows in bfloat16 (A tiles of
+ * k.q); vt = their values turned across, D rows of 32 keys (A tiles of v^T p^T). */
+static void pack_keys(const char *k, const char *v, int type, int64_t S, int64_t D, int64_t j0,
+                      uint16_t *kb, uint16_t *vt) {
+    uint16_t t[32 * ATT_DMAX] __attribute__((aligned(64)));
+    uint32_t pairs[16][16] __attribute__((aligned(64)));
+    const int size = type == 0 ? 4 : 2, rows = S - j0 < 32 ? (int)(S - j0) : 32;
+    rows_bf16(k + j0 * D * size, type, D, rows, 32, D, kb);
+    rows_bf16(v + j0 * D * size, type, D, rows, 32, D, t);
+    for (int64_t d = 0; d < D; d += 16) { /* pairs[p][c] = (v[2p][d + c], v[2p + 1][d + c]) */
+        for (int p = 0; p < 16; p++) {
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i *)(t + 2 * p * D + d)));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm256_load_si256((const __m256i *)(t + (2 * p + 1) * D + d)));
+            _mm512_store_si512(pairs[p], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        transpose16(pairs[0], 16, (uint32_t *)(vt + d * 32));
+    }
+}
+
+/* The tiles' buffers of one block of 32 queries (columns: the queries) */
+typedef struct {
+    uint32_t q[2][ATT_DMAX / 32][16][16]; /* q^T: B tiles by query half and step */
+    float s[ATT_KB][32];                  /* scores, a row a key */
+    uint32_t p[2][ATT_KB / 2][32];        /* probabilities, a row a pair of keys (two blocks) */
+    float o[ATT_DMAX][32];                /* output, a row a dimension */
+} att_block;
+
+/* a.s[0..width) = the block's keys (kb: their bfloat16 rows from the block's first) by its
+ * queries */
+static inline void att_scores(att_block *a, const uint16_t *kb, int64_t D, int64_t width) {
+    for (int64_t js = 0; js < width; js += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < D / 32; s++) {
+            _tile_loadd(4, kb + js * D + 32 * s, D * 2);
+            _tile_loadd(6, a->q[0][s], 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, a->q[1][s], 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, kb + (js + 16) * D + 32 * s, D * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, &a->s[js][0], 128);
+        _tile_stored(1, &a->s[js][16], 128);
+        _tile_stored(2, &a->s[js + 16][0], 128);
+        _tile_stored(3, &a->s[js + 16][16], 128);
+    }
+}
+
+/* a.o += v^T p^T for the probabilities p (a.p[n]) of `width` keys whose values vt holds (from
+ * the block's first, 32 keys a D x 32 block) */
+static inline void att_values(att_block *a, int n, const uint16_t *vt, int64_t D, int64_t width) {
+    for (int64_t d = 0; d < D; d += 32) {
+        _tile_loadd(0, &a->o[d][0], 128);
+        _tile_loadd(1, &a->o[d][16], 128);
+        _tile_loadd(2, &a->o[d + 16][0], 128);
+        _tile_loadd(3, &a->o[d + 16][16], 128);
+        for (int64_t js = 0; js < width; js += 32) {
+            const uint16_t *at = vt + js * D + d * 32;
+            _tile_loadd(4, at, 64);
+            _tile_loadd(6, &a->p[n][js / 2][0], 128);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, &a->p[n][js / 2][16], 128);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, at + 16 * 32, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, &a->o[d][0], 128);
+        _tile_stored(1, &a->o[d][16], 128);
+        _tile_stored(2, &a->o[d + 16][0], 128);
+        _tile_stored(3, &a->o[d + 16][16], 128);
+    }
+}
+
+/* One step of the online softmax (base 2: scale2 = the scores' scale times log2 e) for the 16
+ * queries of half h, whose places are `place` (a key k0 + j is a query's while k0 + j <=
+ * its place), over `width` keys from k0: the running max *m (scaled) and sum *l updated, the
+ * probabilities into a.p[n] as bfloat16 pairs of keys, and the output rescaled. */
+static inline void att_softmax(att_block *a, int n, int h, __m512i place, int64_t k0,
+                               int64_t width, int64_t D, float scale2, __m512 *m, __m512 *l) {
+    const int whole = _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + width - 1))) == 0xffff;
+    __m512 mx0 = _mm512_set1_ps(-INFINITY), mx1 = mx0;
+    for (int64_t j = 0; j < width; j += 2) {
+        const __mmask16 in0 = whole ? 0xffff : _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j)));
+        const __mmask16 in1 = whole ? 0xffff : _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j + 1)));
+        mx0 = _mm512_mask_max_ps(mx0, in0, mx0, _mm512_load_ps(&a->s[j][16 * h]));
+        mx1 = _mm512_mask_max_ps(mx1, in1, mx1, _mm512_load_ps(&a->s[j + 1][16 * h]));
+    }
+    const __m512 sv = _mm512_set1_ps(scale2);
+    const __m512 mnew = _mm512_max_ps(*m, _mm512_mul_ps(_mm512_max_ps(mx0, mx1), sv));
+    const __m512 alpha = exp2_16(_mm512_sub_ps(*m, mnew));
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+    for (int64_t j = 0; j < width; j += 2) {
+        __m512 e0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&a->s[j][16 * h]), sv, mnew));
+        __m512 e1 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&a->s[j + 1][16 * h]), sv, mnew));
+        if (!whole) {
+            e0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j))), e0);
+            e1 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j + 1))), e1);
+        }
+        sum0 = _mm512_add_ps(sum0, e0);
+        sum1 = _mm512_add_ps(sum1, e1);
+        _mm512_store_si512(&a->p[n][j / 2][16 * h], bf16_pairs(e0, e1));
+    }
+    *l = _mm512_fmadd_ps(*l, alpha, _mm512_add_ps(sum0, sum1));
+    *m = mnew;
+    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+        for (int64_t d = 0; d < D; d++)
+            _mm512_store_ps(&a->o[d][16 * h], _mm512_mul_ps(_mm512_load_ps(&a->o[d][16 * h]), alpha));
+}
+
+int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_t qst,
+                     const void *k, const void *v, int kv_type, int64_t kvsb, int64_t kvsh,
+                     int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D,
+                     float scale, float *out, int64_t osb, int64_t osh, int64_t ost) {
+    if (D % 32 || D > ATT_DMAX || H % KVH || T > S || T < 1) return -1;
+    const int64_t nkb = (S + 31) / 32, nqb = (T + 31) / 32, group = H / KVH;
+    const int qsize = q_type == 0 ? 4 : 2, kvsize = kv_type == 0 ? 4 : 2;
+    const float scale2 = scale * 1.44269504088896341f; /* the softmax in base 2 */
+    const size_t per_head = (size_t)nkb * 32 * D; /* bfloat16 values of K (or V) a head */
+    uint16_t *kb = aligned_alloc(64, B * KVH * per_head * 2);
+    uint16_t *vt = aligned_alloc(64, B * KVH * per_head * 2);
+    if (kb == NULL || vt == NULL) {
+        free(kb);
+        free(vt);
+        return -2;
+    }
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < B * KVH * nkb; it++) {
+            const int64_t bk = it / nkb, j0 = it % nkb * 32;
+            const int64_t at = (bk / KVH * kvsb + bk % KVH * kvsh) * kvsize;
+            pack_keys((const char *)k + at, (const char *)v + at, kv_type, S, D, j0,
+                      kb + it * 32 * D, vt + it * 32 * D);
+        }
+        att_block *a = aligned_alloc(64, sizeof(att_block));
+        uint16_t qb[32 * ATT_DMAX] __attribute__((aligned(64)));
+        if (a == NULL) failed = 1;
+        load_tiles();
+        /* the longest query blocks first: causal work grows with the block's place */
+#pragma omp for schedule(dynamic)
+        for (int64_t it = 0; it < B * H * nqb; it++) {
+            if (a == NULL) continue;
+            const int64_t bh = it / nqb, t0 = (nqb - 1 - it % nqb) * 32;
+            const int64_t b = bh / H, h = bh % H, bk = b * KVH + h / group;
+            const int nq = T - t0 < 32 ? (int)(T - t0) : 32;
+            const int64_t first = S - T + t0, keys = first + nq; /* query i's place: first + i */
+            rows_bf16((const char *)q + (b * qsb + h * qsh + t0 * qst) * qsize, q_type, qst, nq,
+                      32, D, qb);
+            for (int half = 0; half < 2; half++)
+                for (int64_t s = 0; s < D / 32; s++)
+                    transpose16((const uint32_t *)(qb + 16 * half * D) + 16 * s, D / 2, a->q[half][s][0]);
+            __m512i place[2];
+            __m512 m[2], l[2];
+            for (int half = 0; half < 2; half++) { /* queries past nq: as the last one */
+                const __m512i i = _mm512_add_epi32(_mm512_set1_epi32(16 * half), _mm512_set_epi32(
+                    15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+                place[half] = _mm512_add_epi32(_mm512_set1_epi32((int)first),
+                                               _mm512_min_epi32(i, _mm512_set1_epi32(nq - 1)));
+                m[half] = _mm512_set1_ps(-1e30f); /* (finite: 2^(m - m') is then 0, not NaN) */
+                l[half] = _mm512_setzero_ps();
+            }
+            memset(a->o, 0, sizeof(float) * 32 * D);
+            const uint16_t *kh = kb + bk * per_head, *vh = vt + bk * per_head;
+            /* block n's scores, then block n-1's values, then block n's softmax: the tiles'
+             * stores and the vectors' have the other's work between them and their reader */
+            int64_t prev = -1, prev_width = 0;
+            for (int64_t k0 = 0; k0 < keys; k0 += ATT_KB) {
+                const int64_t width = (keys - k0 < ATT_KB ? keys - k0 : ATT_KB) + 31 & ~31;
+                const int n = (int)(k0 / ATT_KB) & 1;
+                att_scores(a, kh + k0 * D, D, width);
+                if (prev >= 0) att_values(a, !n, vh + prev * D, D, prev_width);
+                for (int half = 0; half < 2; half++)
+                    att_softmax(a, n, half, place[half], k0, width, D, scale2, &m[half], &l[half]);
+                prev = k0, prev_width = width;
+            }
+            att_values(a, (int)(prev / ATT_KB) & 1, vh + prev * D, D, prev_width);
+            for (int half = 0; half < 2; half++) { /* out = o^T / l, 16 x 16 at a time */
+                const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l[half]);
+                float rows[16][16] __attribute__((aligned(64)));
+                for (int64_t d = 0; d < D; d += 16) {
+                    for (int j = 0; j < 16; j++)
+                        _mm512_store_ps(&a->o[d + j][16 * half],
+                                        _mm512_mul_ps(_mm512_load_ps(&a->o[d + j][16 * half]), inv));
+                    transpose16((const uint32_t *)&a->o[d][16 * half], 32, (uint32_t *)rows[0]);
+                    for (int i = 0; i < 16 && 16 * half + i < nq; i++)
+                        memcpy(out + b * osb + h * osh + (t0 + 16 * half + i) * ost + d, rows[i], 64);
+                }
+            }
+        }
+        _tile_release();
+        free(a);
+    }
+    free(kb);
+    free(vt);
+    return failed ? -2 : 0;
+}
+
 int tg_amx_bf16(void) { return 1; }
 
 #else
@@ -393,6 +651,16 @@ void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, 
 int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m,
                  const float *bias, void *y, int64_t ldy, int bf16) {
     (void)w, (void)n, (void)k, (void)x, (void)m, (void)bias, (void)y, (void)ldy, (void)bf16;
+    return -1;
+}
+
+int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_t qst,
+                     const void *k, const void *v, int kv_type, int64_t kvsb, int64_t kvsh,
+                     int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D,
+                     float scale, float *out, int64_t osb, int64_t osh, int64_t ost) {
+    (void)q, (void)q_type, (void)qsb, (void)qsh, (void)qst, (void)k, (void)v, (void)kv_type,
+        (void)kvsb, (void)kvsh, (void)B, (void)H, (void)KVH, (void)T, (void)S, (void)D,
+        (void)scale, (void)out, (void)osb, (void)osh, (void)ost;
     return -1;
 }
 
