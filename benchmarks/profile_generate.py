@@ -42,8 +42,9 @@ def main() -> None:
     if a.split:
         return split(llm, ids, a.gen_len)
 
-    spent = {"prefill": 0.0, "decode": 0.0, "fused": 0.0}
-    packed_linear, decode_layer = K.packed_linear, layers.decode_layer
+    spent = {"prefill": 0.0, "decode": 0.0, "fused": 0.0, "attention": 0.0}
+    packed_linear, decode_layer, amx_attention = (K.packed_linear, layers.decode_layer,
+                                                  K.amx_attention)
 
     def timed(x, *args, **kw):
         t = time.perf_counter()
@@ -60,19 +61,28 @@ def main() -> None:
         finally:
             spent["fused"] += time.perf_counter() - t
 
-    K.packed_linear, layers.decode_layer = timed, fused
+    def tiles(*args, **kw):
+        t = time.perf_counter()
+        try:
+            return amx_attention(*args, **kw)
+        finally:
+            spent["attention"] += time.perf_counter() - t
+
+    K.packed_linear, layers.decode_layer, K.amx_attention = timed, fused, tiles
     t = time.perf_counter()
     llm.generate(ids, params)
     total = time.perf_counter() - t
     s = llm.last_stats
     print(f"generate: {total:.3f} s, of which packed products with more than one new token "
-          f"(prompts) {spent['prefill']:.3f} s")
+          f"(prompts) {spent['prefill']:.3f} s, attention on AMX tiles (kernels.amx_attention) "
+          f"{spent['attention']:.3f} s")
     if a.gen_len > 1:
         steps = a.gen_len - 1
         print(f"per decode step: {s.decode_seconds / steps * 1e3:.1f} ms, of which packed "
               f"products {spent['decode'] / steps * 1e3:.1f} ms and whole layers in one call "
               f"(kernels/layer.c: their products included) {spent['fused'] / steps * 1e3:.1f} ms")
-    K.packed_linear, layers.decode_layer = packed_linear, decode_layer
+    K.packed_linear, layers.decode_layer, K.amx_attention = (packed_linear, decode_layer,
+                                                             amx_attention)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(ids, params)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))

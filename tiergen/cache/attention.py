@@ -72,7 +72,7 @@ def _on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               key_valid: torch.Tensor | None) -> torch.Tensor | None:
     """A prompt step's plain causal attention on AMX tiles (``kernels.amx_attention``), for
     bfloat16 queries and for rows on the tiles (the integer path's long prompts, whose float32
-    q, k, v it rounds itself); None where it does not apply. 1.5x torch's flash attention in
+    q, k, v it rounds itself); None where it does not apply. 1.8x torch's flash attention in
     bfloat16 at SmolLM2's heads of 64, about even at Gemma 3's of 256
     (benchmarks/bench_amx.py --attention)."""
     if q.dtype == torch.float32:

@@ -387,23 +387,24 @@ int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int
  * queries), so that each query is a lane of the softmax's vectors and the online softmax runs
  * down the keys without a sum or maximum across a vector. Inputs rounded to bfloat16, float32
  * sums, the probabilities rounded to bfloat16 for p.v; the output (float32) stays in L1/L2
- * until the block's last keys. K and V are first laid out for the tiles, each row once per
- * call (in place of a copy to bfloat16). */
+ * until the block's last keys. The tiles' products of the keys before and after a step's keys
+ * are spread through its softmax, so that both run at once (1.14x at SmolLM2's heads). K and
+ * V are first laid out for the tiles, each row once per call (in place of a copy to
+ * bfloat16). */
 
 #define ATT_KB 128  /* keys of one online-softmax step */
 #define ATT_DMAX 256 /* the widest head */
 
-/* 2^y for y <= 0 (huge negatives give 0), to about 3e-6 relative: y = n + f, 2^f by a
- * polynomial of degree 5 (Taylor's, |f| <= 1/2), 2^n by scalef */
+/* 2^y for y <= 0 (huge negatives give 0), to about 1e-4 relative, a twentieth of the
+ * bfloat16 rounding that the probabilities then take: y = n + f, 2^f by a polynomial of
+ * degree 3 (Chebyshev's fit on |f| <= 1/2), 2^n by scalef */
 static inline __m512 exp2_16(__m512 y) {
     const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(y, n);
-    __m512 p = _mm512_set1_ps(1.3333558146e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(5.592203513e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.426400781e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931210160e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999244809e-1f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -457,55 +458,68 @@ static void pack_keys(const char *k, const char *v, int type, int64_t S, int64_t
 /* The tiles' buffers of one block of 32 queries (columns: the queries) */
 typedef struct {
     uint32_t q[2][ATT_DMAX / 32][16][16]; /* q^T: B tiles by query half and step */
-    float s[ATT_KB][32];                  /* scores, a row a key */
+    float s[2][ATT_KB][32];               /* scores, a row a key (two blocks) */
     uint32_t p[2][ATT_KB / 2][32];        /* probabilities, a row a pair of keys (two blocks) */
     float o[ATT_DMAX][32];                /* output, a row a dimension */
 } att_block;
 
-/* a.s[0..width) = the block's keys (kb: their bfloat16 rows from the block's first) by its
- * queries */
-static inline void att_scores(att_block *a, const uint16_t *kb, int64_t D, int64_t width) {
-    for (int64_t js = 0; js < width; js += 32) {
+/* The tiles' share of one softmax step, in units that att_pace spreads over the step's
+ * vector work, so that the tiles and the vectors run at once: the next block's scores
+ * (a unit: 32 keys) and the previous block's values (a unit: 32 dimensions by 32 keys). */
+typedef struct {
+    att_block *a;
+    const uint16_t *kb, *vt; /* the next block's keys, the previous block's values */
+    int64_t D;
+    int next, prev;          /* their buffers in a.s and a.p */
+    int ns, nv, units, done; /* units: ns of scores, then D/32 x nv of values */
+} att_work;
+
+static inline void att_unit(att_work *w) {
+    att_block *a = w->a;
+    const int64_t D = w->D;
+    const int i = w->done++;
+    if (i < w->ns) { /* a.s[next][js..js+32) = keys js.. by the queries */
+        const int64_t js = 32 * i;
+        float(*s)[32] = a->s[w->next];
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t s = 0; s < D / 32; s++) {
-            _tile_loadd(4, kb + js * D + 32 * s, D * 2);
-            _tile_loadd(6, a->q[0][s], 64);
+        for (int64_t t = 0; t < D / 32; t++) {
+            _tile_loadd(4, w->kb + js * D + 32 * t, D * 2);
+            _tile_loadd(6, a->q[0][t], 64);
             _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, a->q[1][s], 64);
+            _tile_loadd(7, a->q[1][t], 64);
             _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, kb + (js + 16) * D + 32 * s, D * 2);
+            _tile_loadd(5, w->kb + (js + 16) * D + 32 * t, D * 2);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(0, &a->s[js][0], 128);
-        _tile_stored(1, &a->s[js][16], 128);
-        _tile_stored(2, &a->s[js + 16][0], 128);
-        _tile_stored(3, &a->s[js + 16][16], 128);
+        _tile_stored(0, &s[js][0], 128);
+        _tile_stored(1, &s[js][16], 128);
+        _tile_stored(2, &s[js + 16][0], 128);
+        _tile_stored(3, &s[js + 16][16], 128);
+        return;
     }
-}
-
-/* a.o += v^T p^T for the probabilities p (a.p[n]) of `width` keys whose values vt holds (from
- * the block's first, 32 keys a D x 32 block) */
-static inline void att_values(att_block *a, int n, const uint16_t *vt, int64_t D, int64_t width) {
-    for (int64_t d = 0; d < D; d += 32) {
+    /* a.o[d..d+32) += v^T p^T over keys js..js+32, the output held in tiles 0-3 across js */
+    const int u = i - w->ns, jb = u % w->nv;
+    const int64_t d = u / w->nv * 32, js = 32 * jb;
+    if (jb == 0) {
         _tile_loadd(0, &a->o[d][0], 128);
         _tile_loadd(1, &a->o[d][16], 128);
         _tile_loadd(2, &a->o[d + 16][0], 128);
         _tile_loadd(3, &a->o[d + 16][16], 128);
-        for (int64_t js = 0; js < width; js += 32) {
-            const uint16_t *at = vt + js * D + d * 32;
-            _tile_loadd(4, at, 64);
-            _tile_loadd(6, &a->p[n][js / 2][0], 128);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, &a->p[n][js / 2][16], 128);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(5, at + 16 * 32, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+    }
+    const uint16_t *at = w->vt + js * D + d * 32;
+    _tile_loadd(4, at, 64);
+    _tile_loadd(6, &a->p[w->prev][js / 2][0], 128);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, &a->p[w->prev][js / 2][16], 128);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, at + 16 * 32, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    if (jb == w->nv - 1) {
         _tile_stored(0, &a->o[d][0], 128);
         _tile_stored(1, &a->o[d][16], 128);
         _tile_stored(2, &a->o[d + 16][0], 128);
@@ -513,27 +527,37 @@ static inline void att_values(att_block *a, int n, const uint16_t *vt, int64_t D
     }
 }
 
+/* the units due after `piece` of `pieces` pieces of vector work */
+static inline void att_pace(att_work *w, int piece, int pieces) {
+    while (w->done < w->units && (int64_t)w->done * pieces < (int64_t)piece * w->units)
+        att_unit(w);
+}
+
 /* One step of the online softmax (base 2: scale2 = the scores' scale times log2 e) for the 16
  * queries of half h, whose places are `place` (a key k0 + j is a query's while k0 + j <=
- * its place), over `width` keys from k0: the running max *m (scaled) and sum *l updated, the
- * probabilities into a.p[n] as bfloat16 pairs of keys, and the output rescaled. */
-static inline void att_softmax(att_block *a, int n, int h, __m512i place, int64_t k0,
-                               int64_t width, int64_t D, float scale2, __m512 *m, __m512 *l) {
+ * its place), over `width` keys from k0 (scores in a.s[n]): the running max *m (scaled) and
+ * sum *l updated, the probabilities into a.p[n] as bfloat16 pairs of keys; the output's
+ * factor returned. Pieces 16 keys each, the tiles' units paced between them. */
+static inline __m512 att_softmax(att_block *a, att_work *w, int n, int h, __m512i place,
+                                 int64_t k0, int64_t width, float scale2, __m512 *m,
+                                 __m512 *l) {
     const int whole = _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + width - 1))) == 0xffff;
+    const float(*s)[32] = a->s[n];
     __m512 mx0 = _mm512_set1_ps(-INFINITY), mx1 = mx0;
     for (int64_t j = 0; j < width; j += 2) {
         const __mmask16 in0 = whole ? 0xffff : _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j)));
         const __mmask16 in1 = whole ? 0xffff : _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j + 1)));
-        mx0 = _mm512_mask_max_ps(mx0, in0, mx0, _mm512_load_ps(&a->s[j][16 * h]));
-        mx1 = _mm512_mask_max_ps(mx1, in1, mx1, _mm512_load_ps(&a->s[j + 1][16 * h]));
+        mx0 = _mm512_mask_max_ps(mx0, in0, mx0, _mm512_load_ps(&s[j][16 * h]));
+        mx1 = _mm512_mask_max_ps(mx1, in1, mx1, _mm512_load_ps(&s[j + 1][16 * h]));
     }
     const __m512 sv = _mm512_set1_ps(scale2);
     const __m512 mnew = _mm512_max_ps(*m, _mm512_mul_ps(_mm512_max_ps(mx0, mx1), sv));
     const __m512 alpha = exp2_16(_mm512_sub_ps(*m, mnew));
+    const int pieces = (int)(width / 8); /* both halves' */
     __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
     for (int64_t j = 0; j < width; j += 2) {
-        __m512 e0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&a->s[j][16 * h]), sv, mnew));
-        __m512 e1 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&a->s[j + 1][16 * h]), sv, mnew));
+        __m512 e0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&s[j][16 * h]), sv, mnew));
+        __m512 e1 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&s[j + 1][16 * h]), sv, mnew));
         if (!whole) {
             e0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j))), e0);
             e1 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j + 1))), e1);
@@ -541,12 +565,11 @@ static inline void att_softmax(att_block *a, int n, int h, __m512i place, int64_
         sum0 = _mm512_add_ps(sum0, e0);
         sum1 = _mm512_add_ps(sum1, e1);
         _mm512_store_si512(&a->p[n][j / 2][16 * h], bf16_pairs(e0, e1));
+        if ((j & 15) == 14) att_pace(w, (int)((h * width + j + 2) / 16), pieces);
     }
     *l = _mm512_fmadd_ps(*l, alpha, _mm512_add_ps(sum0, sum1));
     *m = mnew;
-    if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
-        for (int64_t d = 0; d < D; d++)
-            _mm512_store_ps(&a->o[d][16 * h], _mm512_mul_ps(_mm512_load_ps(&a->o[d][16 * h]), alpha));
+    return alpha;
 }
 
 int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_t qst,
@@ -604,19 +627,31 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
             }
             memset(a->o, 0, sizeof(float) * 32 * D);
             const uint16_t *kh = kb + bk * per_head, *vh = vt + bk * per_head;
-            /* block n's scores, then block n-1's values, then block n's softmax: the tiles'
-             * stores and the vectors' have the other's work between them and their reader */
-            int64_t prev = -1, prev_width = 0;
+            /* block n's softmax on the vectors while the tiles work out block n+1's scores
+             * and add block n-1's values to the output; then the output's rescaling */
+            att_work w = {a, kh, vh, D, 0, 0, 1, 0, 1, 0}; /* block 0's scores */
+            w.ns = (int)((keys < ATT_KB ? keys : ATT_KB) + 31) / 32, w.units = w.ns;
+            att_pace(&w, 1, 1);
             for (int64_t k0 = 0; k0 < keys; k0 += ATT_KB) {
                 const int64_t width = (keys - k0 < ATT_KB ? keys - k0 : ATT_KB) + 31 & ~31;
+                const int64_t k1 = k0 + ATT_KB, next = keys - k1 < ATT_KB ? keys - k1 : ATT_KB;
                 const int n = (int)(k0 / ATT_KB) & 1;
-                att_scores(a, kh + k0 * D, D, width);
-                if (prev >= 0) att_values(a, !n, vh + prev * D, D, prev_width);
+                w.ns = next > 0 ? (int)(next + 31) / 32 : 0, w.next = !n, w.kb = kh + k1 * D;
+                w.units = w.ns + (int)(D / 32) * w.nv, w.done = 0;
+                __m512 alpha[2];
                 for (int half = 0; half < 2; half++)
-                    att_softmax(a, n, half, place[half], k0, width, D, scale2, &m[half], &l[half]);
-                prev = k0, prev_width = width;
+                    alpha[half] = att_softmax(a, &w, n, half, place[half], k0, width, scale2,
+                                              &m[half], &l[half]);
+                att_pace(&w, 1, 1);
+                for (int half = 0; half < 2; half++)
+                    if (_mm512_cmp_ps_mask(alpha[half], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+                        for (int64_t d = 0; d < D; d++)
+                            _mm512_store_ps(&a->o[d][16 * half], _mm512_mul_ps(
+                                _mm512_load_ps(&a->o[d][16 * half]), alpha[half]));
+                w.nv = (int)(width / 32), w.prev = n, w.vt = vh + k0 * D;
             }
-            att_values(a, (int)(prev / ATT_KB) & 1, vh + prev * D, D, prev_width);
+            w.ns = 0, w.units = (int)(D / 32) * w.nv, w.done = 0;
+            att_pace(&w, 1, 1);
             for (int half = 0; half < 2; half++) { /* out = o^T / l, 16 x 16 at a time */
                 const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l[half]);
                 float rows[16][16] __attribute__((aligned(64)));
