@@ -11,21 +11,25 @@ import torch
 
 from tiergen import kernels
 from tiergen.cache.attention import attention
+from tiergen.cache.kv import RollingKVView
+from tiergen.cache.step import StepMeta
 
 pytestmark = pytest.mark.skipif(not kernels.amx_engine(),
                                 reason="needs AMX (bfloat16 tiles) and a build for it")
 
 
-def plain(q, k, v):
-    """Query t of q (B, H, T, D) sees keys 0..S-T+t of k, v (B, KVH, S, D); inputs rounded to
-    bfloat16, the probabilities too (against the exact maximum), the rest in float64."""
+def plain(q, k, v, window=0):
+    """Query t of q (B, H, T, D) sees keys 0..S-T+t of k, v (B, KVH, S, D) (the last `window`
+    of them where window > 0); inputs rounded to bfloat16, the probabilities too (against the
+    exact maximum), the rest in float64."""
     B, H, T, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
     q, k, v = (t.bfloat16().double() for t in (q, k, v))
     k, v = k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
     s = q @ k.transpose(-1, -2) * D**-0.5
-    later = torch.arange(S)[None] > torch.arange(T)[:, None] + S - T
-    s = s.masked_fill(later, float("-inf"))
+    key, place = torch.arange(S)[None], torch.arange(T)[:, None] + S - T
+    unseen = (key > place) | ((key <= place - window) if window else False)
+    s = s.masked_fill(unseen, float("-inf"))
     e = torch.exp(s - s.amax(-1, keepdim=True))
     return ((e.bfloat16().double() @ v) / e.sum(-1, keepdim=True)).float()
 
@@ -53,6 +57,22 @@ def test_amx_attention_is_its_plain_arithmetic(shape, dtype):
     assert got.transpose(1, 2).is_contiguous()  # laid out for the output projection
     err = (got - plain(q, k, v)).abs()
     # the probabilities round against the running maximum, not the exact one
+    assert err.max() < 4e-3 and err.mean() < 3e-4
+
+
+@pytest.mark.parametrize("shape", [  # B, H, KVH, T, S, D, window
+    (1, 4, 1, 300, 300, 256, 100),  # a first chunk longer than its window
+    (2, 4, 2, 100, 612, 64, 512),   # a later chunk over a ring of 512
+    (1, 2, 1, 37, 70, 64, 33),      # a window's edge inside a block of 32
+    (1, 2, 1, 64, 64, 32, 1),       # each query itself only
+    (1, 3, 1, 200, 250, 64, 64),
+], ids=str)
+def test_amx_attention_in_a_sliding_window_is_its_plain_arithmetic(shape):
+    B, H, KVH, T, S, D, window = shape
+    g = torch.Generator().manual_seed(T + S + window)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = (torch.randn(B, KVH, S, D, generator=g) for _ in "kv")
+    err = (kernels.amx_attention(q, k, v, window) - plain(q, k, v, window)).abs()
     assert err.max() < 4e-3 and err.mean() < 3e-4
 
 
@@ -92,3 +112,41 @@ def test_a_prompt_step_takes_the_tiles_where_its_attention_is_plain_causal():
     half = [t.bfloat16() for t in (q, k, v)]
     assert torch.equal(attention(*half, None, key_valid=valid), tiles.bfloat16())
     assert not torch.equal(attention(q, k, v, None, key_valid=valid), tiles)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_a_rings_prompt_steps_take_the_tiles_in_its_window(dtype):
+    """A sliding-window layer's prompt in chunks: each chunk over the ring's keys, oldest
+    first, and its own, on the tiles (float32: the integer path's rows on the tiles)."""
+    B, H, KVH, D, window, chunks = 2, 4, 2, 64, 48, [40, 64, 30]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, sum(chunks), D, generator=g).to(dtype)
+    k, v = (torch.randn(B, KVH, sum(chunks), D, generator=g).to(dtype) for _ in "kv")
+    ring = RollingKVView(torch.zeros(2, B, KVH, window, D, dtype=dtype), window)
+    valid = torch.ones(B, sum(chunks), dtype=torch.bool)
+    on = kernels.rows_on_amx(torch.ones(B, dtype=torch.bool))
+    start, outs = 0, []
+    with kernels.activations_set("int8"), on:
+        for n in chunks:
+            now = slice(start, start + n)
+            outs.append(ring.attend(q[:, :, now], k[:, :, now], v[:, :, now],
+                                    StepMeta.build(valid, start, n)))
+            seen = slice(max(0, start - window), start + n)
+            assert torch.equal(outs[-1], kernels.amx_attention(
+                q[:, :, now], k[:, :, seen], v[:, :, seen], window).to(dtype))
+            start += n
+    err = (torch.cat(outs, 2).float() - plain(q, k, v, window)).abs()
+    assert err.max() < (4e-3 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("start", [0, 10, 40, 100], ids=lambda s: f"start{s}")
+def test_a_window_without_a_mask_takes_the_tiles(start):
+    """attention's window with mask None (every key valid), bfloat16: the tiles' band
+    (tests/test_chunked_prefill.py checks torch's paths against the band's mask)."""
+    B, H, KVH, T, D, window = 2, 4, 2, 60, 64, 48
+    S = min(start, window) + T
+    g = torch.Generator().manual_seed(start)
+    q, k, v = (torch.randn(B, n, length, D, generator=g).bfloat16()
+               for n, length in ((H, T), (KVH, S), (KVH, S)))
+    got = attention(q, k, v, None, key_valid=torch.ones(B, S, dtype=torch.bool), window=window)
+    assert torch.equal(got, kernels.amx_attention(q, k, v, window).bfloat16())

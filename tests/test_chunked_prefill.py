@@ -129,6 +129,24 @@ def test_chunk_attention_equals_the_masked_path(start, num_tokens):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("start", [0, 10, 40, 100])
+def test_a_window_without_a_mask_is_its_band(start):
+    """A sliding window's chunk with every key valid (mask None) against SDPA's masked path
+    over the band spelled out: a first chunk longer than the window, chunks over a ring not
+    yet full and full."""
+    from tiergen.cache.attention import attention
+
+    T, window = 60, 48
+    S = min(start, window) + T
+    torch.manual_seed(start)
+    q = torch.randn(2, 4, T, 16)
+    k, v = torch.randn(2, 2, 2, S, 16)
+    place, key = torch.arange(T)[:, None] + S - T, torch.arange(S)[None]
+    band = ((key <= place) & (key > place - window)).expand(2, 1, T, S)
+    got = attention(q, k, v, None, key_valid=torch.ones(2, S, dtype=torch.bool), window=window)
+    torch.testing.assert_close(got, attention(q, k, v, band), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 32, 128], ids=["causal", "window-32", "window-128"])
 def test_a_padded_first_chunk_attends_each_row_as_alone(window):
     """Prompts of 70, 33, 1 and 70 tokens left-padded into one first chunk: each row's output

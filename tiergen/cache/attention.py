@@ -13,7 +13,7 @@ from tiergen import kernels
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               sparsity: float = 1.0, key_valid: torch.Tensor | None = None,
-              sinks: torch.Tensor | None = None) -> torch.Tensor:
+              sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Scaled dot-product attention of q (B, H, T, D) over k (B, KVH, S, D), v (B, KVH, S, Dv),
     scaled by D**-0.5 (a layer wanting another scale pre-scales q).
 
@@ -26,9 +26,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     the masked path (see ``_chunk_attention``), and the first attend row by row, each row
     over its own tokens as alone (see ``_each_row``). ``sinks`` (H,): gpt-oss's
     attention sinks, one logit per head that joins the softmax but adds no value.
+    ``window`` > 0: the keys are consecutive timeline slots ending with the queries' own, of
+    which a query sees the last ``window`` up to its own: ``mask`` is that band (and the keys'
+    validity), or None where every key is valid.
     """
     B, H, T, D = q.shape
-    if sinks is None and T > 1 and (out := _on_tiles(q, k, v, mask, key_valid)) is not None:
+    if sinks is None and T > 1 and (out := _on_tiles(q, k, v, mask, key_valid, window)) is not None:
         return out
     if sinks is None and q.dtype == torch.float32 and (amx := kernels.on_amx(B)) is not None:
         # a prompt step on the integer path: its long prompts' rows in bfloat16 on AMX tiles,
@@ -37,9 +40,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if not bool(amx.all()):
             return kernels.split_rows(amx, lambda r: attention(
                 q[r], k[r], v[r], None if mask is None else mask[r], sparsity,
-                None if key_valid is None else key_valid[r]))
+                None if key_valid is None else key_valid[r], window=window))
         half = [kernels.to_bfloat16(t) for t in (q, k, v)]
-        return attention(*half, mask, sparsity, key_valid).float()
+        return attention(*half, mask, sparsity, key_valid, window=window).float()
+    S = k.shape[2]
+    if window and mask is None and S > min(T, window):  # the band, for the paths below
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        mask = mask.triu(S - T - window + 1)[None, None]
     kvh = k.shape[1]
     if (sinks is None and T == 1 and sparsity == 1
             and (out := kernels.decode_attention(q, k, v, mask)) is not None):
@@ -59,22 +66,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             return _sparse_output(probs, v, sparsity).view(B, H, 1, v.shape[-1])
         return torch.matmul(probs.to(q.dtype), v).view(B, H, 1, v.shape[-1])
     gqa = H != kvh
-    if key_valid is not None and k.shape[2] > T and q.device.type == "cpu":
+    if key_valid is not None and k.shape[2] > T and not window and q.device.type == "cpu":
         return _chunk_attention(q, k, v, mask, key_valid)
-    if key_valid is not None and mask is not None and q.device.type == "cpu":
-        return _each_row(q, k, v, mask, key_valid)
+    if key_valid is not None and mask is not None and k.shape[2] == T and q.device.type == "cpu":
+        return _each_row(q, k, v, mask, key_valid, window)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def _on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              key_valid: torch.Tensor | None) -> torch.Tensor | None:
-    """A prompt step's plain causal attention on AMX tiles (``kernels.amx_attention``), for
-    bfloat16 queries and for rows on the tiles (the integer path's long prompts, whose float32
-    q, k, v it rounds itself); None where it does not apply. 1.8x torch's flash attention in
-    bfloat16 at SmolLM2's heads of 64, about even at Gemma 3's of 256
-    (benchmarks/bench_amx.py --attention)."""
+              key_valid: torch.Tensor | None, window: int) -> torch.Tensor | None:
+    """A prompt step's plain causal attention (in a sliding window or not) on AMX tiles
+    (``kernels.amx_attention``), for bfloat16 queries and for rows on the tiles (the integer
+    path's long prompts, whose float32 q, k, v it rounds itself); None where it does not
+    apply. 1.8x torch's flash attention in bfloat16 at SmolLM2's heads of 64, about even at
+    Gemma 3's of 256 (benchmarks/bench_amx.py --attention), and a window's band without the
+    masked path."""
     if q.dtype == torch.float32:
         amx = kernels.on_amx(q.shape[0])
         if amx is None or not bool(amx.all()):
@@ -82,17 +90,18 @@ def _on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     elif q.dtype != torch.bfloat16:
         return None
     T, S = q.shape[2], k.shape[2]
-    if key_valid is None:  # keys: the step's own, or a ring's (then the mask is a window's)
-        causal = mask is None and S == T
-    else:  # keys: timeline slots [0, S) ending with the step's own; a ring's first chunk
-        # comes with its window's mask, a cache's with the causal one, all of it valid
-        causal = bool(key_valid.all()) and (S > T or mask is None or _causal(mask[:1]))
-    out = kernels.amx_attention(q, k, v) if causal else None
+    if window:  # the mask: the window's band where every key is valid
+        plain = key_valid is None or bool(key_valid.all())
+    elif key_valid is None:  # keys: the step's own
+        plain = mask is None and S == T
+    else:  # keys: timeline slots [0, S) ending with the step's own, all valid: causal
+        plain = bool(key_valid.all()) and (S > T or mask is None or _causal(mask[:1]))
+    out = kernels.amx_attention(q, k, v, window) if plain else None
     return None if out is None else out.to(q.dtype)
 
 
 def _each_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              valid: torch.Tensor) -> torch.Tensor:
+              valid: torch.Tensor, window: int = 0) -> torch.Tensor:
     """A prompt's first chunk where rows are left-padded (keys: the chunk's own T slots,
     ``valid`` (B, T) the slots that hold tokens): each row's queries over its own tokens only,
     exactly as the row runs alone, unpadded (plain causal where its mask is). The masked path
@@ -119,7 +128,7 @@ def _each_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if n:
             own = mask[r, :, pad:, pad:]
             out[r, :, pad:] = attention(q[r, :, pad:], k[r, :, pad:], v[r, :, pad:],
-                                        None if _causal(own[:1]) else own)
+                                        None if _causal(own[:1]) else own, window=window)
     return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
 
 

@@ -71,9 +71,10 @@ class RollingKVView(KVView):
     """A sliding-window layer's ring of W slots (B, KVH, W, D): timeline slot s lives at
     index s % W, so memory stays O(W) however long the sequence grows.
 
-    Keys need no reordering: the mask, built from each ring entry's timeline slot, lets a
-    query at slot q see exactly the valid slots in (q - W, q]. A chunk of T > 1 tokens
-    attends to the ring as it was plus its own T keys, then leaves its last W in the ring.
+    A decode step's keys need no reordering: the mask, built from each ring entry's timeline
+    slot, lets a query at slot q see exactly the valid slots in (q - W, q]. A chunk of T > 1
+    tokens attends to the ring as it was, oldest first, plus its own T keys, then leaves its
+    last W in the ring.
     """
 
     def __init__(self, kv: torch.Tensor, window: int, sparsity: float = 1.0) -> None:
@@ -143,14 +144,18 @@ class RollingKVView(KVView):
                 order, mask = oldest
                 keys, values = keys[:, :, order], values[:, :, order]
             return attention(q, keys, values, mask, self.sparsity, sinks=sinks)
-        slots = torch.arange(meta.start, meta.end, device=q.device)
-        keys, valid = (k, v), meta.valid[:, :meta.end]
-        if meta.start > 0:  # the ring as it was, then the chunk's own keys
-            slots = torch.cat([self._slots(meta.start, q.device), slots])
-            keys, valid = (torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)), None
-        mask = self._mask(slots, meta)
+        # a prompt step: the ring's keys that its queries may see, oldest first, then its own
+        seen = min(meta.start, self.window)
+        slots = torch.arange(meta.start - seen, meta.end, device=q.device)
+        keys = (k, v)
+        if seen:
+            ring = slots[:seen] % self.window
+            keys = (torch.cat([self.k[:, :, ring], k], dim=2),
+                    torch.cat([self.v[:, :, ring], v], dim=2))
+        valid = meta.valid[:, meta.start - seen:meta.end]
+        mask = None if not alone and bool(valid.all()) else self._mask(slots, meta)
         out = (rows_alone(q, *keys, mask, sinks, queries, slots) if alone
-               else attention(q, *keys, mask, key_valid=valid, sinks=sinks))
+               else attention(q, *keys, mask, key_valid=valid, sinks=sinks, window=self.window))
         self._write(k, v, meta)
         return out
 

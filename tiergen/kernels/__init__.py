@@ -531,12 +531,14 @@ def dense_bfloat16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
 _ELEMENT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # tiergen.h's types
 
 
-def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  window: int = 0) -> torch.Tensor | None:
     """Causal attention of a prompt step's queries q (B, H, T, D) over the keys k and values
-    v (B, KVH, S, D) whose last T are the queries' own (query t sees keys 0..S-T+t), scaled by
-    D**-0.5, on AMX tiles by ``amx.c``: bfloat16 inputs, float32 sums, the probabilities
-    rounded to bfloat16. float32 (B, H, T, D), laid out (B, T, H, D) for the output
-    projection; None where AMX does not work here or the shapes are not such."""
+    v (B, KVH, S, D) whose last T are the queries' own (query t, at place p = S-T+t, sees keys
+    0..p, or p-window+1..p for a sliding window), scaled by D**-0.5, on AMX tiles by
+    ``amx.c``: bfloat16 inputs, float32 sums, the probabilities rounded to bfloat16. float32
+    (B, H, T, D), laid out (B, T, H, D) for the output projection; None where AMX does not
+    work here or the shapes are not such."""
     B, H, T, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
     if (q.device.type != "cpu" or D % 32 or D > 256 or v.shape[-1] != D or H % KVH or T > S
@@ -551,7 +553,7 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     err = library().tg_amx_attention(
         q.data_ptr(), _ELEMENT[q.dtype], q.stride(0), q.stride(1), q.stride(2),
         k.data_ptr(), v.data_ptr(), _ELEMENT[k.dtype], k.stride(0), k.stride(1),
-        B, H, KVH, T, S, D, D**-0.5, out.data_ptr(), *out.stride()[:3])
+        B, H, KVH, T, S, D, window, D**-0.5, out.data_ptr(), *out.stride()[:3])
     if err == -2:
         raise MemoryError(f"attention of {B} x {T} queries over {S} keys: out of memory for "
                           "its buffers")

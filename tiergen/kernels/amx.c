@@ -382,15 +382,15 @@ int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int
 }
 
 /* ---- A prompt's attention ---------------------------------------------------------------
- * Causal flash attention on the tiles, turned across: a block of 32 queries of one head
- * against its keys, ATT_KB at a time, as k.q (keys by queries) and v^T p^T (dimensions by
- * queries), so that each query is a lane of the softmax's vectors and the online softmax runs
- * down the keys without a sum or maximum across a vector. Inputs rounded to bfloat16, float32
- * sums, the probabilities rounded to bfloat16 for p.v; the output (float32) stays in L1/L2
- * until the block's last keys. The tiles' products of the keys before and after a step's keys
- * are spread through its softmax, so that both run at once (1.14x at SmolLM2's heads). K and
- * V are first laid out for the tiles, each row once per call (in place of a copy to
- * bfloat16). */
+ * Causal flash attention on the tiles (within a sliding window or not), turned across: a
+ * block of 32 queries of one head against its keys, ATT_KB at a time, as k.q (keys by
+ * queries) and v^T p^T (dimensions by queries), so that each query is a lane of the softmax's
+ * vectors and the online softmax runs down the keys without a sum or maximum across a vector.
+ * Inputs rounded to bfloat16, float32 sums, the probabilities rounded to bfloat16 for p.v; the
+ * output (float32) stays in L1/L2 until the block's last keys. The tiles' products of the keys
+ * before and after a step's keys are spread through its softmax, so that both run at once
+ * (1.14x at SmolLM2's heads). K and V are first laid out for the tiles, each row once per call
+ * (in place of a copy to bfloat16). */
 
 #define ATT_KB 128  /* keys of one online-softmax step */
 #define ATT_DMAX 256 /* the widest head */
@@ -533,20 +533,26 @@ static inline void att_pace(att_work *w, int piece, int pieces) {
         att_unit(w);
 }
 
+/* the lanes that see key j: low < j <= place */
+static inline __mmask16 att_sees(__m512i low, __m512i place, int64_t j) {
+    const __m512i key = _mm512_set1_epi32((int)j);
+    return _mm512_cmpge_epi32_mask(place, key) & _mm512_cmplt_epi32_mask(low, key);
+}
+
 /* One step of the online softmax (base 2: scale2 = the scores' scale times log2 e) for the 16
- * queries of half h, whose places are `place` (a key k0 + j is a query's while k0 + j <=
- * its place), over `width` keys from k0 (scores in a.s[n]): the running max *m (scaled) and
+ * queries of half h, which see the keys j with low < j <= place (lane by lane), over `width`
+ * keys from k0 (scores in a.s[n]): the running max *m (scaled) and
  * sum *l updated, the probabilities into a.p[n] as bfloat16 pairs of keys; the output's
  * factor returned. Pieces 16 keys each, the tiles' units paced between them. */
-static inline __m512 att_softmax(att_block *a, att_work *w, int n, int h, __m512i place,
-                                 int64_t k0, int64_t width, float scale2, __m512 *m,
-                                 __m512 *l) {
-    const int whole = _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + width - 1))) == 0xffff;
+static inline __m512 att_softmax(att_block *a, att_work *w, int n, int h, __m512i low,
+                                 __m512i place, int64_t k0, int64_t width, float scale2,
+                                 __m512 *m, __m512 *l) {
+    const int whole = (att_sees(low, place, k0) & att_sees(low, place, k0 + width - 1)) == 0xffff;
     const float(*s)[32] = a->s[n];
     __m512 mx0 = _mm512_set1_ps(-INFINITY), mx1 = mx0;
     for (int64_t j = 0; j < width; j += 2) {
-        const __mmask16 in0 = whole ? 0xffff : _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j)));
-        const __mmask16 in1 = whole ? 0xffff : _mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j + 1)));
+        const __mmask16 in0 = whole ? 0xffff : att_sees(low, place, k0 + j);
+        const __mmask16 in1 = whole ? 0xffff : att_sees(low, place, k0 + j + 1);
         mx0 = _mm512_mask_max_ps(mx0, in0, mx0, _mm512_load_ps(&s[j][16 * h]));
         mx1 = _mm512_mask_max_ps(mx1, in1, mx1, _mm512_load_ps(&s[j + 1][16 * h]));
     }
@@ -559,8 +565,8 @@ static inline __m512 att_softmax(att_block *a, att_work *w, int n, int h, __m512
         __m512 e0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&s[j][16 * h]), sv, mnew));
         __m512 e1 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&s[j + 1][16 * h]), sv, mnew));
         if (!whole) {
-            e0 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j))), e0);
-            e1 = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(place, _mm512_set1_epi32((int)(k0 + j + 1))), e1);
+            e0 = _mm512_maskz_mov_ps(att_sees(low, place, k0 + j), e0);
+            e1 = _mm512_maskz_mov_ps(att_sees(low, place, k0 + j + 1), e1);
         }
         sum0 = _mm512_add_ps(sum0, e0);
         sum1 = _mm512_add_ps(sum1, e1);
@@ -575,7 +581,8 @@ static inline __m512 att_softmax(att_block *a, att_work *w, int n, int h, __m512
 int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_t qst,
                      const void *k, const void *v, int kv_type, int64_t kvsb, int64_t kvsh,
                      int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D,
-                     float scale, float *out, int64_t osb, int64_t osh, int64_t ost) {
+                     int64_t window, float scale, float *out, int64_t osb, int64_t osh,
+                     int64_t ost) {
     if (D % 32 || D > ATT_DMAX || H % KVH || T > S || T < 1) return -1;
     const int64_t nkb = (S + 31) / 32, nqb = (T + 31) / 32, group = H / KVH;
     const int qsize = q_type == 0 ? 4 : 2, kvsize = kv_type == 0 ? 4 : 2;
@@ -609,19 +616,23 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
             const int64_t bh = it / nqb, t0 = (nqb - 1 - it % nqb) * 32;
             const int64_t b = bh / H, h = bh % H, bk = b * KVH + h / group;
             const int nq = T - t0 < 32 ? (int)(T - t0) : 32;
-            const int64_t first = S - T + t0, keys = first + nq; /* query i's place: first + i */
+            /* query i's place: first + i; its keys: (place - window, place] */
+            const int64_t first = S - T + t0, keys = first + nq;
+            const int64_t lo = window && first >= window ? (first - window + 1) / 32 * 32 : 0;
             rows_bf16((const char *)q + (b * qsb + h * qsh + t0 * qst) * qsize, q_type, qst, nq,
                       32, D, qb);
             for (int half = 0; half < 2; half++)
                 for (int64_t s = 0; s < D / 32; s++)
                     transpose16((const uint32_t *)(qb + 16 * half * D) + 16 * s, D / 2, a->q[half][s][0]);
-            __m512i place[2];
+            __m512i place[2], low[2];
             __m512 m[2], l[2];
             for (int half = 0; half < 2; half++) { /* queries past nq: as the last one */
                 const __m512i i = _mm512_add_epi32(_mm512_set1_epi32(16 * half), _mm512_set_epi32(
                     15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
                 place[half] = _mm512_add_epi32(_mm512_set1_epi32((int)first),
                                                _mm512_min_epi32(i, _mm512_set1_epi32(nq - 1)));
+                low[half] = _mm512_sub_epi32(place[half], _mm512_set1_epi32(
+                    window ? (int)window : (int)S + 1));
                 m[half] = _mm512_set1_ps(-1e30f); /* (finite: 2^(m - m') is then 0, not NaN) */
                 l[half] = _mm512_setzero_ps();
             }
@@ -629,19 +640,19 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
             const uint16_t *kh = kb + bk * per_head, *vh = vt + bk * per_head;
             /* block n's softmax on the vectors while the tiles work out block n+1's scores
              * and add block n-1's values to the output; then the output's rescaling */
-            att_work w = {a, kh, vh, D, 0, 0, 1, 0, 1, 0}; /* block 0's scores */
-            w.ns = (int)((keys < ATT_KB ? keys : ATT_KB) + 31) / 32, w.units = w.ns;
+            att_work w = {a, kh + lo * D, vh, D, 0, 0, 1, 0, 1, 0}; /* the first block's scores */
+            w.ns = (int)((keys - lo < ATT_KB ? keys - lo : ATT_KB) + 31) / 32, w.units = w.ns;
             att_pace(&w, 1, 1);
-            for (int64_t k0 = 0; k0 < keys; k0 += ATT_KB) {
+            for (int64_t k0 = lo; k0 < keys; k0 += ATT_KB) {
                 const int64_t width = (keys - k0 < ATT_KB ? keys - k0 : ATT_KB) + 31 & ~31;
                 const int64_t k1 = k0 + ATT_KB, next = keys - k1 < ATT_KB ? keys - k1 : ATT_KB;
-                const int n = (int)(k0 / ATT_KB) & 1;
+                const int n = (int)((k0 - lo) / ATT_KB) & 1;
                 w.ns = next > 0 ? (int)(next + 31) / 32 : 0, w.next = !n, w.kb = kh + k1 * D;
                 w.units = w.ns + (int)(D / 32) * w.nv, w.done = 0;
                 __m512 alpha[2];
                 for (int half = 0; half < 2; half++)
-                    alpha[half] = att_softmax(a, &w, n, half, place[half], k0, width, scale2,
-                                              &m[half], &l[half]);
+                    alpha[half] = att_softmax(a, &w, n, half, low[half], place[half], k0,
+                                              width, scale2, &m[half], &l[half]);
                 att_pace(&w, 1, 1);
                 for (int half = 0; half < 2; half++)
                     if (_mm512_cmp_ps_mask(alpha[half], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
@@ -692,10 +703,11 @@ int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int
 int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_t qst,
                      const void *k, const void *v, int kv_type, int64_t kvsb, int64_t kvsh,
                      int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D,
-                     float scale, float *out, int64_t osb, int64_t osh, int64_t ost) {
+                     int64_t window, float scale, float *out, int64_t osb, int64_t osh,
+                     int64_t ost) {
     (void)q, (void)q_type, (void)qsb, (void)qsh, (void)qst, (void)k, (void)v, (void)kv_type,
         (void)kvsb, (void)kvsh, (void)B, (void)H, (void)KVH, (void)T, (void)S, (void)D,
-        (void)scale, (void)out, (void)osb, (void)osh, (void)ost;
+        (void)window, (void)scale, (void)out, (void)osb, (void)osh, (void)ost;
     return -1;
 }
 
