@@ -625,10 +625,10 @@ def kv_format(k: torch.Tensor, v: torch.Tensor) -> int | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: float = 0.0
              ) -> torch.Tensor | None:
     """``F.rms_norm(x, eps=eps) * (weight + shift)`` in one call for contiguous float32 CPU
-    tensors (``weight`` None: no weight); None where the library cannot take them. Batch
-    invariant, a strided ``x`` (a slice of a batch's positions) is copied to take it too, as
-    the same row alone would."""
-    if not x.is_contiguous() and batch_invariant() and _cpu_float32(x):
+    tensors (``weight`` None: no weight); None where the library cannot take them. A strided
+    ``x`` (a slice of a batch's positions, Gemma's per-head q and k) is copied to take it too:
+    the same row alone would be, and torch's rms_norm takes several passes."""
+    if not x.is_contiguous() and _cpu_float32(x):
         x = x.contiguous()
     if not (_cpu_float32(x) and x.is_contiguous()) or (
             weight is not None and not (_cpu_float32(weight) and weight.is_contiguous())):
