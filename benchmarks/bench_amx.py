@@ -74,7 +74,9 @@ def attention() -> None:
     Gemma 3 270M's (4, 1 of 256): amx.c's tiles (``kernels.amx_attention``) against torch's
     flash attention, for one 4,096-token prompt in one call and for its last chunk of 1,024
     queries over the 4,096 keys (torch: the two flash passes tiergen ran before, see
-    ``cache.attention._chunk_attention``)."""
+    ``cache.attention._chunk_attention``); and Gemma's sliding window of 512 over a chunk of
+    1,024 (its first; a later one over the 512 keys before it and its own), against torch's
+    masked path, which tiergen's ring took before."""
     import torch
     import torch.nn.functional as F
 
@@ -95,10 +97,25 @@ def attention() -> None:
             "last chunk, tiles": lambda: kernels.amx_attention(tail, k, v),
             "last chunk, torch": lambda: _chunk_attention(tail, k, v, None, valid),
         }, turns=5, warm=True)
-        for case in ("prompt", "last chunk"):
-            tiles, torch_ = best[f"{case}, tiles"], best[f"{case}, torch"]
-            print(f"{name}, {case}: tiles {tiles * 1e3:.1f} ms, torch {torch_ * 1e3:.1f} ms, "
-                  f"{torch_ / tiles:.2f}x")
+        report(name, best, ("prompt", "last chunk"))
+    q = torch.randn(1, 4, 1024, 256, dtype=torch.bfloat16)
+    runs = {}
+    for case, S in {"first chunk": 1024, "later chunk": 1536}.items():
+        k, v = (torch.randn(1, 1, S, 256, dtype=torch.bfloat16) for _ in "kv")
+        place, key = torch.arange(1024)[:, None] + S - 1024, torch.arange(S)[None]
+        band = (key <= place) & (key > place - 512)
+        runs[f"window, {case}, tiles"] = lambda k=k, v=v: kernels.amx_attention(q, k, v, 512)
+        runs[f"window, {case}, torch"] = lambda k=k, v=v, band=band: (
+            F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True))
+    report("Gemma 3 270M", best_in_turns(runs, turns=5, warm=True),
+           ("window, first chunk", "window, later chunk"))
+
+
+def report(name: str, best: dict, cases: tuple[str, ...]) -> None:
+    for case in cases:
+        tiles, torch_ = best[f"{case}, tiles"], best[f"{case}, torch"]
+        print(f"{name}, {case}: tiles {tiles * 1e3:.1f} ms, torch {torch_ * 1e3:.1f} ms, "
+              f"{torch_ / tiles:.2f}x")
 
 
 def best_in_turns(runs: dict, turns: int, calls: int = 1, warm: bool = False) -> dict:
