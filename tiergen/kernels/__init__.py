@@ -626,8 +626,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, shift: fl
              ) -> torch.Tensor | None:
     """``F.rms_norm(x, eps=eps) * (weight + shift)`` in one call for contiguous float32 CPU
     tensors (``weight`` None: no weight); None where the library cannot take them. A strided
-    ``x`` (a slice of a batch's positions, Gemma's per-head q and k) is copied to take it too:
-    the same row alone would be, and torch's rms_norm takes several passes."""
+    ``x`` (a slice of a batch's positions; Gemma's per-head q and k) is copied first: one pass
+    where torch's rms_norm takes several, and a row's numbers stay those it has alone."""
     if not x.is_contiguous() and _cpu_float32(x):
         x = x.contiguous()
     if not (_cpu_float32(x) and x.is_contiguous()) or (

@@ -65,9 +65,10 @@ int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int
                  const float *bias, void *y, int64_t ldy, int bf16);
 /* Causal attention of T queries (B, H, T, D) over S keys and values (B, KVH, S, D), the last T
  * of which are the queries' own (query t at place p = S-T+t sees keys 0..p, or p-window+1..p
- * where window > 0), scores scaled by `scale`, on AMX tiles: out (B, H, T, D) float32. Strides in elements (a row's values contiguous; K and V
- * rows D apart, K and V alike); types 0 float32, 1 float16, 2 bfloat16, rounded to bfloat16.
- * -1: no AMX in this build, or D not a multiple of 32 up to 256; -2: out of memory. */
+ * where window > 0), scores scaled by `scale`, on AMX tiles: out (B, H, T, D) float32.
+ * Strides in elements (a row's values contiguous; K and V rows D apart, K and V alike); types
+ * 0 float32, 1 float16, 2 bfloat16, rounded to bfloat16. -1: no AMX in this build, or D not a
+ * multiple of 32 up to 256; -2: out of memory. */
 int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_t qst,
                      const void *k, const void *v, int kv_type, int64_t kvsb, int64_t kvsh,
                      int64_t B, int64_t H, int64_t KVH, int64_t T, int64_t S, int64_t D,
