@@ -640,7 +640,7 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
             const uint16_t *kh = kb + bk * per_head, *vh = vt + bk * per_head;
             /* block n's softmax on the vectors while the tiles work out block n+1's scores
              * and add block n-1's values to the output; then the output's rescaling */
-            att_work w = {a, kh + lo * D, vh, D, 0, 0, 1, 0, 1, 0}; /* the first block's scores */
+            att_work w = {.a = a, .kb = kh + lo * D, .D = D}; /* the first block's scores */
             w.ns = (int)((keys - lo < ATT_KB ? keys - lo : ATT_KB) + 31) / 32, w.units = w.ns;
             att_pace(&w, 1, 1);
             for (int64_t k0 = lo; k0 < keys; k0 += ATT_KB) {
