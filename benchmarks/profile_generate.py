@@ -60,22 +60,18 @@ def main() -> None:
                     time.perf_counter() - t
         return timed
 
-    def fused(*args, **kw):
-        t = time.perf_counter()
-        try:
-            return decode_layer(*args, **kw)
-        finally:
-            spent["fused"] += time.perf_counter() - t
-
-    def tiles(*args, **kw):
-        t = time.perf_counter()
-        try:
-            return amx_attention(*args, **kw)
-        finally:
-            spent["attention"] += time.perf_counter() - t
+    def adding(call, key):
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return call(*args, **kw)
+            finally:
+                spent[key] += time.perf_counter() - t
+        return timed
 
     K.packed_linear, K.rounded_linear = product(packed_linear), product(rounded_linear)
-    layers.decode_layer, K.amx_attention = fused, tiles
+    layers.decode_layer = adding(decode_layer, "fused")
+    K.amx_attention = adding(amx_attention, "attention")
     t = time.perf_counter()
     llm.generate(ids, params)
     total = time.perf_counter() - t

@@ -31,9 +31,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     validity), or None where every key is valid.
     """
     B, H, T, D = q.shape
-    if sinks is None and T > 1 and (out := _on_tiles(q, k, v, mask, key_valid, window)) is not None:
+    amx = kernels.on_amx(B) if sinks is None and q.dtype == torch.float32 else None
+    out = _on_tiles(q, k, v, mask, key_valid, window, amx) if sinks is None and T > 1 else None
+    if out is not None:
         return out
-    if sinks is None and q.dtype == torch.float32 and (amx := kernels.on_amx(B)) is not None:
+    if amx is not None:
         # a prompt step on the integer path: its long prompts' rows in bfloat16 on AMX tiles,
         # 2.4x faster than in float32 (512 queries over 4,096 keys, SmolLM2's heads, 2-core
         # Xeon); the cache converted once, from its own dtype
@@ -76,15 +78,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def _on_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              key_valid: torch.Tensor | None, window: int) -> torch.Tensor | None:
+              key_valid: torch.Tensor | None, window: int, amx: torch.Tensor | None
+              ) -> torch.Tensor | None:
     """A prompt step's plain causal attention (in a sliding window or not) on AMX tiles
     (``kernels.amx_attention``), for bfloat16 queries and for rows on the tiles (the integer
     path's long prompts, whose float32 q, k, v it rounds itself); None where it does not
     apply. 1.8x torch's flash attention in bfloat16 at SmolLM2's heads of 64, about even at
     Gemma 3's of 256 (benchmarks/bench_amx.py --attention), and a window's band without the
-    masked path."""
+    masked path. ``amx``: the step's rows on the tiles (``kernels.on_amx``)."""
     if q.dtype == torch.float32:
-        amx = kernels.on_amx(q.shape[0])
         if amx is None or not bool(amx.all()):
             return None
     elif q.dtype != torch.bfloat16:

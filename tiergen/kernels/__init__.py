@@ -528,9 +528,6 @@ def dense_bfloat16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor |
     return None if err else y.view(*x.shape[:-1], N)
 
 
-_ELEMENT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # tiergen.h's types
-
-
 def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   window: int = 0) -> torch.Tensor | None:
     """Causal attention of a prompt step's queries q (B, H, T, D) over the keys k and values
@@ -541,9 +538,9 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     work here or the shapes are not such."""
     B, H, T, D = q.shape
     KVH, S = k.shape[1], k.shape[2]
+    kv = kv_format(k, v)
     if (q.device.type != "cpu" or D % 32 or D > 256 or v.shape[-1] != D or H % KVH or T > S
-            or q.dtype not in _ELEMENT or k.dtype not in _ELEMENT or v.dtype != k.dtype
-            or not amx_engine()):
+            or q.dtype not in KV_FORMATS or kv is None or not amx_engine()):
         return None
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -551,8 +548,8 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty(B, T, H, D).transpose(1, 2)
     err = library().tg_amx_attention(
-        q.data_ptr(), _ELEMENT[q.dtype], q.stride(0), q.stride(1), q.stride(2),
-        k.data_ptr(), v.data_ptr(), _ELEMENT[k.dtype], k.stride(0), k.stride(1),
+        q.data_ptr(), KV_FORMATS[q.dtype], q.stride(0), q.stride(1), q.stride(2),
+        k.data_ptr(), v.data_ptr(), kv, k.stride(0), k.stride(1),
         B, H, KVH, T, S, D, window, D**-0.5, out.data_ptr(), *out.stride()[:3])
     if err == -2:
         raise MemoryError(f"attention of {B} x {T} queries over {S} keys: out of memory for "
@@ -611,7 +608,8 @@ def _cpu_float32(*ts: torch.Tensor) -> bool:
     return True
 
 
-KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # decode.c's KV_F32...
+# decode.c's KV_F32..., and tiergen.h's element types (tg_amx_attention's)
+KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def kv_format(k: torch.Tensor, v: torch.Tensor) -> int | None:
