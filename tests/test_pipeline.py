@@ -252,6 +252,8 @@ def test_a_rank_lost_between_runs_is_named_at_the_next(llama, sig, message):
         llm.generate(PROMPTS, GREEDY)
     assert time.monotonic() - started < 30
     assert all(p.poll() is not None for p in llm.group.workers), "the lost rank was left"
+    with pytest.raises(TiergenError, match="parallel ranks have stopped"):
+        llm.generate(PROMPTS, GREEDY)
 
 
 def test_the_command_line_runs_a_pipeline(capsys):

@@ -222,7 +222,11 @@ class RankedRunner(Runner):
         if self.group.closed:
             raise TiergenError("this LLM's parallel ranks have stopped (a rank failed or close() "
                                "was called); create a new LLM")
-        self.group.command(command)
+        try:
+            self.group.command(command)
+        except BaseException:  # a rank lost before the command arrived
+            self.group.close(graceful=False)
+            raise
 
     def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> None:
         for _ in self.run(self.sequences(prompt_ids, params)):
