@@ -64,7 +64,8 @@ def _fake(**changes) -> calibration.Calibration:
         device_to_host=12e9, host_memcpy=12e9,
         matmul={"float32": 150e9, "bfloat16": 400e9}, gemv={"float32": 20e9, "bfloat16": 13e9},
         cpu_attention=30e9, measured_at="2025-01-01T00:00:00+00:00", seconds=3.5,
-        device="cpu", disk_directory="/somewhere")
+        device="cpu", disk_directory="/somewhere",
+        prompt_attention={"float32": 100e9, "bfloat16": 300e9, "amx-float32": 350e9})
     return dataclasses.replace(cal, **changes)
 
 
@@ -106,6 +107,9 @@ def test_calibrate_cpu_gives_positive_finite_numbers(fast, disk):
         rows = compute.AMX_ROWS if name in amx else compute.LINEAR_ROWS
         assert list(table) == [str(r) for r in rows]
         assert all(_positive(v) for v in table.values())
+    # a prompt's attention by compute dtype, and on the tiles where the integer path's go
+    assert set(cal.prompt_attention) == {"float32", "bfloat16"} | ({"amx-float32"} if amx else set())
+    assert all(_positive(v) for v in cal.prompt_attention.values())
     assert cal.link["reduce_latency"] == 1e-3
 
 

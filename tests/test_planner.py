@@ -10,6 +10,7 @@ import torch
 from tiergen import LLM, SamplingParams, TiergenError
 from tiergen.config import ModelConfig, MoEConfig
 from tiergen.engine.executor import block_needs
+from tiergen.kernels import AMX_PROMPT
 from tiergen.models import build_model
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
@@ -190,6 +191,24 @@ def test_a_long_prompts_packed_products_take_the_rates_measured_on_amx(prompt_le
                          for c in (amx, cal))
     assert (with_amx.prefill_seconds < without.prefill_seconds) == faster
     assert with_amx.decode_seconds == without.decode_seconds
+
+
+@pytest.mark.parametrize("prompt_len", [512, 64])
+def test_a_prompts_attention_takes_the_rate_calibration_measured(prompt_len):
+    """A prompt step's attention FLOPs run at the rate measured for a prompt's attention (a
+    long prompt's on the integer path: on AMX tiles, "amx-"), not at the GEMM rate; decode
+    steps are not affected."""
+    work = Workload(prompt_len=prompt_len, gen_len=8, batch=4)
+    fast, slow, tiles = ({"float32": 1e15}, {"float32": 1e9},
+                         {"float32": 1e9, "amx-float32": 1e15})
+    est = {name: estimate(SMOL, torch.float32, Policy(), work,
+                          dataclasses.replace(CPU, prompt_attention=rates))
+           for name, rates in (("fast", fast), ("slow", slow), ("tiles", tiles))}
+    assert est["fast"].prefill_seconds < est["slow"].prefill_seconds
+    long = prompt_len >= AMX_PROMPT
+    assert (est["tiles"].prefill_seconds == est["fast"].prefill_seconds) == long
+    assert (est["tiles"].prefill_seconds == est["slow"].prefill_seconds) == (not long)
+    assert est["fast"].decode_seconds == est["slow"].decode_seconds
 
 
 def test_compression_speeds_up_disk_bound_decode():

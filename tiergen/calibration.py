@@ -57,6 +57,10 @@ class Calibration:
     # as an LLM does by default (on a CPU the integer path; "packed-exact-<dtype>": the float
     # path); the same with ONE_THREAD appended, measured with one thread (on a CPU of several)
     linear_rows: dict[str, dict[str, float]] = field(default_factory=dict)
+    # FLOP/s of a prompt's causal attention as tiergen runs it: by compute dtype name, and
+    # "amx-<dtype>" for the integer path's long prompts, whose attention takes AMX tiles
+    # (a multiply-add counts 2, over the (query, key) pairs of q.k and p.v)
+    prompt_attention: dict[str, float] = field(default_factory=dict)
 
     @property
     def device_type(self) -> str:
@@ -167,8 +171,8 @@ def _from_dict(d: object) -> Calibration:
             math.isfinite(seconds) and seconds >= 0):
         raise ValueError("bad seconds")
     known = {k: d[k] for k in names & d.keys()}  # keys of newer versions are ignored
-    dq, cu = d.get("dequant", {}), d.get("cache_unpack", {})
-    for table in (dq, cu):
+    dq, cu, pa = d.get("dequant", {}), d.get("cache_unpack", {}), d.get("prompt_attention", {})
+    for table in (dq, cu, pa):
         if not (isinstance(table, dict) and all(isinstance(k, str) for k in table)):
             raise ValueError("bad dtype table")
     rows = d.get("linear_rows", {})
@@ -185,6 +189,7 @@ def _from_dict(d: object) -> Calibration:
         known, hardware=dict(hw), matmul={k: _rate(v) for k, v in mm.items()},
         dequant={k: _rate(v) for k, v in dq.items()},
         cache_unpack={k: _rate(v) for k, v in cu.items()}, layer_overhead=float(overhead),
+        prompt_attention={k: _rate(v) for k, v in pa.items()},
         link={k: _rate(v) for k, v in link.items()},
         linear_rows={k: {str(int(r)): _rate(v) for r, v in t.items()} for k, t in rows.items()},
         gemv={k: _rate(v) for k, v in gv.items()}, seconds=float(seconds),

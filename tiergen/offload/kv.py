@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,12 +70,15 @@ def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
     needs = {"device": 0, "host": 0, "disk": 0}
     parts, heads, width = cfg.kv_layout()
     stored, stored_dtype = stored_width(cfg, dtype, compress)
+    layers = Counter(zip(tiers, map(cfg.window, range(len(tiers)))))  # (tier, window): count
     for rows, capacity in micro_batches:
-        slots = [layer_slots(capacity, cfg.window(j)) for j in range(len(tiers))]
-        for tier, n in zip(tiers, slots):
-            needs[tier] += parts * rows * heads * n * stored * stored_dtype.itemsize
+        slots = {key: layer_slots(capacity, key[1]) for key in layers}
+        for (tier, window), count in layers.items():
+            needs[tier] += count * parts * rows * heads * slots[tier, window] * stored \
+                * stored_dtype.itemsize
         if compress or "disk" in tiers or ("host" in tiers and device_type != "cpu"):
-            needs["device"] += parts * rows * heads * max(slots) * width * dtype.itemsize  # working buffer
+            needs["device"] += parts * rows * heads * max(slots.values()) * width \
+                * dtype.itemsize  # working buffer
     return needs
 
 

@@ -16,7 +16,9 @@ Simplifications (``benchmarks/bench_plan.py`` measures how far they hold):
   prefill loads the weights once per chunk. A prompt of ``AMX_PROMPT`` tokens or more
   multiplies packed weights at the rates measured on AMX tiles, where the calibration has them.
 - Attention costs max(FLOPs at the GEMM rate, cache bytes read at the CPU attention rate on a
-  CPU, the GEMV rate (device memory) on a GPU); ``attn_sparsity`` shrinks the V half.
+  CPU, the GEMV rate (device memory) on a GPU); ``attn_sparsity`` shrinks the V half. A
+  prompt step's FLOPs run at the rate calibration measured for a prompt's attention, where it
+  has one (a long prompt's on the integer path: on AMX tiles).
 - MoE: b tokens make b * top_k independent uniform picks among E routed experts, touching
   E * (1 - (1 - 1/E)**(b * top_k)) distinct experts, which are read and streamed (FLOPs count
   top_k per token). Host experts behind a GPU count as shipped to it.
@@ -209,6 +211,13 @@ class _Env:
             return params * lo[1]
         return params * (lo[1] + (hi[1] - lo[1]) * (rows - lo[0]) / (hi[0] - lo[0]))
 
+    def attention(self, prompt: bool, amx: bool) -> float:
+        """FLOP/s of attention: a prompt step's as calibration measured it (``amx``: a long
+        prompt's rows, on AMX tiles where measured there), else the GEMM rate."""
+        rates = self.cal.prompt_attention if prompt else {}
+        return ((amx and rates.get(f"amx-{self.dtype_name}")) or rates.get(self.dtype_name)
+                or self.matmul)
+
     def picks(self, tokens: float) -> float:
         moe = self.cfg.moe
         return touched_experts(tokens * moe.top_k, moe.num_experts) if moe else 0.0
@@ -268,7 +277,7 @@ def _compute(layer: LayerShape, tier: str, rows: int, new: int, before: float,
     slots = min(before + new, layer.window or before + new)
     read = rows * slots * env.slot_bytes * (1 + env.policy.attn_sparsity) / 2
     on_cpu = not env.cuda or (tier == "host" and not env.cache_moves(tier, new > 1))
-    t += max(attn_flops / env.matmul, read / (env.cal.cpu_attention if on_cpu else env.gemv))
+    t += max(attn_flops / env.attention(new > 1, amx), read / (env.cal.cpu_attention if on_cpu else env.gemv))
     hidden = 2 * tokens * c.hidden_size * env.itemsize  # into the layer and out of it
     return t + hidden * (env.per_byte(act_tier) + env.per_byte(act_tier, out=True)) / 2
 

@@ -122,6 +122,7 @@ def rank_calibration(cal: Calibration, ranks: int) -> Calibration:
                    linear_rows={k: products(k) for k in cal.linear_rows
                                 if not k.endswith(ONE_THREAD)},
                    dequant=scaled(cal.dequant), cache_unpack=scaled(cal.cache_unpack),
+                   prompt_attention=scaled(cal.prompt_attention),
                    cpu_attention=cal.cpu_attention * share, disk_read=cal.disk_read / ranks)
 
 

@@ -1,6 +1,7 @@
 """Measure the speeds an offloading cost model needs, one module per kind: storage (disk
 reads), memory (host RAM and host<->device copies), compute (matmuls at large and few-row
-shapes, 4-bit unpacking, a layer call's overhead), attention (CPU decode attention) and the
+shapes, 4-bit unpacking, a layer call's overhead), attention (CPU decode attention, a
+prompt's attention) and the
 link between parallel ranks (:mod:`tiergen.parallel.link`), each timed as
 :mod:`.timing` says.
 
@@ -23,10 +24,13 @@ import torch
 
 from tiergen.calibration import (ONE_THREAD, Calibration, calibrated_device, fingerprint, load,
                                  save)
+from tiergen.devices import resolve_activations
 from tiergen.errors import TiergenError
+from tiergen.kernels import AMX_PROMPT, amx_prompt
 from tiergen.offload.policy import parse_size
 from tiergen.parallel import link as rank_link
-from tiergen.planner.calibrate.attention import measure_cpu_attention
+from tiergen.planner.calibrate.attention import (PROMPT_ATTENTION, measure_cpu_attention,
+                                                measure_prompt_attention)
 from tiergen.planner.calibrate.compute import (GEMM, GEMV, LINEAR_ROWS, dtype_name, matmul_dtypes,
                                               measure_dequant, measure_gemv,
                                               measure_layer_overhead, measure_matmul, products)
@@ -69,6 +73,8 @@ def calibrate(device: torch.device | str = "cpu", directory: Path | None = None,
     dequant: dict[str, float] = {}
     cache_unpack: dict[str, float] = {}
     linear_rows: dict[str, dict[str, float]] = {}
+    prompt_attention: dict[str, float] = {}
+    tiles = dev.type == "cpu" and amx_prompt(AMX_PROMPT, resolve_activations("auto", dev))
     for dtype in matmul_dtypes(dev):
         name = dtype_name(dtype)
         step(f"{name} matmul and batch-1 gemv on {dev}")
@@ -77,6 +83,10 @@ def calibrate(device: torch.device | str = "cpu", directory: Path | None = None,
         dequant[name], cache_unpack[name] = measure_dequant(dev, dtype)
         step(f"{name} products at {', '.join(map(str, LINEAR_ROWS))} rows, dense and packed")
         linear_rows.update(products(dev, dtype, name))
+        step(f"{name} attention of a prompt on {dev}")
+        prompt_attention[name] = measure_prompt_attention(dev, dtype)
+        if tiles and dtype == torch.float32:  # the integer path's long prompts: on the tiles
+            prompt_attention[f"amx-{name}"] = measure_prompt_attention(dev, dtype, amx=True)
     step("CPU decode attention")
     attention = measure_cpu_attention()
     links: dict[str, float] = {}
@@ -89,7 +99,7 @@ def calibrate(device: torch.device | str = "cpu", directory: Path | None = None,
         cache_unpack=cache_unpack, layer_overhead=measure_layer_overhead(dev),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         seconds=time.perf_counter() - t_start, device=str(dev), disk_directory=str(where),
-        link=links, linear_rows=linear_rows)
+        link=links, linear_rows=linear_rows, prompt_attention=prompt_attention)
 
 
 def get(device: torch.device | str = "cpu", recalibrate: bool = False,
@@ -134,6 +144,8 @@ def format_calibration(cal: Calibration) -> str:
     gemv = ", ".join(f"{k} {_gbs(v)}" for k, v in cal.gemv.items()) or "-"
     m, k, n = GEMM
     gk, gn = GEMV
+    t = PROMPT_ATTENTION[2]
+    prompt = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in cal.prompt_attention.items()) or "-"
     return "\n".join([
         f"calibration of {cal.device}: {machine}",
         f"  disk read        {_gbs(cal.disk_read)}{where}",
@@ -143,6 +155,7 @@ def format_calibration(cal: Calibration) -> str:
         f"  matmul           {flops}  ({m}x{k} @ {k}x{n})",
         f"  gemv, batch 1    {gemv} of weights  (1x{gk} @ {gk}x{gn})",
         f"  CPU attention    {_gbs(cal.cpu_attention)} of float32 KV cache (decode)",
+        f"  prompt attention {prompt} GFLOP/s  (one prompt of {t} tokens, causal)",
         "  4-bit unpacking  " + (", ".join(f"{k} {_gbs(v)}" for k, v in cal.dequant.items())
                                  or "-") + " of weights, " + (", ".join(
                                      f"{k} {_gbs(v)}" for k, v in cal.cache_unpack.items())

@@ -1,4 +1,5 @@
-"""Attention: KV bytes per second that CPU decode attention scans."""
+"""Attention: KV bytes per second that CPU decode attention scans, and FLOP/s of a prompt's
+attention as tiergen runs it."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import math
 
 import torch
 
-from tiergen.planner.calibrate.timing import cpu_seconds
+from tiergen.cache.attention import attention
+from tiergen.kernels import rows_on_amx
+from tiergen.planner.calibrate.timing import cpu_seconds, seconds
 
 
 ATTENTION = (8, 8, 8, 2048, 64)  # (B, H, KVH, S, D): q (B, H, 1, D), K/V (B, KVH, S, D)
 ATTENTION_BYTES = 256 * 2**20  # KV caches cycled per run (one per layer, as in decode)
+PROMPT_ATTENTION = (8, 2, 1024, 64)  # (H, KVH, T, D): one prompt of T tokens, causal
 
 
 def measure_cpu_attention() -> float:
@@ -29,3 +33,15 @@ def measure_cpu_attention() -> float:
             torch.matmul(torch.softmax(scores, dim=-1), vc)
 
     return count * (k.nbytes + v.nbytes) / cpu_seconds(run)
+
+
+def measure_prompt_attention(dev: torch.device, dtype: torch.dtype, amx: bool = False) -> float:
+    """FLOP/s of one prompt's causal attention as tiergen runs it (cache.attention.attention;
+    on a CPU with AMX, bfloat16 queries on the tiles). ``amx``: the integer path's long
+    prompt, whose float32 attention goes to the tiles too."""
+    h, kvh, t, d = PROMPT_ATTENTION
+    q = torch.randn(1, h, t, d, device=dev).to(dtype)
+    k, v = (torch.randn(1, kvh, t, d, device=dev).to(dtype) for _ in range(2))
+    with rows_on_amx(torch.ones(1, dtype=torch.bool) if amx else None):
+        took = seconds(lambda: attention(q, k, v, None), dev, quick=True)
+    return 4 * h * d * t * (t + 1) / 2 / took
