@@ -3,7 +3,8 @@ eviction that ``bench_plan.py`` runs: predicted against measured decode tokens/s
 policies on SmolLM2-135M (bfloat16), prompt 64, 32 new tokens. Uses the cached calibration
 (run ``tiergen calibrate`` first). --prefill: predicted against measured prefill tokens/s
 of the packaged GGUF models on the integer path (one 4,096-token prompt; 32 of 128), with the
-calibration's products on AMX tiles (packed-amx-) and without them.
+calibration's rates of a long prompt on AMX tiles (products, packed-amx-, and a prompt's
+attention, prompt_attention) and without them.
 
     python benchmarks/bench_predict.py [--prefill]
 """
@@ -29,10 +30,12 @@ from tiergen.weights import open_model
 
 def prefill() -> None:
     cal = calibrate.get("cpu")
-    plain = dataclasses.replace(cal, linear_rows={k: t for k, t in cal.linear_rows.items()
-                                                  if not k.startswith("packed-amx-")})
-    print("| model | prompts | measured tok/s | predicted, with the AMX table | without |")
-    print("|---|---|---:|---:|---:|")
+    products = dataclasses.replace(cal, prompt_attention={})
+    plain = dataclasses.replace(products, linear_rows={
+        k: t for k, t in cal.linear_rows.items() if not k.startswith("packed-amx-")})
+    print("| model | prompts | measured tok/s | predicted: the tiles' products and attention "
+          "| their products only | neither |")
+    print("|---|---|---:|---:|---:|---:|")
     for model in ("smollm2", "gemma3-270m"):
         llm, files = LLM(model), open_model(model)
         placed = PlacedWeights.make(files.config, torch.float32, Policy(), "cpu",
@@ -40,15 +43,15 @@ def prefill() -> None:
         llm.generate([list(range(100, 400))], SamplingParams(max_tokens=1))  # warm-up
         for length, batch in ((4096, 1), (128, 32)):
             work = Workload(length, 1, batch)
-            with_amx, without = (estimate(files.config, torch.float32, Policy(), work, c,
-                                          placed=placed).prefill_tok_s for c in (cal, plain))
+            predicted = [estimate(files.config, torch.float32, Policy(), work, c,
+                                  placed=placed).prefill_tok_s for c in (cal, products, plain)]
             ids = torch.randint(100, 40000, (batch, length),
                                 generator=torch.Generator().manual_seed(0)).tolist()
             start = time.perf_counter()
             llm.generate(ids, SamplingParams(max_tokens=1, temperature=0))
             measured = batch * length / (time.perf_counter() - start)
-            print(f"| {model} | {batch} x {length} | {measured:.0f} | {with_amx:.0f} | "
-                  f"{without:.0f} |", flush=True)
+            print(f"| {model} | {batch} x {length} | {measured:.0f} | "
+                  + " | ".join(f"{p:.0f}" for p in predicted) + " |", flush=True)
 
 
 def main() -> None:
