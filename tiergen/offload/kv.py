@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections import Counter
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 

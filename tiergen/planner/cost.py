@@ -277,7 +277,8 @@ def _compute(layer: LayerShape, tier: str, rows: int, new: int, before: float,
     slots = min(before + new, layer.window or before + new)
     read = rows * slots * env.slot_bytes * (1 + env.policy.attn_sparsity) / 2
     on_cpu = not env.cuda or (tier == "host" and not env.cache_moves(tier, new > 1))
-    t += max(attn_flops / env.attention(new > 1, amx), read / (env.cal.cpu_attention if on_cpu else env.gemv))
+    t += max(attn_flops / env.attention(new > 1, amx),
+             read / (env.cal.cpu_attention if on_cpu else env.gemv))
     hidden = 2 * tokens * c.hidden_size * env.itemsize  # into the layer and out of it
     return t + hidden * (env.per_byte(act_tier) + env.per_byte(act_tier, out=True)) / 2
 

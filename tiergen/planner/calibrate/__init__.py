@@ -1,9 +1,8 @@
 """Measure the speeds an offloading cost model needs, one module per kind: storage (disk
 reads), memory (host RAM and host<->device copies), compute (matmuls at large and few-row
 shapes, 4-bit unpacking, a layer call's overhead), attention (CPU decode attention, a
-prompt's attention) and the
-link between parallel ranks (:mod:`tiergen.parallel.link`), each timed as
-:mod:`.timing` says.
+prompt's attention) and the link between parallel ranks (:mod:`tiergen.parallel.link`), each
+timed as :mod:`.timing` says.
 
 ``calibrate()`` runs the measurements (a few seconds on a CPU); ``get()`` returns the cached
 result for this machine (:mod:`tiergen.calibration`), measuring and saving it first when
