@@ -13,6 +13,8 @@ oneDNN reads its ceiling once.
     python benchmarks/bench_amx.py --dense       # a bfloat16 matrix as stored: amx.c, oneDNN
     python benchmarks/bench_amx.py --panels      # amx.c's packed product alone, by rows
     python benchmarks/bench_amx.py --glu         # a prompt's act(gate) * up into bfloat16
+    python benchmarks/bench_amx.py --mlp         # gate, up and act(gate) * up in one pass
+                                                 # (kernels.amx_glu) or two calls
 
 Shapes: a square 2048 product, and SmolLM2's MLP and a Llama-8B-shaped MLP at a prompt chunk
 of 512 tokens. --prompt and --kld turn tiergen's prompts on AMX off by raising
@@ -198,6 +200,59 @@ def glu() -> None:
               f"{best['rounded']:.2f} ms, float32 then rounded {best['float32']:.2f} ms")
 
 
+def mlp() -> None:
+    """kernels.amx_glu (gate and up on the tiles, act(gate) * up as they come out) against
+    its two calls (rounded_linear's product, then glu), in turns: alone on SmolLM2's Q4_1 and
+    Gemma 3's Q5_0 gate and up at 1,024 and 4,096 rows (best and median of fifteen), then in
+    generate (amx_glu switched off for the other turns; median of seven turns' ratios): one
+    4,096-token prompt and 32 prompts of 128, prefill only."""
+    import statistics
+
+    import torch
+
+    from bench_int8 import random_packed
+    from tiergen import LLM, SamplingParams, kernels
+    from tiergen.weights.packed import cat_rows
+
+    for name, ggml_type, width, k in (("SmolLM2", GGMLType.Q4_1, 1536, 576),
+                                      ("Gemma 3", GGMLType.Q5_0, 2048, 640)):
+        gate_up = cat_rows([random_packed(ggml_type, width, k), random_packed(ggml_type, width, k)])
+        for rows in (1024, 4096):
+            x = torch.randn(rows, k)
+            runs = {"one pass": lambda: kernels.amx_glu(x, gate_up, False),
+                    "two calls": lambda: kernels.glu(kernels.rounded_linear(x, gate_up), False,
+                                                     bfloat16=True)}
+            times: dict[str, list[float]] = {n: [] for n in runs}
+            for _ in range(15):
+                for n, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    times[n].append(time.perf_counter() - start)
+            print(f"{name} gate and up, {rows} rows: " + ", ".join(
+                f"{n} {min(t) * 1e3:.2f} ms (median {statistics.median(t) * 1e3:.2f})"
+                for n, t in times.items()))
+    one_pass = kernels.amx_glu
+    for model in ("smollm2", "gemma3-270m"):
+        llm = LLM(model)
+        params = SamplingParams(max_tokens=1, temperature=0)
+        for batch, length in ((1, 4096), (32, 128)):
+            ids = torch.randint(100, 40000, (batch, length),
+                                generator=torch.Generator().manual_seed(0)).tolist()
+            llm.generate([ids[0][:300]], params)
+            times = {"one pass": [], "two calls": []}
+            for _ in range(7):
+                for n, glu in (("one pass", one_pass), ("two calls", lambda *a: None)):
+                    kernels.amx_glu = glu
+                    start = time.perf_counter()
+                    llm.generate(ids, params)
+                    times[n].append(time.perf_counter() - start)
+            kernels.amx_glu = one_pass
+            ratio = statistics.median(b / a for a, b in zip(times["one pass"], times["two calls"]))
+            print(f"{model}, {batch} x {length} prefill: " + ", ".join(
+                f"{n} {batch * length / min(t):.0f} tok/s" for n, t in times.items())
+                + f"; one pass {ratio:.3f}x (median of the turns' ratios)", flush=True)
+
+
 def rounding() -> None:
     """A cache slice (2, 3, 3001, 64 of 4,100 slots) to bfloat16, float16 and float32:
     kernels.to_bfloat16 against Tensor.bfloat16(), best of twenty each, in turns."""
@@ -327,6 +382,7 @@ def main() -> None:
     ap.add_argument("--dense", action="store_true")
     ap.add_argument("--panels", action="store_true")
     ap.add_argument("--glu", action="store_true")
+    ap.add_argument("--mlp", action="store_true")
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/tiergen-amx-moe"))
     ap.add_argument("--child-prompt", choices=["on", "onednn", "off"], help=argparse.SUPPRESS)
     ap.add_argument("--chunk", type=int, default=512)
@@ -355,6 +411,8 @@ def main() -> None:
         return panels()
     if args.glu:
         return glu()
+    if args.mlp:
+        return mlp()
     if args.experts:
         for case in SHAPES_MOE:
             path = moe_gguf(args.dir, case)

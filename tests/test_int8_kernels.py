@@ -253,6 +253,34 @@ def test_an_mlp_keeps_rows_on_amx_apart_from_the_others():
             assert torch.equal(swiglu_mlp(x[[0, 2, 3]], gate_up, down), got[[0, 2, 3]])
 
 
+@pytest.mark.skipif(not kernels.amx_engine(), reason="needs AMX and a build with it")
+@pytest.mark.parametrize("gate_type,up_type,k", [(GGMLType.Q4_1, GGMLType.Q4_1, 576),
+                                                 (GGMLType.Q5_0, GGMLType.Q8_0, 640),
+                                                 (GGMLType.Q4_K, GGMLType.Q6_K, 512),
+                                                 (GGMLType.FP8, GGMLType.FP8, 512)])
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
+def test_a_prompts_gate_and_up_on_the_tiles_leave_as_glu_of_their_products(gate_type, up_type,
+                                                                           k, gelu):
+    """kernels.amx_glu: the gate's and up's products on AMX tiles and act(gate) * up in one
+    pass, bit for bit glu's bfloat16 of rounded_linear's product, for rows that do not fill
+    the tiles' 32 and halves of different types; the MLP of a prompt's rows on the tiles takes
+    it. A row longer than one decoded panel is left to the two calls."""
+    from tiergen.models.layers import gelu_tanh_mlp, swiglu_mlp
+
+    gate_up = cat_rows([random_packed(gate_type, 96, k, 1), random_packed(up_type, 96, k, 2)])
+    down = random_packed(GGMLType.Q4_1, 64, 96, 3)
+    x = torch.randn(2, 45, k, generator=torch.Generator().manual_seed(5))
+    want = kernels.glu(kernels.rounded_linear(x, gate_up), gelu, bfloat16=True)
+    got = kernels.amx_glu(x, gate_up, gelu)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 45, 96)
+    assert torch.equal(got, want)
+    mlp = gelu_tanh_mlp if gelu else swiglu_mlp
+    with kernels.activations_set("int8"), kernels.rows_on_amx(torch.ones(2, dtype=torch.bool)):
+        assert torch.equal(mlp(x, gate_up, down), kernels.rounded_linear(want, down))
+    wide = cat_rows([random_packed(GGMLType.Q4_0, 32, 4096, 4)] * 2)
+    assert kernels.amx_glu(torch.randn(32, 4096), wide, gelu) is None
+
+
 def test_a_long_prompts_attention_on_the_integer_path_runs_in_bfloat16_where_amx_works():
     from tiergen.cache.attention import attention
 

@@ -498,6 +498,40 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
     return y[:rows].view(*x.shape[:-1], N)
 
 
+def amx_glu(x: torch.Tensor, gate_up: Packed, gelu: bool) -> torch.Tensor | None:
+    """:func:`glu` of :func:`rounded_linear`'s product by ``gate_up`` = [gate | up], rounded to
+    bfloat16, in one pass on AMX tiles (amx.c): bit for bit the two calls' result, without
+    their float32 product (2 I values a row) going out to memory and back. None where it does
+    not apply: no AMX here, a long row (past one decoded panel), or gate and up not each one
+    part of a type the tiles take."""
+    N, K = gate_up.shape
+    I = N // 2
+    if (x.dtype != torch.float32 or gate_up.device.type != "cpu" or K % 32 or I % 32
+            or not amx_engine()):
+        return None
+    halves = []
+    for first in (0, I):  # the part that holds rows first .. first + I, and where they start
+        part = next(((t, start + (first - row) * K // block * size)
+                     for t, row, n, start, _ in layout(gate_up.shape, gate_up.parts)
+                     for block, size in [ggml_type_sizes(t)]
+                     if row <= first and first + I <= row + n and K % block == 0), None)
+        if part is None:
+            return None
+        halves.append(part)
+    rows = x.shape[:-1].numel()
+    padded = -(-rows // 32) * 32
+    xb = torch.empty(padded, K, dtype=torch.bfloat16)
+    to_bfloat16(x.reshape(rows, K), xb[:rows])
+    xb[rows:].zero_()
+    h = torch.empty(padded, I, dtype=torch.bfloat16)
+    (gt, gs), (ut, us) = halves
+    base = gate_up.data.data_ptr()
+    if library().tg_amx_glu(gt, base + gs, ut, base + us, I, K, xb.data_ptr(), padded, int(gelu),
+                            h.data_ptr()):
+        return None
+    return h[:rows].view(*x.shape[:-1], I)
+
+
 def amx_engine() -> bool:
     """Whether amx.c multiplies here: built for AMX, and the tiles work in this process."""
     lib = library()

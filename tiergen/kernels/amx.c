@@ -258,6 +258,60 @@ void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, 
     free(groups_at);
 }
 
+/* Each thread keeps the decoded panels of a group of column pairs (the gate's 32 columns and
+ * the up's same 32); a block of 32 rows by the group's pairs is summed on the tiles into a
+ * buffer of the gate's columns and one of the up's, and leaves as act(gate) * up in bfloat16,
+ * by tg_glu's own code. The float32
+ * products (m x 2n) would go out to memory and back; this writes m x n bfloat16. */
+int amx_bf16_glu(const amx_matrix *gate, const amx_matrix *up, int64_t n, int64_t k,
+                 const uint16_t *x, int64_t m, int gelu, uint16_t *h) {
+    if (k > KC || k % gate->qk || k % up->qk || n % 32 || m % 32) return -1;
+    const int64_t pairs = n / 32, size = k * 64; /* a panel: k / 32 steps of 2 KB */
+    const int64_t threads = omp_get_max_threads();
+    const int64_t most = GROUP_BYTES / (2 * size) > 1 ? GROUP_BYTES / (2 * size) : 1;
+    const int64_t rounds = (pairs + threads * most - 1) / (threads * most);
+    const int64_t group = (pairs + threads * rounds - 1) / (threads * rounds);
+    const int64_t groups = (pairs + group - 1) / group;
+    const int64_t width = group * 32; /* a group's columns of the gate (and of the up) */
+    char *groups_at = aligned_alloc(64, threads * (group * 2 * size + 2 * 32 * width * 4));
+    if (groups_at == NULL) return -2;
+#pragma omp parallel
+    {
+        char *own = groups_at + omp_get_thread_num() * (group * 2 * size + 2 * 32 * width * 4);
+#define PANEL(j) (*(panel_t *)(own + (j) * size))
+        float *sums = (float *)(own + group * 2 * size); /* 32 rows of the gate's, the up's */
+        load_tiles();
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t j0 = g * group, j1 = j0 + group < pairs ? j0 + group : pairs;
+            for (int64_t j = j0; j < j1; j++) {
+                decode_panel(gate->decode, gate->qk, gate->bytes, gate->w, k / gate->qk, 32 * j,
+                             32, 0, k, PANEL(2 * (j - j0)));
+                decode_panel(up->decode, up->qk, up->bytes, up->w, k / up->qk, 32 * j, 32, 0, k,
+                             PANEL(2 * (j - j0) + 1));
+            }
+            for (int64_t i = 0; i < m; i += 32) {
+                for (int64_t j = j0; j < j1; j++)
+                    for (int half = 0; half < 2; half++) {
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        multiply(x, k, i, 0, k, PANEL(2 * (j - j0) + half));
+                        store_acc(sums + half * 32 * width + 32 * (j - j0), width);
+                    }
+                for (int r = 0; r < 32; r++)
+                    tg_glu_row(sums + r * width, sums + 32 * width + r * width,
+                               32 * (j1 - j0), gelu, h + (i + r) * n + 32 * j0, 1);
+            }
+        }
+#undef PANEL
+        _tile_release();
+    }
+    free(groups_at);
+    return 0;
+}
+
 /* ---- bfloat16 weights as a checkpoint stores them -----------------------------------------
  * y (m, n) = x (m, k) @ W (n, k)^T for a bfloat16 W in its own row-major layout: the tiles
  * take W as their A operand, 16 of its rows by 32 values loaded straight from the matrix, and
@@ -708,6 +762,12 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
     (void)q, (void)q_type, (void)qsb, (void)qsh, (void)qst, (void)k, (void)v, (void)kv_type,
         (void)kvsb, (void)kvsh, (void)B, (void)H, (void)KVH, (void)T, (void)S, (void)D,
         (void)window, (void)scale, (void)out, (void)osb, (void)osh, (void)ost;
+    return -1;
+}
+
+int amx_bf16_glu(const amx_matrix *gate, const amx_matrix *up, int64_t n, int64_t k,
+                 const uint16_t *x, int64_t m, int gelu, uint16_t *h) {
+    (void)gate, (void)up, (void)n, (void)k, (void)x, (void)m, (void)gelu, (void)h;
     return -1;
 }
 

@@ -13,6 +13,20 @@ typedef void (*block_decoder)(const uint8_t *block, float *out);
 void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
                      int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy);
 
+/* One packed matrix as amx.c decodes it: its block decoder, values and bytes a block, and
+ * its first row's bytes (rows k / qk blocks each). */
+typedef struct {
+    block_decoder decode;
+    int qk, bytes;
+    const uint8_t *w;
+} amx_matrix;
+
+/* h (m, n) bfloat16 = act(x @ G^T) * (x @ U^T) for x (m, k) bfloat16, as tg_glu makes it from
+ * the two products that amx_bf16_linear makes (bit for bit), the products never written out;
+ * m a multiple of AMX_ROWS_STEP, n of 32, k of 32 and at most one panel. -1: not taken. */
+int amx_bf16_glu(const amx_matrix *gate, const amx_matrix *up, int64_t n, int64_t k,
+                 const uint16_t *x, int64_t m, int gelu, uint16_t *h);
+
 #define AMX_ROWS_STEP 32
 
 #endif

@@ -438,23 +438,29 @@ static inline float glu_one(float g, float u, int gelu) {
  * values rounded to bfloat16 (bf16_of), for a product on AMX tiles that takes them so. */
 void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, void *out, int bf16) {
 #pragma omp parallel for schedule(static) if (rows * I >= 16384)
-    for (int64_t b = 0; b < rows; b++) {
-        const float *restrict gr = gu + b * 2 * I, *restrict ur = gr + I;
-        float piece[GLU_PIECE];
-        for (int64_t j0 = 0; j0 < I; j0 += GLU_PIECE) {
-            const int64_t n = I - j0 < GLU_PIECE ? I - j0 : GLU_PIECE;
-            float *restrict a = bf16 ? piece : (float *)out + b * I + j0;
-            if (gelu)
-                for (int64_t j = 0; j < n; j++) a[j] = glu_one(gr[j0 + j], ur[j0 + j], 1);
-            else
-                for (int64_t j = 0; j < n; j++) a[j] = glu_one(gr[j0 + j], ur[j0 + j], 0);
-            if (!bf16) continue;
-            uint16_t *restrict hr = (uint16_t *)out + b * I + j0;
-            for (int64_t j = 0; j < n; j++) {
-                uint32_t u;
-                memcpy(&u, &a[j], 4);
-                hr[j] = bf16_of(u);
-            }
+    for (int64_t b = 0; b < rows; b++)
+        tg_glu_row(gu + b * 2 * I, gu + b * 2 * I + I, I, gelu,
+                   bf16 ? (void *)((uint16_t *)out + b * I) : (void *)((float *)out + b * I), bf16);
+}
+
+/* Not inlined: amx.c calls the same code as tg_glu runs, so that both round alike. */
+__attribute__((noinline)) void tg_glu_row(const float *gate, const float *up, int64_t I,
+                                          int gelu, void *out, int bf16) {
+    const float *restrict gr = gate, *restrict ur = up;
+    float piece[GLU_PIECE];
+    for (int64_t j0 = 0; j0 < I; j0 += GLU_PIECE) {
+        const int64_t n = I - j0 < GLU_PIECE ? I - j0 : GLU_PIECE;
+        float *restrict a = bf16 ? piece : (float *)out + j0;
+        if (gelu)
+            for (int64_t j = 0; j < n; j++) a[j] = glu_one(gr[j0 + j], ur[j0 + j], 1);
+        else
+            for (int64_t j = 0; j < n; j++) a[j] = glu_one(gr[j0 + j], ur[j0 + j], 0);
+        if (!bf16) continue;
+        uint16_t *restrict hr = (uint16_t *)out + j0;
+        for (int64_t j = 0; j < n; j++) {
+            uint32_t u;
+            memcpy(&u, &a[j], 4);
+            hr[j] = bf16_of(u);
         }
     }
 }

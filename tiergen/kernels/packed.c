@@ -174,6 +174,9 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
     static void NAME##_amx(const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,         \
                            int64_t m, float *y, int64_t ldy) {                                \
         amx_bf16_linear(NAME##_block, QK, BYTES, w, n, k, x, m, y, ldy);                      \
+    }                                                                                         \
+    static void NAME##_matrix(const uint8_t *w, amx_matrix *out) {                            \
+        *out = (amx_matrix){NAME##_block, QK, BYTES, w};                                      \
     }
 
 KERNELS(mm_q4_0, 32, 32, 18, un_q4_0)
@@ -291,4 +294,23 @@ int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16
         return 0;
     }
     DISPATCH(mm, type, _amx, (w, n, k, x, m, y, ldy))
+}
+
+/* A matrix of a type amx.c decodes, as it takes it; -1 for another type. */
+static int amx_matrix_of(int type, const uint8_t *w, amx_matrix *out) {
+    if (type == FP8) {
+        mm_fp8_matrix(w, out);
+        return 0;
+    }
+    DISPATCH(mm, type, _matrix, (w, out))
+}
+
+/* h (m, n) bfloat16 = act(x @ G^T) * (x @ U^T): tg_amx_linear's two products and tg_glu's
+ * activation, rounded to bfloat16, in one pass (amx_bf16_glu). -1 where not taken. */
+int tg_amx_glu(int gate_type, const uint8_t *gate, int up_type, const uint8_t *up, int64_t n,
+               int64_t k, const uint16_t *x, int64_t m, int gelu, uint16_t *h) {
+    amx_matrix g, u;
+    if (!tg_amx_bf16() || amx_matrix_of(gate_type, gate, &g) || amx_matrix_of(up_type, up, &u))
+        return -1;
+    return amx_bf16_glu(&g, &u, n, k, x, m, gelu, h);
 }

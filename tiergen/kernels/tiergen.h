@@ -55,6 +55,8 @@ int tg_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, 
 int tg_dequant(int type, const uint8_t *w, int64_t nblocks, float *out);
 int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,
                   int64_t m, float *y, int64_t ldy);
+int tg_amx_glu(int gate_type, const uint8_t *gate, int up_type, const uint8_t *up, int64_t n,
+               int64_t k, const uint16_t *x, int64_t m, int gelu, uint16_t *h);
 
 /* amx.c: bfloat16 products on AMX tiles (for tg_amx_linear) */
 int tg_amx_bf16(void);
@@ -106,6 +108,8 @@ int tg_decode_attention(const float *q, const void *k, const void *v, const uint
 void tg_to_half(const float *x, int64_t n, uint16_t *out);
 void tg_argmax(const float *x, int64_t rows, int64_t n, int64_t *out);
 void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, void *out, int bf16);
+/* One row of tg_glu: gate and up I values each (amx.c's prompt MLP calls it too). */
+void tg_glu_row(const float *gate, const float *up, int64_t I, int gelu, void *out, int bf16);
 
 /* layer.c: a whole layer, or most of one, in one call */
 int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, const float *sin,

@@ -177,7 +177,10 @@ def _glu_mlp(x: torch.Tensor, gate_up: torch.Tensor | Packed, down: torch.Tensor
     if amx is not None and x.dtype == torch.float32 and kernels.takes_rounded(down):
         # on AMX tiles: no passes (each product decodes its matrix once for all its rows),
         # and the activation comes out of act(gate) * up rounded as down's tiles take it
-        act = _glu(linear(x, gate_up, gate_up_bias), gelu, rounded=True)
+        act = (kernels.amx_glu(x, gate_up, gelu)
+               if gate_up_bias is None and isinstance(gate_up, Packed) else None)
+        if act is None:
+            act = _glu(linear(x, gate_up, gate_up_bias), gelu, rounded=True)
         return kernels.rounded_linear(act, down, down_bias)
     if rows < 2 * MLP_ROWS or x.device.type != "cpu" or amx is not None:
         return linear(_glu(linear(x, gate_up, gate_up_bias), gelu), down, down_bias)
