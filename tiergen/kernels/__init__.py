@@ -482,13 +482,8 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
     lib = library()
     N, K = w.shape
     rows = x.shape[:-1].numel()
-    padded = -(-rows // 32) * 32  # the engine's rows come in 32s
-    if x.dtype == torch.bfloat16 and padded == rows and x.is_contiguous():
-        xb = x.view(rows, K)  # rounded already (rounded_linear)
-    else:
-        xb = torch.empty(padded, K, dtype=torch.bfloat16)
-        to_bfloat16(x.reshape(rows, K), xb[:rows])
-        xb[rows:].zero_()
+    xb = _tile_rows(x)
+    padded = xb.shape[0]
     y = torch.empty(padded, N)
     base = w.data.data_ptr()
     for ggml_type, row, n, start, _ in layout(w.shape, w.parts):
@@ -496,6 +491,19 @@ def amx_linear(x: torch.Tensor, w: Packed) -> torch.Tensor | None:
                              y.data_ptr() + 4 * row, N):
             return None
     return y[:rows].view(*x.shape[:-1], N)
+
+
+def _tile_rows(x: torch.Tensor) -> torch.Tensor:
+    """x's rows in bfloat16 and zero rows after them up to a multiple of 32 (amx.c takes rows
+    in 32s): x itself where it is so already (rounded by a producer, see rounded_linear)."""
+    rows, K = x.shape[:-1].numel(), x.shape[-1]
+    padded = -(-rows // 32) * 32
+    if x.dtype == torch.bfloat16 and padded == rows and x.is_contiguous():
+        return x.view(rows, K)
+    xb = torch.empty(padded, K, dtype=torch.bfloat16)
+    to_bfloat16(x.reshape(rows, K), xb[:rows])
+    xb[rows:].zero_()
+    return xb
 
 
 def amx_glu(x: torch.Tensor, gate_up: Packed, gelu: bool) -> torch.Tensor | None:
@@ -519,10 +527,8 @@ def amx_glu(x: torch.Tensor, gate_up: Packed, gelu: bool) -> torch.Tensor | None
             return None
         halves.append(part)
     rows = x.shape[:-1].numel()
-    padded = -(-rows // 32) * 32
-    xb = torch.empty(padded, K, dtype=torch.bfloat16)
-    to_bfloat16(x.reshape(rows, K), xb[:rows])
-    xb[rows:].zero_()
+    xb = _tile_rows(x)
+    padded = xb.shape[0]
     h = torch.empty(padded, I, dtype=torch.bfloat16)
     (gt, gs), (ut, us) = halves
     base = gate_up.data.data_ptr()
