@@ -347,9 +347,11 @@ def test_a_long_prompts_experts_multiply_on_amx_tiles_apart_from_the_others(n, s
         w["shared_gate_up"] = random_packed(q4, 2 * shared, hidden, seed=2 * n)
         w["shared_down"] = random_packed(q4, hidden, shared, seed=2 * n + 1)
     tiled = set()
-    real = kernels.rounded_linear
+    real, real_glu = kernels.rounded_linear, kernels.amx_glu  # the products on the tiles
     monkeypatch.setattr(kernels, "rounded_linear",
                         lambda x, w, b=None: tiled.add(tuple(w.shape)) or real(x, w, b))
+    monkeypatch.setattr(kernels, "amx_glu",
+                        lambda x, w, gelu: tiled.add(tuple(w.shape)) or real_glu(x, w, gelu))
     g = torch.Generator().manual_seed(3)
     for T in (9, 1):
         x = torch.randn(3, T, hidden, generator=g)
