@@ -260,7 +260,7 @@ def test_an_mlp_keeps_rows_on_amx_apart_from_the_others():
                                                  (GGMLType.FP8, GGMLType.FP8, 512)])
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
 def test_a_prompts_gate_and_up_on_the_tiles_leave_as_glu_of_their_products(gate_type, up_type,
-                                                                           k, gelu):
+                                                                           k, gelu, monkeypatch):
     """kernels.amx_glu: the gate's and up's products on AMX tiles and act(gate) * up in one
     pass, bit for bit glu's bfloat16 of rounded_linear's product, for rows that do not fill
     the tiles' 32 and halves of different types; the MLP of a prompt's rows on the tiles takes
@@ -274,9 +274,11 @@ def test_a_prompts_gate_and_up_on_the_tiles_leave_as_glu_of_their_products(gate_
     got = kernels.amx_glu(x, gate_up, gelu)
     assert got.dtype == torch.bfloat16 and got.shape == (2, 45, 96)
     assert torch.equal(got, want)
-    mlp = gelu_tanh_mlp if gelu else swiglu_mlp
+    mlp, one_pass, taken = gelu_tanh_mlp if gelu else swiglu_mlp, kernels.amx_glu, []
+    monkeypatch.setattr(kernels, "amx_glu", lambda *a: taken.append(one_pass(*a)) or taken[-1])
     with kernels.activations_set("int8"), kernels.rows_on_amx(torch.ones(2, dtype=torch.bool)):
         assert torch.equal(mlp(x, gate_up, down), kernels.rounded_linear(want, down))
+    assert len(taken) == 1 and taken[0] is not None
     wide = cat_rows([random_packed(GGMLType.Q4_0, 32, 4096, 4)] * 2)
     assert kernels.amx_glu(torch.randn(32, 4096), wide, gelu) is None
 
