@@ -24,7 +24,8 @@ PLUGIN = '''
 from pathlib import Path
 import tiergen.kernels as k
 target = Path({target!r})
-k._compile(target, flags=k.FLAGS + ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O2"])
+k._compile(target, flags=k.FLAGS + ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O2"],
+           timeout=600)  # (a minute on an idle 2-core machine, twice that in a slow hour)
 k._library_path = lambda: target
 '''
 

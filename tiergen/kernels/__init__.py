@@ -90,9 +90,10 @@ FLAGS = ["-O3", "-march=native" if platform.machine() in ("x86_64", "AMD64") els
          "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-std=gnu11"]
 
 
-def _compile(target: Path, flags: list[str] = FLAGS, sources: list[Path] | None = None) -> None:
+def _compile(target: Path, flags: list[str] = FLAGS, sources: list[Path] | None = None,
+             timeout: float = 120) -> None:
     """Build the C sources (``sources``, else this tree's) into ``target`` (written beside it,
-    then renamed into place)."""
+    then renamed into place), refused after ``timeout`` seconds."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise OSError("no C compiler (cc, gcc or clang) found")
@@ -108,7 +109,7 @@ def _compile(target: Path, flags: list[str] = FLAGS, sources: list[Path] | None 
     os.close(fd)
     try:
         subprocess.run([cc, *flags, *includes, *map(str, sources), "-o", tmp, *libs], check=True,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=timeout)
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
         raise OSError(f"{cc} failed: {e.stderr.strip()[:500]}") from None
