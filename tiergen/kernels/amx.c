@@ -192,17 +192,23 @@ static inline void multiply(const uint16_t *x, int64_t k, int64_t i, int64_t k0,
  * rows (megabytes, past L2) made the bound. */
 #define GROUP_BYTES (1 << 20)
 
+/* Panels in a thread's group: as many as fit GROUP_BYTES (one at least), in groups whose number
+ * is a multiple of the threads (even work). */
+static int64_t panel_group(int64_t panels, int64_t panel_bytes) {
+    const int64_t threads = omp_get_max_threads();
+    const int64_t most = GROUP_BYTES / panel_bytes > 1 ? GROUP_BYTES / panel_bytes : 1;
+    const int64_t rounds = (panels + threads * most - 1) / (threads * most);
+    return (panels + threads * rounds - 1) / (threads * rounds);
+}
+
 void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
                      int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy) {
     const int64_t nb = k / qk, panels = (n + 31) / 32, chunks = (k + KC - 1) / KC;
     int64_t step = (k + chunks - 1) / chunks; /* even chunks of at most KC, whole blocks */
     step = (step + qk - 1) / qk * qk;
-    /* groups of at most GROUP_BYTES, as many as a multiple of the threads (even work) */
-    const int64_t threads = omp_get_max_threads(), most = GROUP_BYTES / (step * 64);
-    const int64_t rounds = (panels + threads * most - 1) / (threads * (most > 1 ? most : 1));
-    int64_t group = (panels + threads * rounds - 1) / (threads * rounds);
     /* each thread's group: panels of step / 32 steps (64 bytes a value pair row) each */
-    const size_t size = (size_t)step * 64;
+    const int64_t threads = omp_get_max_threads(), size = step * 64;
+    int64_t group = panel_group(panels, size);
     char *groups_at = group > 1 ? aligned_alloc(64, threads * group * size) : NULL;
     if (groups_at == NULL) group = 1; /* (then the one panel each thread keeps anyway) */
     const int64_t groups = (panels + group - 1) / group;
@@ -267,10 +273,7 @@ int amx_bf16_glu(const amx_matrix *gate, const amx_matrix *up, int64_t n, int64_
                  const uint16_t *x, int64_t m, int gelu, uint16_t *h) {
     if (k > KC || k % gate->qk || k % up->qk || n % 32 || m % 32) return -1;
     const int64_t pairs = n / 32, size = k * 64; /* a panel: k / 32 steps of 2 KB */
-    const int64_t threads = omp_get_max_threads();
-    const int64_t most = GROUP_BYTES / (2 * size) > 1 ? GROUP_BYTES / (2 * size) : 1;
-    const int64_t rounds = (pairs + threads * most - 1) / (threads * most);
-    const int64_t group = (pairs + threads * rounds - 1) / (threads * rounds);
+    const int64_t threads = omp_get_max_threads(), group = panel_group(pairs, 2 * size);
     const int64_t groups = (pairs + group - 1) / group;
     const int64_t width = group * 32; /* a group's columns of the gate (and of the up) */
     char *groups_at = aligned_alloc(64, threads * (group * 2 * size + 2 * 32 * width * 4));
