@@ -42,9 +42,9 @@ def main() -> None:
     if a.split:
         return split(llm, ids, a.gen_len)
 
-    spent = {"prefill": 0.0, "decode": 0.0, "fused": 0.0, "attention": 0.0}
-    packed_linear, rounded_linear, decode_layer, amx_attention = (
-        K.packed_linear, K.rounded_linear, layers.decode_layer, K.amx_attention)
+    spent = {"prefill": 0.0, "decode": 0.0, "fused": 0.0, "attention": 0.0, "glu": 0.0}
+    packed_linear, rounded_linear, decode_layer, amx_attention, amx_glu = (
+        K.packed_linear, K.rounded_linear, layers.decode_layer, K.amx_attention, K.amx_glu)
     inside = [False]  # (packed_linear calls rounded_linear: each product timed once)
 
     def product(call):
@@ -72,20 +72,22 @@ def main() -> None:
     K.packed_linear, K.rounded_linear = product(packed_linear), product(rounded_linear)
     layers.decode_layer = adding(decode_layer, "fused")
     K.amx_attention = adding(amx_attention, "attention")
+    K.amx_glu = adding(amx_glu, "glu")
     t = time.perf_counter()
     llm.generate(ids, params)
     total = time.perf_counter() - t
     s = llm.last_stats
     print(f"generate: {total:.3f} s, of which packed products with more than one new token "
-          f"(prompts) {spent['prefill']:.3f} s, attention on AMX tiles (kernels.amx_attention) "
-          f"{spent['attention']:.3f} s")
+          f"(prompts) {spent['prefill']:.3f} s, gate and up in one pass on AMX tiles "
+          f"(kernels.amx_glu) {spent['glu']:.3f} s, attention on AMX tiles "
+          f"(kernels.amx_attention) {spent['attention']:.3f} s")
     if a.gen_len > 1:
         steps = a.gen_len - 1
         print(f"per decode step: {s.decode_seconds / steps * 1e3:.1f} ms, of which packed "
               f"products {spent['decode'] / steps * 1e3:.1f} ms and whole layers in one call "
               f"(kernels/layer.c: their products included) {spent['fused'] / steps * 1e3:.1f} ms")
     K.packed_linear, K.rounded_linear = packed_linear, rounded_linear
-    layers.decode_layer, K.amx_attention = decode_layer, amx_attention
+    layers.decode_layer, K.amx_attention, K.amx_glu = decode_layer, amx_attention, amx_glu
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(ids, params)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
