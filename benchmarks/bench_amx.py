@@ -4,6 +4,8 @@ oneDNN reads its ceiling once.
 
     python benchmarks/bench_amx.py [--threads N]
     python benchmarks/bench_amx.py --attention   # a prompt's attention: amx.c, torch
+    python benchmarks/bench_amx.py --attention-against HEAD~1   # this tree's amx.c against
+                                                 # a revision's, built side by side
     python benchmarks/bench_amx.py --prompt      # one 4,096-token prompt: tiergen's tiles,
                                                  # oneDNN's, none
     python benchmarks/bench_amx.py --kld         # KL divergence from the float path, off and on
@@ -111,6 +113,56 @@ def attention() -> None:
             F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=True))
     report("Gemma 3 270M", best_in_turns(runs, turns=5, warm=True),
            ("window, first chunk", "window, later chunk"))
+
+
+def attention_against(rev: str, turns: int = 25) -> None:
+    """tg_amx_attention of this tree against that of git revision ``rev`` (its amx.c, the
+    other sources this tree's), both built side by side and called in alternation: the median
+    of the turns' ratios, which a machine whose speed drifts within the minute leaves fair,
+    and whether both give the same bits. SmolLM2's heads (9, 3 of 64) and Gemma 3 270M's (4, 1
+    of 256), the last chunk of 1,024 queries of a 4,096-token prompt, and SmolLM2's first."""
+    import ctypes
+    import shutil
+    import statistics
+    import tempfile
+
+    import torch
+
+    from tiergen import kernels
+
+    root = Path(kernels.__file__).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {}
+        for name, amx in (("tree", (root / "amx.c").read_text()),
+                          (rev, subprocess.run(["git", "show", f"{rev}:tiergen/kernels/amx.c"],
+                                               cwd=root, check=True, capture_output=True,
+                                               text=True).stdout)):
+            d = Path(tmp) / str(len(libs))
+            shutil.copytree(root, d, ignore=shutil.ignore_patterns("__pycache__"))
+            (d / "amx.c").write_text(amx)
+            kernels._compile(d / "lib.so", sources=[d / s.name for s in kernels.SOURCES],
+                             timeout=600)
+            libs[name] = kernels.bind(ctypes.CDLL(str(d / "lib.so")))
+        for H, KVH, D, S, T in ((9, 3, 64, 4096, 1024), (4, 1, 256, 4096, 1024),
+                                (9, 3, 64, 1024, 1024)):
+            q = torch.randn(1, H, T, D, dtype=torch.bfloat16)
+            k, v = (torch.randn(1, KVH, S, D, dtype=torch.bfloat16) for _ in "kv")
+            outs, times = {}, {name: [] for name in libs}
+            for _ in range(turns):
+                for name, lib in libs.items():
+                    out = torch.empty(1, T, H, D).transpose(1, 2)
+                    start = time.perf_counter()
+                    assert lib.tg_amx_attention(
+                        q.data_ptr(), 2, *q.stride()[:3], k.data_ptr(), v.data_ptr(), 2,
+                        *k.stride()[:2], 1, H, KVH, T, S, D, 0, D**-0.5, out.data_ptr(),
+                        *out.stride()[:3]) == 0
+                    times[name].append(time.perf_counter() - start)
+                    outs[name] = out
+            ratio = statistics.median(b / a for a, b in zip(times["tree"], times[rev]))
+            print(f"heads {H}/{KVH} of {D}, {T} queries over {S} keys: tree "
+                  f"{min(times['tree']) * 1e3:.2f} ms, {rev} {min(times[rev]) * 1e3:.2f} ms "
+                  f"(best of {turns}); tree {ratio:.3f}x (median of the turns' ratios); "
+                  f"same bits: {torch.equal(outs['tree'], outs[rev])}")
 
 
 def report(name: str, best: dict, cases: tuple[str, ...]) -> None:
@@ -374,6 +426,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--attention", action="store_true")
+    ap.add_argument("--attention-against", metavar="REV")
     ap.add_argument("--prompt", action="store_true")
     ap.add_argument("--kld", action="store_true")
     ap.add_argument("--packed", action="store_true")
@@ -397,6 +450,8 @@ def main() -> None:
           f"AMX usable: {amx_usable()}")
     if args.attention:
         return attention()
+    if args.attention_against:
+        return attention_against(args.attention_against)
     if args.prompt:  # each in a fresh process
         for mode in ("on", "onednn", "off"):
             subprocess.run([sys.executable, __file__, "--child-prompt", mode], check=True)

@@ -445,9 +445,10 @@ int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int
  * vectors and the online softmax runs down the keys without a sum or maximum across a vector.
  * Inputs rounded to bfloat16, float32 sums, the probabilities rounded to bfloat16 for p.v; the
  * output (float32) stays in L1/L2 until the block's last keys. The tiles' products of the keys
- * before and after a step's keys are spread through its softmax, so that both run at once
- * (1.14x at SmolLM2's heads). K and V are first laid out for the tiles, each row once per call
- * (in place of a copy to bfloat16). */
+ * before and after a step's keys are spread through its softmax, both passes of it, in units
+ * of a few tile operations, so that both run at once (1.14x at SmolLM2's heads; its 64 wide
+ * heads keep q^T in four tiles through a step's scores, which halves their loads). K and V are
+ * first laid out for the tiles, each row once per call (in place of a copy to bfloat16). */
 
 #define ATT_KB 128  /* keys of one online-softmax step */
 #define ATT_DMAX 256 /* the widest head */
@@ -528,13 +529,35 @@ typedef struct {
     const uint16_t *kb, *vt; /* the next block's keys, the previous block's values */
     int64_t D;
     int next, prev;          /* their buffers in a.s and a.p */
-    int ns, nv, units, done; /* units: ns of scores, then D/32 x nv of values */
+    int ns, nv, units, done; /* units: ns of scores (32 keys, 16 where D is 64), then D/32 x
+                              * nv of values */
 } att_work;
 
 static inline void att_unit(att_work *w) {
     att_block *a = w->a;
     const int64_t D = w->D;
     const int i = w->done++;
+    if (i < w->ns && D == 64) { /* a.s[next][js..js+16) = keys js.. by the queries */
+        const int64_t js = 16 * i;
+        float(*s)[32] = a->s[w->next];
+        if (i == 0) { /* q^T stays in tiles 4-7 through the step's scores */
+            _tile_loadd(4, a->q[0][0], 64);
+            _tile_loadd(5, a->q[0][1], 64);
+            _tile_loadd(6, a->q[1][0], 64);
+            _tile_loadd(7, a->q[1][1], 64);
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, w->kb + js * D, D * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 2, 6);
+        _tile_loadd(3, w->kb + js * D + 32, D * 2);
+        _tile_dpbf16ps(0, 3, 5);
+        _tile_dpbf16ps(1, 3, 7);
+        _tile_stored(0, &s[js][0], 128);
+        _tile_stored(1, &s[js][16], 128);
+        return;
+    }
     if (i < w->ns) { /* a.s[next][js..js+32) = keys js.. by the queries */
         const int64_t js = 32 * i;
         float(*s)[32] = a->s[w->next];
@@ -606,17 +629,20 @@ static inline __m512 att_softmax(att_block *a, att_work *w, int n, int h, __m512
                                  __m512 *m, __m512 *l) {
     const int whole = (att_sees(low, place, k0) & att_sees(low, place, k0 + width - 1)) == 0xffff;
     const float(*s)[32] = a->s[n];
+    /* pieces: 64 keys of the maximum's pass, 16 of the exponentials' (both halves) */
+    const int per_half = (int)(width / 64 + width / 16), pieces = 2 * per_half;
+    int piece = h * per_half;
     __m512 mx0 = _mm512_set1_ps(-INFINITY), mx1 = mx0;
     for (int64_t j = 0; j < width; j += 2) {
         const __mmask16 in0 = whole ? 0xffff : att_sees(low, place, k0 + j);
         const __mmask16 in1 = whole ? 0xffff : att_sees(low, place, k0 + j + 1);
         mx0 = _mm512_mask_max_ps(mx0, in0, mx0, _mm512_load_ps(&s[j][16 * h]));
         mx1 = _mm512_mask_max_ps(mx1, in1, mx1, _mm512_load_ps(&s[j + 1][16 * h]));
+        if ((j & 63) == 62) att_pace(w, ++piece, pieces);
     }
     const __m512 sv = _mm512_set1_ps(scale2);
     const __m512 mnew = _mm512_max_ps(*m, _mm512_mul_ps(_mm512_max_ps(mx0, mx1), sv));
     const __m512 alpha = exp2_16(_mm512_sub_ps(*m, mnew));
-    const int pieces = (int)(width / 8); /* both halves' */
     __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
     for (int64_t j = 0; j < width; j += 2) {
         __m512 e0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(&s[j][16 * h]), sv, mnew));
@@ -628,7 +654,7 @@ static inline __m512 att_softmax(att_block *a, att_work *w, int n, int h, __m512
         sum0 = _mm512_add_ps(sum0, e0);
         sum1 = _mm512_add_ps(sum1, e1);
         _mm512_store_si512(&a->p[n][j / 2][16 * h], bf16_pairs(e0, e1));
-        if ((j & 15) == 14) att_pace(w, (int)((h * width + j + 2) / 16), pieces);
+        if ((j & 15) == 14) att_pace(w, ++piece, pieces);
     }
     *l = _mm512_fmadd_ps(*l, alpha, _mm512_add_ps(sum0, sum1));
     *m = mnew;
@@ -644,6 +670,7 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
     const int64_t nkb = (S + 31) / 32, nqb = (T + 31) / 32, group = H / KVH;
     const int qsize = q_type == 0 ? 4 : 2, kvsize = kv_type == 0 ? 4 : 2;
     const float scale2 = scale * 1.44269504088896341f; /* the softmax in base 2 */
+    const int score_units = D == 64 ? 2 : 1; /* a block of 32 keys' scores, in att_unit */
     const size_t per_head = (size_t)nkb * 32 * D; /* bfloat16 values of K (or V) a head */
     uint16_t *kb = aligned_alloc(64, B * KVH * per_head * 2);
     uint16_t *vt = aligned_alloc(64, B * KVH * per_head * 2);
@@ -698,13 +725,15 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
             /* block n's softmax on the vectors while the tiles work out block n+1's scores
              * and add block n-1's values to the output; then the output's rescaling */
             att_work w = {.a = a, .kb = kh + lo * D, .D = D}; /* the first block's scores */
-            w.ns = (int)((keys - lo < ATT_KB ? keys - lo : ATT_KB) + 31) / 32, w.units = w.ns;
+            w.ns = (int)((keys - lo < ATT_KB ? keys - lo : ATT_KB) + 31) / 32 * score_units;
+            w.units = w.ns;
             att_pace(&w, 1, 1);
             for (int64_t k0 = lo; k0 < keys; k0 += ATT_KB) {
                 const int64_t width = (keys - k0 < ATT_KB ? keys - k0 : ATT_KB) + 31 & ~31;
                 const int64_t k1 = k0 + ATT_KB, next = keys - k1 < ATT_KB ? keys - k1 : ATT_KB;
                 const int n = (int)((k0 - lo) / ATT_KB) & 1;
-                w.ns = next > 0 ? (int)(next + 31) / 32 : 0, w.next = !n, w.kb = kh + k1 * D;
+                w.ns = next > 0 ? (int)(next + 31) / 32 * score_units : 0;
+                w.next = !n, w.kb = kh + k1 * D;
                 w.units = w.ns + (int)(D / 32) * w.nv, w.done = 0;
                 __m512 alpha[2];
                 for (int half = 0; half < 2; half++)
