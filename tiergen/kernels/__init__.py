@@ -518,22 +518,15 @@ def amx_glu(x: torch.Tensor, gate_up: Packed, gelu: bool) -> torch.Tensor | None
     if (x.dtype != torch.float32 or gate_up.device.type != "cpu" or K % 32 or I % 32
             or not amx_engine()):
         return None
-    halves = []
-    for first in (0, I):  # the part that holds rows first .. first + I, and where they start
-        part = next(((t, start + (first - row) * K // block * size)
-                     for t, row, n, start, _ in layout(gate_up.shape, gate_up.parts)
-                     for block, size in [ggml_type_sizes(t)]
-                     if row <= first and first + I <= row + n and K % block == 0), None)
-        if part is None:
-            return None
-        halves.append(part)
+    gate, up = gate_up.narrow(0, 0, I), gate_up.narrow(0, I, N)  # (views of its bytes)
+    if len(gate.parts) != 1 or len(up.parts) != 1:
+        return None
     rows = x.shape[:-1].numel()
     xb = _tile_rows(x)
     padded = xb.shape[0]
     h = torch.empty(padded, I, dtype=torch.bfloat16)
-    (gt, gs), (ut, us) = halves
-    base = gate_up.data.data_ptr()
-    if library().tg_amx_glu(gt, base + gs, ut, base + us, I, K, xb.data_ptr(), padded, int(gelu),
+    if library().tg_amx_glu(gate.parts[0][0], gate.data.data_ptr(), up.parts[0][0],
+                            up.data.data_ptr(), I, K, xb.data_ptr(), padded, int(gelu),
                             h.data_ptr()):
         return None
     return h[:rows].view(*x.shape[:-1], I)

@@ -276,11 +276,12 @@ int amx_bf16_glu(const amx_matrix *gate, const amx_matrix *up, int64_t n, int64_
     const int64_t threads = omp_get_max_threads(), group = panel_group(pairs, 2 * size);
     const int64_t groups = (pairs + group - 1) / group;
     const int64_t width = group * 32; /* a group's columns of the gate (and of the up) */
-    char *groups_at = aligned_alloc(64, threads * (group * 2 * size + 2 * 32 * width * 4));
+    const int64_t own_bytes = group * 2 * size + 2 * 32 * width * 4; /* panels, then sums */
+    char *groups_at = aligned_alloc(64, threads * own_bytes);
     if (groups_at == NULL) return -2;
 #pragma omp parallel
     {
-        char *own = groups_at + omp_get_thread_num() * (group * 2 * size + 2 * 32 * width * 4);
+        char *own = groups_at + omp_get_thread_num() * own_bytes;
 #define PANEL(j) (*(panel_t *)(own + (j) * size))
         float *sums = (float *)(own + group * 2 * size); /* 32 rows of the gate's, the up's */
         load_tiles();
@@ -533,11 +534,14 @@ typedef struct {
                               * nv of values */
 } att_work;
 
+/* Keys of one unit of scores: 64 wide heads keep q^T in tiles and take 16 keys a unit. */
+static inline int att_score_keys(int64_t D) { return D == 64 ? 16 : 32; }
+
 static inline void att_unit(att_work *w) {
     att_block *a = w->a;
     const int64_t D = w->D;
     const int i = w->done++;
-    if (i < w->ns && D == 64) { /* a.s[next][js..js+16) = keys js.. by the queries */
+    if (i < w->ns && att_score_keys(D) == 16) { /* a.s[next][js..js+16) = keys js.. */
         const int64_t js = 16 * i;
         float(*s)[32] = a->s[w->next];
         if (i == 0) { /* q^T stays in tiles 4-7 through the step's scores */
@@ -670,7 +674,7 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
     const int64_t nkb = (S + 31) / 32, nqb = (T + 31) / 32, group = H / KVH;
     const int qsize = q_type == 0 ? 4 : 2, kvsize = kv_type == 0 ? 4 : 2;
     const float scale2 = scale * 1.44269504088896341f; /* the softmax in base 2 */
-    const int score_units = D == 64 ? 2 : 1; /* a block of 32 keys' scores, in att_unit */
+    const int score_units = 32 / att_score_keys(D); /* a block of 32 keys' scores */
     const size_t per_head = (size_t)nkb * 32 * D; /* bfloat16 values of K (or V) a head */
     uint16_t *kb = aligned_alloc(64, B * KVH * per_head * 2);
     uint16_t *vt = aligned_alloc(64, B * KVH * per_head * 2);
