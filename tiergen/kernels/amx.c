@@ -636,16 +636,19 @@ static inline __m512 att_softmax(att_block *a, att_work *w, int n, int h, __m512
     /* pieces: 64 keys of the maximum's pass, 16 of the exponentials' (both halves) */
     const int per_half = (int)(width / 64 + width / 16), pieces = 2 * per_half;
     int piece = h * per_half;
-    __m512 mx0 = _mm512_set1_ps(-INFINITY), mx1 = mx0;
-    for (int64_t j = 0; j < width; j += 2) {
-        const __mmask16 in0 = whole ? 0xffff : att_sees(low, place, k0 + j);
-        const __mmask16 in1 = whole ? 0xffff : att_sees(low, place, k0 + j + 1);
-        mx0 = _mm512_mask_max_ps(mx0, in0, mx0, _mm512_load_ps(&s[j][16 * h]));
-        mx1 = _mm512_mask_max_ps(mx1, in1, mx1, _mm512_load_ps(&s[j + 1][16 * h]));
-        if ((j & 63) == 62) att_pace(w, ++piece, pieces);
+    __m512 mx[8]; /* eight running maxima: one would wait on its own latency each key */
+    for (int r = 0; r < 8; r++) mx[r] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < width; j += 8) {
+        for (int r = 0; r < 8; r++) {
+            const __mmask16 in = whole ? 0xffff : att_sees(low, place, k0 + j + r);
+            mx[r] = _mm512_mask_max_ps(mx[r], in, mx[r], _mm512_load_ps(&s[j + r][16 * h]));
+        }
+        if ((j & 63) == 56) att_pace(w, ++piece, pieces);
     }
+    for (int r = 0; r < 4; r++) mx[r] = _mm512_max_ps(mx[r], mx[r + 4]);
+    const __m512 top = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
     const __m512 sv = _mm512_set1_ps(scale2);
-    const __m512 mnew = _mm512_max_ps(*m, _mm512_mul_ps(_mm512_max_ps(mx0, mx1), sv));
+    const __m512 mnew = _mm512_max_ps(*m, _mm512_mul_ps(top, sv));
     const __m512 alpha = exp2_16(_mm512_sub_ps(*m, mnew));
     __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
     for (int64_t j = 0; j < width; j += 2) {
