@@ -10,6 +10,12 @@ median run (this machine's speed drifts within minutes).
 
     ../shared/peers/build_llamacpp.sh          # once: llama.cpp's binding in .peers/llamacpp-venv
     python benchmarks/bench_packed.py [--models smollm2 gemma3-270m] [--batches 1 32] [--transformers] [--repeat 3]
+    python benchmarks/bench_packed.py --batches 32 --transformers --tiergen int8 --repeat 5
+
+--tiergen names the tiergen runs to make (default: all three). With --repeat, each tiergen run's
+ratio to the faster peer is also taken turn by turn (the peers of its own turn), and the median
+of those ratios printed beside the turns': on a machine whose speed swings within minutes, the
+ratio of medians can pair a fast turn with a slow one.
 
 With --transformers, transformers ``generate`` runs on the same files too (dequantised at
 load, the faster of float32 and native bfloat16), and the table gives each tiergen run's
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +83,11 @@ print(json.dumps({"total_tok_s": batch * G / (t2 - t0), "decode_tok_s": batch * 
 '''
 
 
+TIERGEN_RUNS = {"int8": ("tiergen packed, int8", []),  # (name, `tiergen bench` flags)
+                "exact": ("tiergen packed, --exact", ["--exact"]),
+                "float32": ("tiergen float32", ["--dequantize"])}
+
+
 def gguf_path(short: str) -> str:
     from tiergen.weights import _packaged_file
 
@@ -124,6 +136,8 @@ def main() -> None:
                     help="transformers generate on the same files too (its faster dtype)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each engine, in turns; the table gives each one's median")
+    ap.add_argument("--tiergen", nargs="+", choices=list(TIERGEN_RUNS), default=list(TIERGEN_RUNS),
+                    help="which tiergen runs to make")
     args = ap.parse_args()
     if not LLAMA_PYTHON.exists():
         sys.exit(f"{LLAMA_PYTHON} not found: build llama.cpp's binding with "
@@ -131,10 +145,10 @@ def main() -> None:
     rows, cpu = [], None
     for model in args.models:
         for batch in args.batches:
-            engines = {"tiergen packed, int8": lambda: run_tiergen(model, batch, []),
-                       "tiergen packed, --exact": lambda: run_tiergen(model, batch, ["--exact"]),
-                       "tiergen float32": lambda: run_tiergen(model, batch, ["--dequantize"]),
-                       "llama.cpp": lambda: run_llama_cpp(model, batch)}
+            engines = {TIERGEN_RUNS[t][0]: (lambda flags=TIERGEN_RUNS[t][1]:
+                                            run_tiergen(model, batch, flags))
+                       for t in args.tiergen}
+            engines["llama.cpp"] = lambda: run_llama_cpp(model, batch)
             if args.transformers:
                 engines["transformers"] = lambda: run_transformers(model, batch)
             tries: dict[str, list[dict]] = {}
@@ -144,10 +158,18 @@ def main() -> None:
             # each engine's median run by total tokens/s
             runs = {name: sorted(t, key=lambda r: r["total_tok_s"])[len(t) // 2]
                     for name, t in tries.items()}
-            first = runs["tiergen packed, int8"]
+            first = runs[TIERGEN_RUNS[args.tiergen[0]][0]]
             cpu = f"{first['cpu']} [{' '.join(first['simd'])}]"
             rows.append((model, batch, runs))
             print(f"{model} batch {batch}: {json.dumps(runs)}", flush=True)
+            for name in tries:
+                if args.repeat > 1 and name.startswith("tiergen"):
+                    turns = [tries[name][i]["total_tok_s"] / max(
+                        t[i]["total_tok_s"] for n, t in tries.items() if not n.startswith("tiergen"))
+                        for i in range(args.repeat)]
+                    print(f"{model} batch {batch}, {name} against the faster peer of its turn: "
+                          f"median {statistics.median(turns):.2f}x, turns "
+                          + ", ".join(f"{r:.2f}x" for r in turns), flush=True)
     print(f"\nCPU: {cpu}\n")
     print("| model | batch | engine | decode tok/s | total tok/s | peak RSS | vs llama.cpp "
           "(decode / total) | total vs the faster peer |")
