@@ -162,11 +162,11 @@ def main() -> None:
             cpu = f"{first['cpu']} [{' '.join(first['simd'])}]"
             rows.append((model, batch, runs))
             print(f"{model} batch {batch}: {json.dumps(runs)}", flush=True)
-            for name in tries:
+            peers = [max(r["total_tok_s"] for r in turn)  # the faster peer of each turn
+                     for turn in zip(*(t for n, t in tries.items() if not n.startswith("tiergen")))]
+            for name, t in tries.items():
                 if args.repeat > 1 and name.startswith("tiergen"):
-                    turns = [tries[name][i]["total_tok_s"] / max(
-                        t[i]["total_tok_s"] for n, t in tries.items() if not n.startswith("tiergen"))
-                        for i in range(args.repeat)]
+                    turns = [r["total_tok_s"] / peer for r, peer in zip(t, peers)]
                     print(f"{model} batch {batch}, {name} against the faster peer of its turn: "
                           f"median {statistics.median(turns):.2f}x, turns "
                           + ", ".join(f"{r:.2f}x" for r in turns), flush=True)

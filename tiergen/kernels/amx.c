@@ -537,6 +537,11 @@ typedef struct {
 /* Keys of one unit of scores: 64 wide heads keep q^T in tiles and take 16 keys a unit. */
 static inline int att_score_keys(int64_t D) { return D == 64 ? 16 : 32; }
 
+/* The units of scores of `keys` keys (whole blocks of 32) */
+static inline int att_score_units(int64_t keys, int64_t D) {
+    return (int)((keys + 31) / 32) * (32 / att_score_keys(D));
+}
+
 static inline void att_unit(att_work *w) {
     att_block *a = w->a;
     const int64_t D = w->D;
@@ -677,7 +682,6 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
     const int64_t nkb = (S + 31) / 32, nqb = (T + 31) / 32, group = H / KVH;
     const int qsize = q_type == 0 ? 4 : 2, kvsize = kv_type == 0 ? 4 : 2;
     const float scale2 = scale * 1.44269504088896341f; /* the softmax in base 2 */
-    const int score_units = 32 / att_score_keys(D); /* a block of 32 keys' scores */
     const size_t per_head = (size_t)nkb * 32 * D; /* bfloat16 values of K (or V) a head */
     uint16_t *kb = aligned_alloc(64, B * KVH * per_head * 2);
     uint16_t *vt = aligned_alloc(64, B * KVH * per_head * 2);
@@ -732,14 +736,13 @@ int tg_amx_attention(const void *q, int q_type, int64_t qsb, int64_t qsh, int64_
             /* block n's softmax on the vectors while the tiles work out block n+1's scores
              * and add block n-1's values to the output; then the output's rescaling */
             att_work w = {.a = a, .kb = kh + lo * D, .D = D}; /* the first block's scores */
-            w.ns = (int)((keys - lo < ATT_KB ? keys - lo : ATT_KB) + 31) / 32 * score_units;
-            w.units = w.ns;
+            w.ns = w.units = att_score_units(keys - lo < ATT_KB ? keys - lo : ATT_KB, D);
             att_pace(&w, 1, 1);
             for (int64_t k0 = lo; k0 < keys; k0 += ATT_KB) {
                 const int64_t width = (keys - k0 < ATT_KB ? keys - k0 : ATT_KB) + 31 & ~31;
                 const int64_t k1 = k0 + ATT_KB, next = keys - k1 < ATT_KB ? keys - k1 : ATT_KB;
                 const int n = (int)((k0 - lo) / ATT_KB) & 1;
-                w.ns = next > 0 ? (int)(next + 31) / 32 * score_units : 0;
+                w.ns = next > 0 ? att_score_units(next, D) : 0;
                 w.next = !n, w.kb = kh + k1 * D;
                 w.units = w.ns + (int)(D / 32) * w.nv, w.done = 0;
                 __m512 alpha[2];
