@@ -98,11 +98,9 @@ static void load_tiles(void) {
  * B tile of step s holds for columns 16h..16h+15. Columns past ncols are zero. */
 typedef uint32_t panel_t[KC / 32][2][16][16];
 
-/* out[j][i] = in[i * ld + j] for 16 x 16 32-bit values (out's rows contiguous). */
-static inline void transpose16(const uint32_t *in, int64_t ld, uint32_t *out) {
-#if defined(__AVX512F__)
-    __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(in + i * ld);
+/* r[j] lane i := r[i] lane j, for 16 x 16 32-bit values */
+static inline void turn16(__m512i r[16]) {
+    __m512i t[16];
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -125,36 +123,116 @@ static inline void transpose16(const uint32_t *in, int64_t ld, uint32_t *out) {
         r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
         r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
     }
-    for (int i = 0; i < 16; i++) _mm512_storeu_si512(out + 16 * i, r[i]);
-#else
-    for (int j = 0; j < 16; j++)
-        for (int i = 0; i < 16; i++) out[16 * j + i] = in[i * ld + j];
-#endif
 }
 
-/* One block of each of 16 columns (rows of W) at a time: decoded, rounded to bfloat16 in
- * place (to nearest even; the pairs then lie in order in memory), then turned across into
- * the panel's rows by 16 x 16 transposes of the pairs. */
-static void decode_panel(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t nb,
-                         int64_t r0, int ncols, int64_t k0, int64_t len, panel_t panel) {
-    uint16_t half[16][256] __attribute__((aligned(64))); /* 128 pairs a column */
-    float v[256] __attribute__((aligned(64)));
-    for (int h = 0; h < 2; h++)
-        for (int64_t b = 0; b < len / qk; b++) {
-            for (int c = 0; c < 16; c++) {
-                const int64_t col = r0 + 16 * h + c;
-                if (16 * h + c >= ncols) {
-                    memset(half[c], 0, sizeof half[c]);
-                    continue;
-                }
-                decode(w + (col * nb + k0 / qk + b) * bytes, v);
-                round_bf16(v, 0, qk, half[c]);
-            }
-            for (int i = 0; i < qk / 2; i += 16) { /* the pairs i..i+15: one step's rows */
-                const int64_t p = b * qk / 2 + i;
-                transpose16((const uint32_t *)half + i, 128, panel[p >> 4][h][0]);
+/* (a, b) rounded to bfloat16 as bf16_16 rounds them, in order: lane p the pair of values 2p
+ * and 2p + 1 of the 32. By the instruction where the CPU has it, which differs from torch's
+ * rounding only on subnormals (it reads them as zero) and NaN: values that a weight's
+ * decoding does not give, but which take bf16_16 if they come. */
+static inline __m512i bf16_32(__m512 a, __m512 b) {
+#if defined(__AVX512BF16__)
+    const int odd = 0x01 | 0x20 | 0x80; /* quiet NaN, subnormal, signalling NaN */
+    if (!(_mm512_fpclass_ps_mask(a, odd) | _mm512_fpclass_ps_mask(b, odd)))
+        return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+#endif
+    return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_16(a)), bf16_16(b), 1);
+}
+
+/* out[j][i] = in[i * ld + j] for 16 x 16 32-bit values (out's rows contiguous). */
+static inline void transpose16(const uint32_t *in, int64_t ld, uint32_t *out) {
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(in + i * ld);
+    turn16(r);
+    for (int i = 0; i < 16; i++) _mm512_storeu_si512(out + 16 * i, r[i]);
+}
+
+/* A panel's decoding: for each half (16 columns) and block, each column's block decoded,
+ * its values rounded to bfloat16 pairs 32 at a time in a register (to nearest even), and the
+ * 16 columns' registers turned across into a step's 16 rows of the panel. Every line of the
+ * panel's columns is asked for first: a column's run of blocks is too short for the hardware
+ * to see a stream in it, and waiting on one block at a time bounded a product of few rows. */
+static inline void prefetch_panel(const uint8_t *w, int64_t row, int64_t r0, int ncols,
+                                  int64_t first, int64_t span) {
+    for (int c = 0; c < ncols; c++)
+        for (int64_t o = 0; o < span; o += 64) __builtin_prefetch(w + (r0 + c) * row + first + o);
+}
+
+static inline int half_columns(int ncols, int h) {
+    const int cols = ncols - 16 * h;
+    return cols < 0 ? 0 : cols > 16 ? 16 : cols;
+}
+
+static inline void store_step(__m512i r[16], uint32_t *rows) {
+    turn16(r);
+    for (int p = 0; p < 16; p++) _mm512_store_si512(rows + 16 * p, r[p]);
+}
+
+/* a * q[0..16) + c, as packed.c's widen computes it */
+static inline __m512 widen16(const int8_t *q, float a, float c) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)q))),
+                           _mm512_set1_ps(a), _mm512_set1_ps(c));
+}
+
+/* A panel of a type of blocks.h's list, its blocks unpacked by UNPACK inline. */
+static inline __attribute__((always_inline)) void
+unpacked_panel(const int QK, const int L, const int BYTES,
+               void (*unpack)(const uint8_t *, int8_t *, float *, float *), const uint8_t *w,
+               int64_t nb, int64_t r0, int ncols, int64_t k0, int64_t len, panel_t panel) {
+    prefetch_panel(w, nb * BYTES, r0, ncols, k0 / QK * BYTES, len / QK * BYTES);
+    for (int h = 0; h < 2; h++) {
+        const int cols = half_columns(ncols, h);
+        for (int64_t b = 0; b < len / QK; b++) {
+            int8_t q[16][QK] __attribute__((aligned(64)));
+            float a[16][QK / L], c[16][QK / L];
+            for (int j = 0; j < cols; j++)
+                unpack(w + ((r0 + 16 * h + j) * nb + k0 / QK + b) * BYTES, q[j], a[j], c[j]);
+            for (int g = 0; g < QK / 32; g++) { /* a step's 16 pairs of each column */
+                const int lo = 32 * g / L, hi = (32 * g + 16) / L;
+                __m512i r[16];
+                for (int j = 0; j < 16; j++)
+                    r[j] = j < cols ? bf16_32(widen16(q[j] + 32 * g, a[j][lo], c[j][lo]),
+                                              widen16(q[j] + 32 * g + 16, a[j][hi], c[j][hi]))
+                                    : _mm512_setzero_si512();
+                store_step(r, panel[b * QK / 32 + g][h][0]);
             }
         }
+    }
+}
+
+#define TYPE_PANEL(name, QK, L, BYTES)                                                        \
+    static void panel_##name(const uint8_t *w, int64_t nb, int64_t r0, int ncols, int64_t k0, \
+                             int64_t len, panel_t panel) {                                    \
+        unpacked_panel(QK, L, BYTES, un_##name, w, nb, r0, ncols, k0, len, panel);            \
+    }
+BLOCK_TYPES(TYPE_PANEL)
+
+static int typed_panel(int type, const uint8_t *w, int64_t nb, int64_t r0, int ncols,
+                       int64_t k0, int64_t len, panel_t panel) {
+    DISPATCH(panel, type, , (w, nb, r0, ncols, k0, len, panel))
+}
+
+/* The panel of W's columns r0..r0+ncols-1 (rows of nb blocks), values k0..k0+len-1. */
+static void decode_panel(const amx_matrix *W, int64_t nb, int64_t r0, int ncols, int64_t k0,
+                         int64_t len, panel_t panel) {
+    if (typed_panel(W->type, W->w, nb, r0, ncols, k0, len, panel) == 0) return;
+    const int qk = W->qk, bytes = W->bytes; /* another type (FP8): by its block decoder */
+    float v[16][256] __attribute__((aligned(64)));
+    prefetch_panel(W->w, nb * bytes, r0, ncols, k0 / qk * bytes, len / qk * bytes);
+    for (int h = 0; h < 2; h++) {
+        const int cols = half_columns(ncols, h);
+        for (int64_t b = 0; b < len / qk; b++) {
+            for (int j = 0; j < cols; j++)
+                W->decode(W->w + ((r0 + 16 * h + j) * nb + k0 / qk + b) * bytes, v[j]);
+            for (int g = 0; g < qk / 32; g++) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++)
+                    r[j] = j < cols ? bf16_32(_mm512_load_ps(v[j] + 32 * g),
+                                              _mm512_load_ps(v[j] + 32 * g + 16))
+                                    : _mm512_setzero_si512();
+                store_step(r, panel[b * qk / 32 + g][h][0]);
+            }
+        }
+    }
 }
 
 /* The accumulators of rows i..i+31 by the panel's 32 columns at c (row stride ld floats). */
@@ -201,14 +279,15 @@ static int64_t panel_group(int64_t panels, int64_t panel_bytes) {
     return (panels + threads * rounds - 1) / (threads * rounds);
 }
 
-void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
-                     int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy) {
+void amx_bf16_linear(const amx_matrix *W, int64_t n, int64_t k, const uint16_t *x, int64_t m,
+                     float *y, int64_t ldy) {
+    const int qk = W->qk;
     const int64_t nb = k / qk, panels = (n + 31) / 32, chunks = (k + KC - 1) / KC;
     int64_t step = (k + chunks - 1) / chunks; /* even chunks of at most KC, whole blocks */
     step = (step + qk - 1) / qk * qk;
     /* each thread's group: panels of step / 32 steps (64 bytes a value pair row) each */
     const int64_t threads = omp_get_max_threads(), size = step * 64;
-    int64_t group = panel_group(panels, size);
+    int64_t group = m > 32 ? panel_group(panels, size) : 1;
     char *groups_at = group > 1 ? aligned_alloc(64, threads * group * size) : NULL;
     if (groups_at == NULL) group = 1; /* (then the one panel each thread keeps anyway) */
     const int64_t groups = (panels + group - 1) / group;
@@ -227,7 +306,7 @@ void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, 
                 for (int64_t j = j0; j < j1; j++) {
                     const int64_t r0 = 32 * j;
                     const int ncols = n - r0 < 32 ? (int)(n - r0) : 32;
-                    decode_panel(decode, qk, bytes, w, nb, r0, ncols, k0, len, PANEL(j - j0));
+                    decode_panel(W, nb, r0, ncols, k0, len, PANEL(j - j0));
                 }
                 for (int64_t i = 0; i < m; i += 32)
                     for (int64_t j = j0; j < j1; j++) {
@@ -289,10 +368,8 @@ int amx_bf16_glu(const amx_matrix *gate, const amx_matrix *up, int64_t n, int64_
         for (int64_t g = 0; g < groups; g++) {
             const int64_t j0 = g * group, j1 = j0 + group < pairs ? j0 + group : pairs;
             for (int64_t j = j0; j < j1; j++) {
-                decode_panel(gate->decode, gate->qk, gate->bytes, gate->w, k / gate->qk, 32 * j,
-                             32, 0, k, PANEL(2 * (j - j0)));
-                decode_panel(up->decode, up->qk, up->bytes, up->w, k / up->qk, 32 * j, 32, 0, k,
-                             PANEL(2 * (j - j0) + 1));
+                decode_panel(gate, k / gate->qk, 32 * j, 32, 0, k, PANEL(2 * (j - j0)));
+                decode_panel(up, k / up->qk, 32 * j, 32, 0, k, PANEL(2 * (j - j0) + 1));
             }
             for (int64_t i = 0; i < m; i += 32) {
                 for (int64_t j = j0; j < j1; j++)
@@ -784,10 +861,9 @@ int tg_amx_bf16(void) { return 1; }
 
 #else
 
-void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
-                     int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy) {
-    (void)decode, (void)qk, (void)bytes, (void)w, (void)n, (void)k, (void)x, (void)m, (void)y,
-        (void)ldy;
+void amx_bf16_linear(const amx_matrix *W, int64_t n, int64_t k, const uint16_t *x, int64_t m,
+                     float *y, int64_t ldy) {
+    (void)W, (void)n, (void)k, (void)x, (void)m, (void)y, (void)ldy;
 }
 
 int tg_amx_dense(const uint16_t *w, int64_t n, int64_t k, const uint16_t *x, int64_t m,

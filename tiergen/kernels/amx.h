@@ -8,18 +8,20 @@
 /* Decodes one block (bytes) into its qk values. */
 typedef void (*block_decoder)(const uint8_t *block, float *out);
 
-/* y (m rows, row stride ldy) = x (m, k) bfloat16 @ W(n, k)^T, W's rows k / qk blocks of
- * `bytes` each; m a multiple of AMX_ROWS_STEP, k of 32. */
-void amx_bf16_linear(block_decoder decode, int qk, int bytes, const uint8_t *w, int64_t n,
-                     int64_t k, const uint16_t *x, int64_t m, float *y, int64_t ldy);
-
-/* One packed matrix as amx.c decodes it: its block decoder, values and bytes a block, and
- * its first row's bytes (rows k / qk blocks each). */
+/* One packed matrix as amx.c decodes it: its GGML type (the types of blocks.h's list amx.c
+ * decodes itself), the decoder of one of its blocks (for the others), values and bytes a
+ * block, and its first row's bytes (rows k / qk blocks each). */
 typedef struct {
+    int type;
     block_decoder decode;
     int qk, bytes;
     const uint8_t *w;
 } amx_matrix;
+
+/* y (m rows, row stride ldy) = x (m, k) bfloat16 @ W(n, k)^T; m a multiple of AMX_ROWS_STEP,
+ * k of 32. */
+void amx_bf16_linear(const amx_matrix *W, int64_t n, int64_t k, const uint16_t *x, int64_t m,
+                     float *y, int64_t ldy);
 
 /* h (m, n) bfloat16 = act(x @ G^T) * (x @ U^T) for x (m, k) bfloat16, as tg_glu makes it from
  * the two products that amx_bf16_linear makes (bit for bit), the products never written out;

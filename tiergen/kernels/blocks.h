@@ -243,6 +243,13 @@ static inline void un_mxfp4(const uint8_t *R b, int8_t *R q, float *R a, float *
     a[0] = e8m0_half(b[0]), c[0] = 0.0f;
 }
 
+/* Each type above as X(name, values a block, values a scale, bytes a block), decoded by
+ * un_<name>: packed.c's and amx.c's kernels are made from this list. */
+#define BLOCK_TYPES(X)                                                                        \
+    X(q4_0, 32, 32, 18) X(q4_1, 32, 32, 20) X(q5_0, 32, 32, 22) X(q5_1, 32, 32, 24)          \
+    X(q8_0, 32, 32, 34) X(q4_k, 256, 32, 144) X(q5_k, 256, 32, 176) X(q6_k, 256, 16, 210)    \
+    X(mxfp4, 32, 32, 17)
+
 /* The values and bytes of a block of each GGML type below (a constant where the type is). */
 static inline int block_values(int type) { return type == 12 || type == 13 || type == 14 ? 256 : 32; }
 static inline int block_bytes(int type) {

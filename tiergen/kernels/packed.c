@@ -171,23 +171,12 @@ micro(const int ROWS, const float *R w0, const float *R w1, const float *R x, in
         for (int64_t b = 0; b < nblocks; b++) NAME##_decode(w + b * BYTES, out + b * QK);     \
     }                                                                                         \
     static void NAME##_block(const uint8_t *w, float *out) { NAME##_decode(w, out); }         \
-    static void NAME##_amx(const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,         \
-                           int64_t m, float *y, int64_t ldy) {                                \
-        amx_bf16_linear(NAME##_block, QK, BYTES, w, n, k, x, m, y, ldy);                      \
-    }                                                                                         \
-    static void NAME##_matrix(const uint8_t *w, amx_matrix *out) {                            \
-        *out = (amx_matrix){NAME##_block, QK, BYTES, w};                                      \
+    static void NAME##_matrix(const uint8_t *w, int type, amx_matrix *out) {                  \
+        *out = (amx_matrix){type, NAME##_block, QK, BYTES, w};                                \
     }
 
-KERNELS(mm_q4_0, 32, 32, 18, un_q4_0)
-KERNELS(mm_q4_1, 32, 32, 20, un_q4_1)
-KERNELS(mm_q5_0, 32, 32, 22, un_q5_0)
-KERNELS(mm_q5_1, 32, 32, 24, un_q5_1)
-KERNELS(mm_q8_0, 32, 32, 34, un_q8_0)
-KERNELS(mm_q4_k, 256, 32, 144, un_q4_k)
-KERNELS(mm_q5_k, 256, 32, 176, un_q5_k)
-KERNELS(mm_q6_k, 256, 16, 210, un_q6_k)
-KERNELS(mm_mxfp4, 32, 32, 17, un_mxfp4)
+#define MM_KERNELS(name, QK, L, BYTES) KERNELS(mm_##name, QK, L, BYTES, un_##name)
+BLOCK_TYPES(MM_KERNELS)
 
 /* ---- FP8 (DeepSeek-V3's and Kimi K2's checkpoints): tiergen's own block of 128 e4m3 values
  * after a float32 scale (the checkpoint's block scale, repeated on each row of its block).
@@ -286,23 +275,21 @@ int tg_dequant(int type, const uint8_t *w, int64_t nblocks, float *out) {
 
 /* y (m rows, row stride ldy) = x (m, k) bfloat16 @ W(n, k)^T on AMX tiles (amx.c); m a
  * multiple of 32. -1: no AMX in this build (tg_amx_bf16) or a type it does not take. */
-int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,
-                  int64_t m, float *y, int64_t ldy) {
-    if (!tg_amx_bf16() || m % AMX_ROWS_STEP || k % 32) return -1;
-    if (type == FP8) {
-        mm_fp8_amx(w, n, k, x, m, y, ldy);
-        return 0;
-    }
-    DISPATCH(mm, type, _amx, (w, n, k, x, m, y, ldy))
-}
-
 /* A matrix of a type amx.c decodes, as it takes it; -1 for another type. */
 static int amx_matrix_of(int type, const uint8_t *w, amx_matrix *out) {
     if (type == FP8) {
-        mm_fp8_matrix(w, out);
+        mm_fp8_matrix(w, type, out);
         return 0;
     }
-    DISPATCH(mm, type, _matrix, (w, out))
+    DISPATCH(mm, type, _matrix, (w, type, out))
+}
+
+int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,
+                  int64_t m, float *y, int64_t ldy) {
+    amx_matrix W;
+    if (!tg_amx_bf16() || m % AMX_ROWS_STEP || k % 32 || amx_matrix_of(type, w, &W)) return -1;
+    amx_bf16_linear(&W, n, k, x, m, y, ldy);
+    return 0;
 }
 
 /* h (m, n) bfloat16 = act(x @ G^T) * (x @ U^T): tg_amx_linear's two products and tg_glu's
