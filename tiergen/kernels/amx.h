@@ -1,5 +1,5 @@
-/* Intel AMX bfloat16 tiles (amx.c), for packed.c's products: the engine that multiplies,
- * given the decoder of one block of a GGML type. */
+/* Intel AMX bfloat16 tiles (amx.c), for packed.c's products: the engine that multiplies a
+ * packed matrix (amx_matrix). */
 #ifndef TG_AMX_H
 #define TG_AMX_H
 

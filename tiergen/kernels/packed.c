@@ -273,8 +273,6 @@ int tg_dequant(int type, const uint8_t *w, int64_t nblocks, float *out) {
     DISPATCH(mm, type, _dequant, (w, nblocks, out))
 }
 
-/* y (m rows, row stride ldy) = x (m, k) bfloat16 @ W(n, k)^T on AMX tiles (amx.c); m a
- * multiple of 32. -1: no AMX in this build (tg_amx_bf16) or a type it does not take. */
 /* A matrix of a type amx.c decodes, as it takes it; -1 for another type. */
 static int amx_matrix_of(int type, const uint8_t *w, amx_matrix *out) {
     if (type == FP8) {
@@ -284,6 +282,8 @@ static int amx_matrix_of(int type, const uint8_t *w, amx_matrix *out) {
     DISPATCH(mm, type, _matrix, (w, type, out))
 }
 
+/* y (m rows, row stride ldy) = x (m, k) bfloat16 @ W(n, k)^T on AMX tiles (amx.c); m a
+ * multiple of 32. -1: no AMX in this build (tg_amx_bf16) or a type it does not take. */
 int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,
                   int64_t m, float *y, int64_t ldy) {
     amx_matrix W;
