@@ -52,7 +52,9 @@ def test_a_rows_prompt_steps_take_the_tiles_by_its_whole_prompt(llm):
         assert MicroBatchState(ex, sequences(llm, [200]), 64).work().amx_rows() is None
 
 
-def test_a_shared_prefix_is_computed_for_prompts_of_one_kind(llm):
+def test_a_shared_prefix_is_computed_for_prompts_of_one_kind(llm, monkeypatch):
+    # the threshold above the shortest prompts that share a prefix, so that both kinds do
+    monkeypatch.setattr(kernels, "AMX_PROMPT", MIN_SHARED_PREFIX + 40)
     ex, prefix = llm.runner.executor, list(range(200, 200 + MIN_SHARED_PREFIX + 8))
     long, short = kernels.AMX_PROMPT + 20, MIN_SHARED_PREFIX + 20
     assert shared_length(ex, sequences(llm, [short, short + 3], prefix)) == len(prefix)

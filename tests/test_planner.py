@@ -175,7 +175,7 @@ def test_faster_matmuls_predict_less_time():
     assert total_seconds(faster, policy) < total_seconds(CPU, policy)
 
 
-@pytest.mark.parametrize("prompt_len,faster", [(512, True), (64, False)])
+@pytest.mark.parametrize("prompt_len,faster", [(512, True), (AMX_PROMPT // 2, False)])
 def test_a_long_prompts_packed_products_take_the_rates_measured_on_amx(prompt_len, faster):
     """Where calibration timed packed products on AMX tiles (packed-amx-), a prompt of
     AMX_PROMPT tokens or more is predicted at those rates; shorter prompts and the decode
@@ -193,7 +193,7 @@ def test_a_long_prompts_packed_products_take_the_rates_measured_on_amx(prompt_le
     assert with_amx.decode_seconds == without.decode_seconds
 
 
-@pytest.mark.parametrize("prompt_len", [512, 64])
+@pytest.mark.parametrize("prompt_len", [512, AMX_PROMPT // 2])
 def test_a_prompts_attention_takes_the_rate_calibration_measured(prompt_len):
     """A prompt step's attention FLOPs run at the rate measured for a prompt's attention (a
     long prompt's on the integer path: on AMX tiles, "amx-"), not at the GEMM rate; decode

@@ -73,8 +73,11 @@ ACTIVATION_FORMATS = {"int8": (8, False), "int16": (16, True)}
 # multiplied there; the decoding is paid once for the chunk's rows. Decided per row by the
 # length of its whole prompt (amx_prompt), not by a step's rows or tokens, so that a row rounds
 # alike alone and beside any others, in whatever chunks its prompt goes in; shorter prompts
-# and every decode step take the integer kernels.
-AMX_PROMPT = 128
+# and every decode step take the integer kernels. At 32 a prompt alone is as fast either way
+# (a product of 32 rows takes as long on the tiles as in the integer kernels), from there
+# on faster on the tiles, and a batch of 32 prompts of 32-96 tokens 2.2-2.7x faster (2-core
+# AMX Xeon; docs/BENCHMARKS.md, "Intel AMX").
+AMX_PROMPT = 32
 ACTIVATIONS = ("float32", *ACTIVATION_FORMATS)
 # A bfloat16 matrix as stored (a bfloat16 checkpoint's) multiplies up to this many rows on AMX
 # tiles by amx.c (dense_bfloat16_linear), more by torch (oneDNN, which reorders the matrix for

@@ -27,7 +27,7 @@ GEMV = (2048, 8192)  # (K, N): (1, K) @ (K, N)
 GEMV_BYTES = 256 * 2**20  # weights cycled per gemv run: more than any L2/L3, so it hits RAM
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 256)  # rows of the (rows, K) @ (K, N) products timed
 LINEAR_BYTES = 64 * 2**20  # weights cycled at the few-row counts (those read weights)
-AMX_ROWS = (128, 256, 512)  # prompt rows timed on AMX tiles, where a long prompt's go
+AMX_ROWS = (32, 128, 256, 512)  # prompt rows timed on AMX tiles, where a long prompt's go
 
 
 def matmul_dtypes(dev: torch.device) -> list[torch.dtype]:
