@@ -6,6 +6,10 @@ oneDNN reads its ceiling once.
     python benchmarks/bench_amx.py --attention   # a prompt's attention: amx.c, torch
     python benchmarks/bench_amx.py --attention-against HEAD~1   # this tree's amx.c against
                                                  # a revision's, built side by side
+    python benchmarks/bench_amx.py --packed-against HEAD~1   # amx.c's packed product: this
+                                                 # tree's against a revision's
+    python benchmarks/bench_amx.py --amx-prompt-against 128  # prompts of 16-96 tokens with
+                                                 # kernels.AMX_PROMPT and with 128
     python benchmarks/bench_amx.py --prompt      # one 4,096-token prompt: tiergen's tiles,
                                                  # oneDNN's, none
     python benchmarks/bench_amx.py --kld         # KL divergence from the float path, off and on
@@ -163,6 +167,79 @@ def attention_against(rev: str, turns: int = 25) -> None:
                   f"{min(times['tree']) * 1e3:.2f} ms, {rev} {min(times[rev]) * 1e3:.2f} ms "
                   f"(best of {turns}); tree {ratio:.3f}x (median of the turns' ratios); "
                   f"same bits: {torch.equal(outs['tree'], outs[rev])}")
+
+
+def packed_against(rev: str, turns: int = 9) -> None:
+    """tg_amx_linear (a packed matrix decoded into panels, multiplied on the tiles) of this
+    tree against that of git revision ``rev`` (all its C sources), both built and called in
+    alternation: the best of each, the median of the turns' ratios, and whether both give the
+    same bits. SmolLM2's Q4_1 gate and up and down, Q4_K and Q6_K ones of a 1,024-wide model,
+    a Q8_0 matrix; 32 rows (a short prompt, an expert's few tokens), 128 and 1,024 (a long prompt's
+    chunk). Sixteen copies of each matrix, taken in turn, so that its blocks come from memory."""
+    import tempfile
+
+    import torch
+
+    from bench_int8 import builds, in_turns, random_packed
+    from tiergen import kernels
+
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = builds(rev, Path(tmp))
+        for lib in libs.values():
+            kernels.bind(lib)
+        for name, n, k in (("Q4_1", 3072, 576), ("Q4_1", 576, 1536), ("Q4_K", 2048, 1024),
+                           ("Q6_K", 1024, 2048), ("Q8_0", 3072, 576)):
+            ws = [random_packed(getattr(GGMLType, name), n, k) for _ in range(16)]
+            for m in (32, 128, 1024):
+                x = torch.randn(m, k)
+                outs = {}
+                for key, lib in libs.items():
+                    kernels._lib = lib
+                    outs[key] = kernels.amx_linear(x, ws[0])
+                kernels._lib = libs["this tree"]
+
+                def run() -> float:
+                    start = time.perf_counter()
+                    for w in ws:
+                        kernels.amx_linear(x, w)
+                    return (time.perf_counter() - start) / len(ws) * 1e3
+
+                best, ratio = in_turns(libs, run, turns if m < 1024 else 5, rev)
+                print(f"{name} {n} x {k}, {m} rows: tree {best['this tree']:.3f} ms, {rev} "
+                      f"{best[rev]:.3f} ms; tree {ratio:.2f}x (median of the turns' ratios); "
+                      f"same bits: {torch.equal(outs['this tree'], outs[rev])}", flush=True)
+
+
+def prompt_threshold(against: int, turns: int = 7) -> None:
+    """Prompts of 16-96 tokens, one and a batch of 32 (SmolLM2, one new token), with this
+    tree's kernels.AMX_PROMPT and with ``against`` in its place, in turns in one process: the
+    best of each and the median of the turns' ratios."""
+    import statistics
+
+    import torch
+
+    from tiergen import LLM, SamplingParams, kernels
+
+    llm = LLM("smollm2")
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ours, gen = kernels.AMX_PROMPT, torch.Generator().manual_seed(0)
+    for batch, length in ((1, 16), (1, 32), (1, 64), (1, 96), (32, 16), (32, 32), (32, 64),
+                          (32, 96)):
+        ids = torch.randint(100, 40000, (batch, length), generator=gen).tolist()
+        best, ratios = {ours: 1e9, against: 1e9}, []
+        for turn in range(turns):
+            took = {}
+            for threshold in (ours, against) if turn % 2 else (against, ours):
+                kernels.AMX_PROMPT = threshold
+                start = time.perf_counter()
+                llm.generate(ids, params)
+                took[threshold] = time.perf_counter() - start
+                best[threshold] = min(best[threshold], took[threshold])
+            ratios.append(took[against] / took[ours])
+        kernels.AMX_PROMPT = ours
+        print(f"{batch} x {length} tokens: AMX_PROMPT {ours} {best[ours] * 1e3:.1f} ms, "
+              f"{against} {best[against] * 1e3:.1f} ms; {ours} {statistics.median(ratios):.2f}x "
+              f"(median of the turns' ratios)", flush=True)
 
 
 def report(name: str, best: dict, cases: tuple[str, ...]) -> None:
@@ -427,7 +504,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--attention", action="store_true")
     ap.add_argument("--attention-against", metavar="REV")
+    ap.add_argument("--packed-against", metavar="REV")
     ap.add_argument("--prompt", action="store_true")
+    ap.add_argument("--amx-prompt-against", type=int, metavar="TOKENS")
     ap.add_argument("--kld", action="store_true")
     ap.add_argument("--packed", action="store_true")
     ap.add_argument("--experts", action="store_true")
@@ -452,6 +531,10 @@ def main() -> None:
         return attention()
     if args.attention_against:
         return attention_against(args.attention_against)
+    if args.packed_against:
+        return packed_against(args.packed_against)
+    if args.amx_prompt_against:
+        return prompt_threshold(args.amx_prompt_against)
     if args.prompt:  # each in a fresh process
         for mode in ("on", "onednn", "off"):
             subprocess.run([sys.executable, __file__, "--child-prompt", mode], check=True)

@@ -287,7 +287,8 @@ static int amx_matrix_of(int type, const uint8_t *w, amx_matrix *out) {
 int tg_amx_linear(int type, const uint8_t *w, int64_t n, int64_t k, const uint16_t *x,
                   int64_t m, float *y, int64_t ldy) {
     amx_matrix W;
-    if (!tg_amx_bf16() || m % AMX_ROWS_STEP || k % 32 || amx_matrix_of(type, w, &W)) return -1;
+    if (!tg_amx_bf16() || m % AMX_ROWS_STEP || k % 32 || amx_matrix_of(type, w, &W) || k % W.qk)
+        return -1;
     amx_bf16_linear(&W, n, k, x, m, y, ldy);
     return 0;
 }
