@@ -287,7 +287,7 @@ void amx_bf16_linear(const amx_matrix *W, int64_t n, int64_t k, const uint16_t *
     step = (step + qk - 1) / qk * qk;
     /* each thread's group: panels of step / 32 steps (64 bytes a value pair row) each */
     const int64_t threads = omp_get_max_threads(), size = step * 64;
-    int64_t group = m > 32 ? panel_group(panels, size) : 1;
+    int64_t group = panel_group(panels, size);
     char *groups_at = group > 1 ? aligned_alloc(64, threads * group * size) : NULL;
     if (groups_at == NULL) group = 1; /* (then the one panel each thread keeps anyway) */
     const int64_t groups = (panels + group - 1) / group;
