@@ -19,7 +19,7 @@ typedef struct {
 } amx_matrix;
 
 /* y (m rows, row stride ldy) = x (m, k) bfloat16 @ W(n, k)^T; m a multiple of AMX_ROWS_STEP,
- * k of 32. */
+ * k of 32 and of W's blocks. */
 void amx_bf16_linear(const amx_matrix *W, int64_t n, int64_t k, const uint16_t *x, int64_t m,
                      float *y, int64_t ldy);
 
