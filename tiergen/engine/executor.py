@@ -179,7 +179,6 @@ class Executor:
                  here: Resolved) -> None:
         device, dtype, activations = here.device, here.dtype, here.activations
         self.model = model
-        self.activations = activations  # how packed products treat their inputs
         self.batch_invariant = here.batch_invariant  # (kernels.set_activations)
         self.cfg = model.cfg
         self.dtype = dtype
@@ -192,6 +191,10 @@ class Executor:
             t in INTEGER_TYPES for layer in self.weight_plan.blocks
             for parts in layer.values() for t, _ in parts)
         self.kv_dtype = cache_dtype(model.cfg, dtype, device.type, integer)
+        # how packed products treat their inputs; int8 only where the int8 kernels take some,
+        # since it also moves a long prompt's attention to AMX tiles in bfloat16 (the integer
+        # path's arithmetic): a float model keeps the float path's
+        self.activations = "float32" if activations == "int8" and not integer else activations
         self.budgets.check(self.weight_plan.needs(), "the model's weights under this policy", {
             "device": "put a smaller share of weights on the device (--percent) or raise "
                       "--device-memory",
@@ -318,7 +321,9 @@ class Executor:
             for f in stored:
                 if f is not None:
                     f.result()
-            last = slice(None) if all_positions else -1
+            # the last position as a step of one token (not a 2-D row), so that a prompt's
+            # rows on AMX tiles take their logits there too, as their position logits do
+            last = slice(None) if all_positions else slice(-1, None)
             if isinstance(model, Stage) and not model.last:
                 logits = [acts.take(k) for k in range(len(block))]
             else:
@@ -328,7 +333,8 @@ class Executor:
                     with rows_on_amx(amx[k]):
                         if mb.positions is not None:
                             self._position_logits(h, mb.positions)
-                        logits.append(self._head(h[:, last]))
+                        out = self._head(h[:, last])
+                        logits.append(out if all_positions else out[:, 0])
             seconds = clock() - started
             is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
