@@ -8,7 +8,8 @@ oneDNN reads its ceiling once.
                                                  # a revision's, built side by side
     python benchmarks/bench_amx.py --packed-against HEAD~1   # amx.c's packed product: this
                                                  # tree's against a revision's
-    python benchmarks/bench_amx.py --amx-prompt-against 128  # prompts of 16-96 tokens with
+    python benchmarks/bench_amx.py --amx-prompt-against 128 [--model gemma3-270m]
+                                                 # prompts of 16-96 tokens with
                                                  # kernels.AMX_PROMPT and with 128
     python benchmarks/bench_amx.py --prompt      # one 4,096-token prompt: tiergen's tiles,
                                                  # oneDNN's, none
@@ -210,8 +211,8 @@ def packed_against(rev: str, turns: int = 9) -> None:
                       f"same bits: {torch.equal(outs['this tree'], outs[rev])}", flush=True)
 
 
-def prompt_threshold(against: int, turns: int = 7) -> None:
-    """Prompts of 16-96 tokens, one and a batch of 32 (SmolLM2, one new token), with this
+def prompt_threshold(against: int, model: str, turns: int = 7) -> None:
+    """Prompts of 16-96 tokens, one and a batch of 32 (``model``, one new token), with this
     tree's kernels.AMX_PROMPT and with ``against`` in its place, in turns in one process: the
     best of each and the median of the turns' ratios."""
     import statistics
@@ -220,7 +221,7 @@ def prompt_threshold(against: int, turns: int = 7) -> None:
 
     from tiergen import LLM, SamplingParams, kernels
 
-    llm = LLM("smollm2")
+    llm = LLM(model)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     ours, gen = kernels.AMX_PROMPT, torch.Generator().manual_seed(0)
     for batch, length in ((1, 16), (1, 32), (1, 64), (1, 96), (32, 16), (32, 32), (32, 64),
@@ -507,6 +508,7 @@ def main() -> None:
     ap.add_argument("--packed-against", metavar="REV")
     ap.add_argument("--prompt", action="store_true")
     ap.add_argument("--amx-prompt-against", type=int, metavar="TOKENS")
+    ap.add_argument("--model", default="smollm2", help="with --amx-prompt-against")
     ap.add_argument("--kld", action="store_true")
     ap.add_argument("--packed", action="store_true")
     ap.add_argument("--experts", action="store_true")
@@ -534,7 +536,7 @@ def main() -> None:
     if args.packed_against:
         return packed_against(args.packed_against)
     if args.amx_prompt_against:
-        return prompt_threshold(args.amx_prompt_against)
+        return prompt_threshold(args.amx_prompt_against, args.model)
     if args.prompt:  # each in a fresh process
         for mode in ("on", "onednn", "off"):
             subprocess.run([sys.executable, __file__, "--child-prompt", mode], check=True)

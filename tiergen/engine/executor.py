@@ -321,9 +321,7 @@ class Executor:
             for f in stored:
                 if f is not None:
                     f.result()
-            # the last position as a step of one token (not a 2-D row), so that a prompt's
-            # rows on AMX tiles take their logits there too, as their position logits do
-            last = slice(None) if all_positions else slice(-1, None)
+            last = slice(None) if all_positions else -1
             if isinstance(model, Stage) and not model.last:
                 logits = [acts.take(k) for k in range(len(block))]
             else:
@@ -333,8 +331,9 @@ class Executor:
                     with rows_on_amx(amx[k]):
                         if mb.positions is not None:
                             self._position_logits(h, mb.positions)
-                        out = self._head(h[:, last])
-                        logits.append(out if all_positions else out[:, 0])
+                        logits.append(self._head(h[:, last]))
+                    if mb.positions is not None and amx[k] is not None and not all_positions:
+                        self._last_on_amx(h, logits[-1], mb.positions.rows, amx[k])
             seconds = clock() - started
             is_prompt = [mb.is_prompt for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
@@ -355,6 +354,18 @@ class Executor:
         step = max(1, POSITION_LOGITS_BYTES // (4 * rows.shape[0] * self.cfg.vocab_size))
         for at in range(0, rows.shape[1], step):
             want.take(self._head(rows[:, at:at + step]), at)
+
+    def _last_on_amx(self, hidden: torch.Tensor, logits: torch.Tensor, wanting: torch.Tensor,
+                     amx: torch.Tensor) -> None:
+        """The last logits of the rows that want position logits and run on AMX tiles, taken
+        there as their position logits are (a 2-D row takes the integer kernels): a shared
+        prefix's last logits score the next prompt token of the rows sharing it, and must be
+        what those rows' own position logits would be. Other rows keep the integer kernels'
+        last logits, cheaper for a prompt alone (the head decoded onto the tiles for a row)."""
+        rows = wanting[amx[wanting.to(amx.device)].to(wanting.device)].to(hidden.device)
+        if len(rows):
+            with rows_on_amx(torch.ones(len(rows), dtype=torch.bool)):
+                logits[rows] = self._head(hidden[rows][:, -1:])[:, 0]
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Float logits of some positions' hidden states, made contiguous first: a slice of
