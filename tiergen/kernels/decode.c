@@ -224,6 +224,11 @@ static inline float dot_kv(const int KV, const float *restrict a, const void *b,
     return t;
 }
 
+/* Ask for the cache lines of `bytes` bytes at base + at (a K or V row, read soon). */
+static inline void prefetch_row(const void *base, int64_t at, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)base + at + i);
+}
+
 /* One query token per row: out[b, h] = softmax_s(scale * q[b, h] . k[b, g, s]) v[b, g, s]
  * over the slots s < S that mask[b, s] allows (every slot when mask is NULL), where the query
  * heads h of a group share the K/V head g = h / (H / KVH). q (B, H, D) and out (B, H, Dv) are
@@ -254,6 +259,8 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
         const float *qg = q + (b * H + g * G) * D;
         float *og = out + (b * H + g * G) * Dv;
         const uint8_t *mb = mask ? mask + b * S : NULL;
+        const int64_t next = task + 1, size = KV == KV_F32 ? 4 : 2;
+        const int64_t next_k = next / KVH * ks[0] + next % KVH * ks[1];
         int64_t o = 0;  /* the row's first allowed slot: p[j * SP + i] is slot o + i's */
         while (mb && o < S && !mb[o]) o++;
         const int64_t SP = (S - o + VW - 1) / VW * VW;
@@ -325,7 +332,11 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
                 vf acc[3][4] = {{{0}}};
                 for (int64_t s = o; s < S; s++) {
                     for (int u = 0; u < 4 * VW; u += 16)
-                        __builtin_prefetch((const char *)v + (vb + (s + 8) * vs[2] + c + u) * (KV == KV_F32 ? 4 : 2));
+                        __builtin_prefetch((const char *)v + (vb + (s + 8) * vs[2] + c + u) * size);
+                    /* the next task's K rows as this one's V rows go by: a batch's cache
+                     * lies past L2, and the hardware's prefetchers start late on a new row */
+                    if (c == 0 && j0 == 0 && next < B * KVH)
+                        prefetch_row(k, (next_k + s * ks[2]) * size, D * size);
                     if (mb && !mb[s]) continue;
                     const int64_t vr = vb + s * vs[2] + c;
                     const vf x0 = load_kv(KV, v, vr), x1 = load_kv(KV, v, vr + VW),
