@@ -1,9 +1,11 @@
 """One new token's attention over a cache: tiergen's C kernel (kernels.decode_attention)
 against the torch path it replaces (layers.attention with the library disabled), for
 SmolLM2's and Gemma 3's head shapes; a quarter of the slots masked out. --against REV times
-this tree's kernel against a git revision's instead, taking turns.
+this tree's kernel against a git revision's instead, taking turns; with --layers N too, on a
+float16 cache (the integer path's) of N layers, each call through all of them as a decode step
+goes, so that the cache lies past L2 as a batch's does.
 
-    python benchmarks/bench_decode_attention.py [--against HEAD~1]
+    python benchmarks/bench_decode_attention.py [--against HEAD~1 [--layers 30]]
 """
 
 from __future__ import annotations
@@ -88,13 +90,43 @@ def against(rev: str) -> None:
         kernels.bind(libs["this tree"])
 
 
+def against_layers(rev: str, layers: int) -> None:
+    """This tree's kernel against ``rev``'s over a float16 cache of ``layers`` layers (a
+    quarter of the slots masked out), in turns: each one's best time a step, and the median
+    of the turns' ratios."""
+    print(f"| shape | batch | slots | {rev} ms a step | this tree ms a step | speed-up |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = builds(rev, Path(tmp))
+        kernels.bind(libs[rev])
+        for name, B, H, KVH, S, D in SHAPES:
+            q, _, _, mask = inputs(B, H, KVH, S, D)
+            caches = [torch.randn(2, B, KVH, S, D).half() for _ in range(layers)]
+            steps = 3 if B > 1 else 30
+
+            def step_ms() -> float:
+                t = time.perf_counter()
+                for _ in range(steps):
+                    for kv in caches:
+                        kernels.decode_attention(q, kv[0], kv[1], mask)
+                return (time.perf_counter() - t) / steps * 1e3
+
+            best, ratio = in_turns(libs, step_ms, 15, rev)
+            print(f"| {name} | {B} | {S} | {best[rev]:.2f} | {best['this tree']:.2f} | "
+                  f"{ratio:.2f}x |", flush=True)
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", metavar="REV", help="a git revision to time against")
+    ap.add_argument("--layers", type=int, help="with --against: a float16 cache of this many "
+                    "layers, each timed call through all of them")
     args = ap.parse_args()
     cpu = cpu_description()
     print(f"{cpu['cpu']} ({' '.join(cpu['simd'])}), {torch.get_num_threads()} threads\n")
+    if args.against and args.layers:
+        return against_layers(args.against, args.layers)
     if args.against:
         return against(args.against)
     print("| shape | batch | slots | C kernel ms | torch ms | speed-up |")
