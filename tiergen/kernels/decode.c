@@ -224,6 +224,10 @@ static inline float dot_kv(const int KV, const float *restrict a, const void *b,
     return t;
 }
 
+/* Heads whose sums of V rows run together: their 4 x VHEADS accumulators and a row's 4
+ * vectors fill most of the vector registers (32 with AVX-512, 16 below it). */
+#define VHEADS (VW == 16 ? 4 : 3)
+
 /* Ask for the cache lines of `bytes` bytes at base + at (a K or V row, read soon). */
 static inline void prefetch_row(const void *base, int64_t at, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)base + at + i);
@@ -323,13 +327,13 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
             }
             total[j] = lanes_sum(sum);
         }
-        /* out = sum_s p[s] v[s] / total, in registers: 4 VW outputs of up to 3 heads at a
-         * time, so that a V row is read once per 3 heads */
-        for (int64_t j0 = 0; j0 < G; j0 += 3) {
-            const int64_t n = G - j0 < 3 ? G - j0 : 3;
+        /* out = sum_s p[s] v[s] / total, in registers: 4 VW outputs of up to VHEADS heads at
+         * a time, so that a V row is read once per VHEADS heads */
+        for (int64_t j0 = 0; j0 < G; j0 += VHEADS) {
+            const int64_t n = G - j0 < VHEADS ? G - j0 : VHEADS;
             int64_t c = 0;
             for (; c + 4 * VW <= Dv; c += 4 * VW) {
-                vf acc[3][4] = {{{0}}};
+                vf acc[VHEADS][4] = {{{0}}};
                 for (int64_t s = o; s < S; s++) {
                     for (int u = 0; u < 4 * VW; u += 16)
                         __builtin_prefetch((const char *)v + (vb + (s + 8) * vs[2] + c + u) * size);
