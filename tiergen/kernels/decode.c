@@ -334,13 +334,12 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
             int64_t c = 0;
             for (; c + 4 * VW <= Dv; c += 4 * VW) {
                 vf acc[VHEADS][4] = {{{0}}};
+                /* the next task's K rows as this one's V rows go by (once): a batch's cache
+                 * lies past L2, and the hardware's prefetchers start late on a new row */
+                const int ahead = c == 0 && j0 == 0 && next < B * KVH;
                 for (int64_t s = o; s < S; s++) {
-                    for (int u = 0; u < 4 * VW; u += 16)
-                        __builtin_prefetch((const char *)v + (vb + (s + 8) * vs[2] + c + u) * size);
-                    /* the next task's K rows as this one's V rows go by: a batch's cache
-                     * lies past L2, and the hardware's prefetchers start late on a new row */
-                    if (c == 0 && j0 == 0 && next < B * KVH)
-                        prefetch_row(k, (next_k + s * ks[2]) * size, D * size);
+                    prefetch_row(v, (vb + (s + 8) * vs[2] + c) * size, 4 * VW * size);
+                    if (ahead) prefetch_row(k, (next_k + s * ks[2]) * size, D * size);
                     if (mb && !mb[s]) continue;
                     const int64_t vr = vb + s * vs[2] + c;
                     const vf x0 = load_kv(KV, v, vr), x1 = load_kv(KV, v, vr + VW),
