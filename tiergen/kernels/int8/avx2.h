@@ -234,61 +234,255 @@ tile_rows(TILE_ROWS_PARAMS) {
 
 #define ROW1_BLOCKS 1024  /* rows of up to this many blocks (32,768 values) */
 
-#if !ROW2
-/* One activation row (8 bits) against weight rows of Q4_0 or Q4_1 blocks, each block's
- * nibbles spread into a register rather than decoded to a copy. Q4_0's offset of -8 enters
- * each lane's integer sum from the start (nn: -8 times the lane's four activations, made once
- * per product), so it costs no instruction per block; Q4_1's minimum multiplies the
- * activations' per-block sums (xb), likewise made once per product. */
-static inline __attribute__((always_inline)) float
-row1_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict wr, int64_t nb,
-        const int8_t *restrict xq, const float *restrict xs4, const int32_t *restrict nn,
-        const float *restrict xb) {
-    const int at = TYPE == 2 ? 2 : 4;
-    const __m128i low = _mm_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = wr + b * BYTES;
-        PREFETCH(p);
-        const __m128i v = _mm_loadu_si128((const __m128i *)(p + at));
-        const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
-                                                  _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
-        const __m256i d = dot4(TYPE == 2 ? load32(nn + 8 * b) : _mm256_setzero_si256(), w,
-                               load32(xq + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
-                              _mm256_mul_ps(_mm256_set1_ps(half(p)), _mm256_loadu_ps(xs4 + 8 * b)), acc);
-        if (TYPE == 3) mins += half(p + 2) * xb[b];
-    }
-    return hsum8(acc) + mins;
+/* k_scales' eight scales and offsets of a Q4_K or Q5_K block as vectors, from the 12 bytes as
+ * three 32-bit words: no stores for a vector load to wait on. */
+static inline void k_scales8(const uint8_t *b, __m256 *a, __m256 *c) {
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    const uint64_t sc = (uint64_t)(u[0] & m6) | (uint64_t)((u[2] & m4) | (((u[0] >> 6) & m2) << 4)) << 32,
+                   mn = (uint64_t)(u[1] & m6) | (uint64_t)(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)) << 32;
+    *a = _mm256_mul_ps(_mm256_set1_ps(half(b)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
+    *c = _mm256_mul_ps(_mm256_set1_ps(-half(b + 2)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
 }
 
-#define ROW1(NAME, TYPE, BYTES)                                                               \
-    static void NAME##_few1(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,         \
-                            const float *xs4, const float *xsum, float *y) {                  \
-        const int64_t nb = k / 32;                                                            \
-        float xb[TYPE == 3 ? ROW1_BLOCKS : 1];                                                \
-        int32_t nn[TYPE == 2 ? ROW1_BLOCKS * 8 : 1];                                          \
-        if (TYPE == 2) lane_offsets(xq, k / 4, -8, nn);                                       \
-        for (int64_t b = 0; b < nb && TYPE == 3; b++) xb[b] = xsum[2 * b] + xsum[2 * b + 1]; \
-        _Pragma("omp parallel for schedule(static)")                                          \
-        for (int64_t r = 0; r < n; r++)                                                       \
-            y[r] = row1_q4(TYPE, BYTES, w + r * nb * BYTES, nb, xq, xs4, nn, xb);             \
+#if !ROW2
+#define RIR 2  /* up to this many activation rows: the kernels in registers (more: the tiles) */
+
+/* 0xFF in byte j where bit j of h is set. */
+static inline __m256i bit_bytes(uint32_t h) {
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303),
+                  bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)h), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+/* NR activation rows (8 bits) against one weight row of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or
+ * MXFP4 blocks, each block's values taken into a register rather than decoded to a copy:
+ * the nibbles of its 16 bytes spread over the two halves of a vector (values 0-15, then
+ * 16-31, the order of the activations in memory), Q5's fifth bits joined to them, MXFP4's
+ * values looked up (plus 12), Q8_0's bytes as they lie (signed, through abs and sign). The
+ * offset of Q4_0 (-8), Q5_0 (-16) and MXFP4 (-12) enters each lane's integer sum from the
+ * start (nn: by times the lane's four activations, made once per product); the minimums of
+ * Q4_1 and Q5_1 multiply each lane's scaled sum (xm). A row's arithmetic does not depend on
+ * NR. */
+static inline __attribute__((always_inline)) void
+rows_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w, int64_t nb,
+        const int8_t *restrict xq, const float *restrict xs4, const int32_t *restrict nn,
+        const float *restrict xm, const int NR, int64_t k, float *restrict y, int64_t ldy) {
+    /* where the values start; Q5's high bits lie just before them */
+    const int at = TYPE == 39 ? 1 : TYPE == 2 || TYPE == 8 ? 2 : TYPE == 3 ? 4 : TYPE == 6 ? 6 : 8,
+              five = TYPE == 6 || TYPE == 7, mx = TYPE == 39, q8 = TYPE == 8,
+              offset = TYPE == 2 || TYPE == 6 || mx, minimum = TYPE == 3 || TYPE == 7;
+    const __m128i low = _mm_set1_epi8(15);
+    const __m256i bit4 = _mm256_set1_epi8(16),
+                  table = _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
+                                                                    12, 11, 10, 9, 8, 6, 4, 0));
+    __m256 acc[RIR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * BYTES;
+        PREFETCH(p);
+        __m256i q;
+        if (q8) {
+            q = load32(p + at);
+        } else {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(p + at));
+            q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
+                                        _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
+        }
+        if (five) {
+            uint32_t h;
+            memcpy(&h, p + at - 4, 4);
+            q = _mm256_or_si256(q, _mm256_and_si256(bit_bytes(h), bit4));
+        }
+        if (mx) q = _mm256_shuffle_epi8(table, q);
+        const __m256i qa = q8 ? _mm256_abs_epi8(q) : q;
+        const __m256 sc = _mm256_set1_ps(mx ? e8m0_half(p[0]) : half(p));
+        const __m256 mn = _mm256_set1_ps(minimum ? half(p + 2) : 0.0f);
+        for (int r = 0; r < NR; r++) {
+            __m256i x = load32(xq + r * k + 32 * b);
+            if (q8) x = _mm256_sign_epi8(x, q);
+            const __m256i d = dot4(offset ? load32(nn + r * (k / 4) + 8 * b) : _mm256_setzero_si256(),
+                                   qa, x);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                                     _mm256_mul_ps(sc, _mm256_loadu_ps(xs4 + r * (k / 4) + 8 * b)), acc[r]);
+            if (minimum) acc[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xm + r * (k / 4) + 8 * b), acc[r]);
+        }
     }
-ROW1(im_q4_0, 2, 18)
-ROW1(im_q4_1, 3, 20)
+    for (int r = 0; r < NR; r++) y[r * ldy] = hsum8(acc[r]);
+}
+
+/* NR activation rows against one weight row of Q4_K blocks (or Q5_K: FIVE), as rows_q4: a
+ * quarter's 32 bytes hold its first sub-block of 32 values in their low nibbles and its
+ * second in their high ones, each a vector in the activations' order. Q5_K's fifth bits:
+ * bit 2h (2h + 1) of qh's byte l for value l of quarter h's first (second) sub-block. The
+ * minimums multiply the activations' sums over each sub-block (xb, made once per product). */
+static inline __attribute__((always_inline)) void
+rows_q4k(const int FIVE, const uint8_t *restrict w, int64_t nb, const int8_t *restrict xq,
+         const float *restrict xs4, const float *restrict xb, const int NR, int64_t k,
+         float *restrict y, int64_t ldy) {
+    const __m256i low = _mm256_set1_epi8(15), sixteen = _mm256_set1_epi8(16);
+    const int64_t BYTES = FIVE ? 176 : 144, QS = FIVE ? 48 : 16;
+    __m256 acc[RIR], mins[RIR];
+    for (int r = 0; r < NR; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * BYTES;
+        PREFETCH(p);
+        PREFETCH(p + 64);
+        PREFETCH(p + 128);
+        __m256 a8, c8;
+        k_scales8(p, &a8, &c8);
+        const __m256i qh = FIVE ? load32(p + 16) : _mm256_setzero_si256();
+        for (int h = 0; h < 4; h++) {
+            const __m256i v = load32(p + QS + 32 * h);
+            for (int half_ = 0; half_ < 2; half_++) {
+                const int sub = 2 * h + half_;
+                __m256i q = _mm256_and_si256(half_ ? _mm256_srli_epi16(v, 4) : v, low);
+                if (FIVE) {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << sub));
+                    q = _mm256_or_si256(q, _mm256_and_si256(
+                                               _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit), sixteen));
+                }
+                const __m256 sc = _mm256_permutevar8x32_ps(a8, _mm256_set1_epi32(sub));
+                for (int r = 0; r < NR; r++) {
+                    const int64_t j = r * k + 256 * b + 32 * sub;
+                    const __m256i d = dot4(_mm256_setzero_si256(), q, load32(xq + j));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                                             _mm256_mul_ps(sc, _mm256_loadu_ps(xs4 + j / 4)), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            mins[r] = _mm256_fmadd_ps(c8, _mm256_loadu_ps(xb + r * (k / 32) + 8 * b), mins[r]);
+    }
+    for (int r = 0; r < NR; r++) y[r * ldy] = hsum8(acc[r]) + hsum8(mins[r]);
+}
+
+/* NR activation rows against one weight row of Q6_K blocks, as rows_q4k. A half block (128
+ * values) is 64 bytes of low four bits (values 0-31 and 32-63 in their low nibbles, 64-95
+ * and 96-127 in their high ones) and 32 bytes of high two bits (values l, l + 32, l + 64,
+ * l + 96 in bits 0-1, 2-3, 4-5, 6-7 of byte l). Values are stored plus 32; the -32 enters
+ * each lane's integer sum from the start (nn). Sub-blocks of 16 values: four lanes each. */
+static inline __attribute__((always_inline)) void
+rows_q6k(const uint8_t *restrict w, int64_t nb, const int8_t *restrict xq,
+         const float *restrict xs4, const int32_t *restrict nn, const int NR, int64_t k,
+         float *restrict y, int64_t ldy) {
+    const __m256i low = _mm256_set1_epi8(15), two = _mm256_set1_epi8(0x30);
+    __m256 acc[RIR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = w + b * 210;
+        PREFETCH(p);
+        PREFETCH(p + 64);
+        PREFETCH(p + 128);
+        PREFETCH(p + 192);
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(p + 192));
+        const __m256 d = _mm256_set1_ps(half(p + 208));
+        const __m256 sv[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8))),
+                              _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                   _mm_srli_si128(sc8, 8))))};
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = load32(p + 64 * h), l1 = load32(p + 64 * h + 32),
+                          hb = load32(p + 128 + 32 * h);
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), two)),
+                _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), two)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, two)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                                _mm256_and_si256(_mm256_srli_epi16(hb, 2), two))};
+            for (int g = 0; g < 4; g++) {
+                /* values 128 h + 32 g ..: sub-blocks 8 h + 2 g and 8 h + 2 g + 1, i.e. scales
+                 * 2 g and 2 g + 1 of this half's eight */
+                const __m256 sc = _mm256_permutevar8x32_ps(
+                    sv[h], _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1));
+                for (int r = 0; r < NR; r++) {
+                    const int64_t j = r * k + 256 * b + 128 * h + 32 * g;
+                    const __m256i dd = dot4(load32(nn + j / 4), q[g], load32(xq + j));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dd),
+                                             _mm256_mul_ps(sc, _mm256_loadu_ps(xs4 + j / 4)), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++) y[r * ldy] = hsum8(acc[r]);
+}
+
+/* A matrix's rows by CALL(w_row, NR, out), against the caller's m <= RIR activation rows; NR
+ * a constant in each case, so that the kernels' loops over the rows unroll. The caller names
+ * w, n, m, y and row (a weight row's bytes). */
+#define ROWS_R(CALL, NR)                                                                          \
+    do {                                                                                          \
+        _Pragma("omp parallel for schedule(static)")                                              \
+        for (int64_t r_ = 0; r_ < n; r_++) CALL(w + r_ * row, NR, y + r_);                         \
+    } while (0)
+#define ROWS(CALL)                                                                               \
+    if (m == 1) ROWS_R(CALL, 1);                                                                  \
+    else ROWS_R(CALL, 2);
 
 /* Whether m activation rows (8 bits) go through a kernel that takes the blocks into
- * registers: one row of Q4_0 or Q4_1. */
+ * registers: up to RIR rows of most types. */
 static int in_registers(int type, int64_t k, int64_t m, const int8_t *xl) {
-    return !xl && k / 32 <= ROW1_BLOCKS && m == 1 && (type == 2 || type == 3);
+    return !xl && k / 32 <= ROW1_BLOCKS && m <= RIR &&
+           (type == 2 || type == 3 || type == 6 || type == 7 || type == 8 || type == 39 ||
+            type == 12 || type == 13 || type == 14);
 }
 
-/* m rows (one) where in_registers takes them; y: m rows, ldy apart. */
+/* m rows where in_registers takes them; y: m rows, ldy apart. */
 static void few_in_registers(int type, const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                              const float *xs4, const float *xsum, int64_t m, float *y,
                              int64_t ldy) {
-    (void)m, (void)ldy;
-    (type == 2 ? im_q4_0_few1 : im_q4_1_few1)(w, n, k, xq, xs4, xsum, y);
+    if (type == 12 || type == 13) {
+        const int64_t nb = k / 256, row = nb * (type == 13 ? 176 : 144);
+        float xb[m * (k / 32)];
+        for (int64_t s = 0; s < m * (k / 32); s++) xb[s] = xsum[2 * s] + xsum[2 * s + 1];
+#define C4(wr, NR, out) rows_q4k(0, wr, nb, xq, xs4, xb, NR, k, out, ldy)
+#define C5(wr, NR, out) rows_q4k(1, wr, nb, xq, xs4, xb, NR, k, out, ldy)
+        if (type == 13) {
+            ROWS(C5)
+        } else {
+            ROWS(C4)
+        }
+#undef C4
+#undef C5
+        return;
+    }
+    const int64_t nb = k / (type == 14 ? 256 : 32), row = nb * block_bytes(type);
+    int32_t nn[m * (k / 4)];
+    float xm[type == 3 || type == 7 ? m * (k / 4) : 1];
+    if (type == 3 || type == 7) {  /* the minimum against each lane's sum, scaled */
+        lane_offsets(xq, m * (k / 4), 1, nn);
+        for (int64_t g = 0; g < m * (k / 4); g++) xm[g] = xs4[g] * (float)nn[g];
+    } else if (type != 8) {
+        lane_offsets(xq, m * (k / 4), type == 2 ? -8 : type == 39 ? -12 : type == 14 ? -32 : -16, nn);
+    }
+#define C2(wr, NR, out) rows_q4(2, 18, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
+#define C3(wr, NR, out) rows_q4(3, 20, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
+#define C6(wr, NR, out) rows_q4(6, 22, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
+#define C7(wr, NR, out) rows_q4(7, 24, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
+#define C8(wr, NR, out) rows_q4(8, 34, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
+#define C39(wr, NR, out) rows_q4(39, 17, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
+#define C14(wr, NR, out) rows_q6k(wr, nb, xq, xs4, nn, NR, k, out, ldy)
+    switch (type) {
+    case 2: ROWS(C2); break;
+    case 3: ROWS(C3); break;
+    case 6: ROWS(C6); break;
+    case 7: ROWS(C7); break;
+    case 8: ROWS(C8); break;
+    case 14: ROWS(C14); break;
+    default: ROWS(C39);
+    }
+#undef C2
+#undef C3
+#undef C6
+#undef C7
+#undef C8
+#undef C39
+#undef C14
 }
+#undef ROWS
+#undef ROWS_R
 #endif

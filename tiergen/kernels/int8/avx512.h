@@ -555,20 +555,6 @@ static inline int64_t pair_ahead(int64_t row) {
     return (AHEAD + 2 * row - 1) / (2 * row) * (2 * row);
 }
 
-/* k_scales' eight scales and offsets as vectors, from the 12 bytes as three 32-bit words:
- * no stores for a vector load to wait on. */
-static inline void k_scales8(const uint8_t *b, __m256 *a, __m256 *c) {
-    uint32_t u[3];
-    memcpy(u, b + 4, 12);
-    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    const uint64_t sc = (uint64_t)(u[0] & m6) | (uint64_t)((u[2] & m4) | (((u[0] >> 6) & m2) << 4)) << 32,
-                   mn = (uint64_t)(u[1] & m6) | (uint64_t)(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)) << 32;
-    *a = _mm256_mul_ps(_mm256_set1_ps(half(b)),
-                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)sc))));
-    *c = _mm256_mul_ps(_mm256_set1_ps(-half(b + 2)),
-                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)mn))));
-}
-
 /* NR activation rows against two weight rows of Q4_K blocks (or Q5_K: FIVE), the nibbles
  * spread into registers rather than decoded to a copy, as row2_q4 does. A block's 64 values of a
  * quarter are 32 bytes whose low nibbles are its first sub-block and high nibbles its second:
