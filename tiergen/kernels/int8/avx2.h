@@ -267,12 +267,12 @@ static inline __m256i bit_bytes(uint32_t h) {
  * values looked up (plus 12), Q8_0's bytes as they lie (signed, through abs and sign). The
  * offset of Q4_0 (-8), Q5_0 (-16) and MXFP4 (-12) enters each lane's integer sum from the
  * start (nn: by times the lane's four activations, made once per product); the minimums of
- * Q4_1 and Q5_1 multiply each lane's scaled sum (xm). A row's arithmetic does not depend on
- * NR. */
+ * Q4_1 and Q5_1 multiply the activations' sums over each block (xb, made once per product),
+ * added apart. A row's arithmetic does not depend on NR. */
 static inline __attribute__((always_inline)) void
 rows_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w, int64_t nb,
         const int8_t *restrict xq, const float *restrict xs4, const int32_t *restrict nn,
-        const float *restrict xm, const int NR, int64_t k, float *restrict y, int64_t ldy) {
+        const float *restrict xb, const int NR, int64_t k, float *restrict y, int64_t ldy) {
     /* where the values start; Q5's high bits lie just before them */
     const int at = TYPE == 39 ? 1 : TYPE == 2 || TYPE == 8 ? 2 : TYPE == 3 ? 4 : TYPE == 6 ? 6 : 8,
               five = TYPE == 6 || TYPE == 7, mx = TYPE == 39, q8 = TYPE == 8,
@@ -282,7 +282,8 @@ rows_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w, int64_t 
                   table = _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
                                                                     12, 11, 10, 9, 8, 6, 4, 0));
     __m256 acc[RIR];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    float mins[RIR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = w + b * BYTES;
         PREFETCH(p);
@@ -302,7 +303,7 @@ rows_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w, int64_t 
         if (mx) q = _mm256_shuffle_epi8(table, q);
         const __m256i qa = q8 ? _mm256_abs_epi8(q) : q;
         const __m256 sc = _mm256_set1_ps(mx ? e8m0_half(p[0]) : half(p));
-        const __m256 mn = _mm256_set1_ps(minimum ? half(p + 2) : 0.0f);
+        const float mn = minimum ? half(p + 2) : 0.0f;
         for (int r = 0; r < NR; r++) {
             __m256i x = load32(xq + r * k + 32 * b);
             if (q8) x = _mm256_sign_epi8(x, q);
@@ -310,10 +311,10 @@ rows_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w, int64_t 
                                    qa, x);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
                                      _mm256_mul_ps(sc, _mm256_loadu_ps(xs4 + r * (k / 4) + 8 * b)), acc[r]);
-            if (minimum) acc[r] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(xm + r * (k / 4) + 8 * b), acc[r]);
+            if (minimum) mins[r] = fmaf(mn, xb[r * nb + b], mins[r]);
         }
     }
-    for (int r = 0; r < NR; r++) y[r * ldy] = hsum8(acc[r]);
+    for (int r = 0; r < NR; r++) y[r * ldy] = hsum8(acc[r]) + mins[r];
 }
 
 /* NR activation rows against one weight row of Q4_K blocks (or Q5_K: FIVE), as rows_q4: a
@@ -452,19 +453,18 @@ static void few_in_registers(int type, const uint8_t *w, int64_t n, int64_t k, c
     }
     const int64_t nb = k / (type == 14 ? 256 : 32), row = nb * block_bytes(type);
     int32_t nn[m * (k / 4)];
-    float xm[type == 3 || type == 7 ? m * (k / 4) : 1];
-    if (type == 3 || type == 7) {  /* the minimum against each lane's sum, scaled */
-        lane_offsets(xq, m * (k / 4), 1, nn);
-        for (int64_t g = 0; g < m * (k / 4); g++) xm[g] = xs4[g] * (float)nn[g];
+    float xb[type == 3 || type == 7 ? m * (k / 32) : 1];
+    if (type == 3 || type == 7) {  /* the minimum against each block's sum */
+        for (int64_t s = 0; s < m * (k / 32); s++) xb[s] = xsum[2 * s] + xsum[2 * s + 1];
     } else if (type != 8) {
         lane_offsets(xq, m * (k / 4), type == 2 ? -8 : type == 39 ? -12 : type == 14 ? -32 : -16, nn);
     }
-#define C2(wr, NR, out) rows_q4(2, 18, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
-#define C3(wr, NR, out) rows_q4(3, 20, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
-#define C6(wr, NR, out) rows_q4(6, 22, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
-#define C7(wr, NR, out) rows_q4(7, 24, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
-#define C8(wr, NR, out) rows_q4(8, 34, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
-#define C39(wr, NR, out) rows_q4(39, 17, wr, nb, xq, xs4, nn, xm, NR, k, out, ldy)
+#define C2(wr, NR, out) rows_q4(2, 18, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C3(wr, NR, out) rows_q4(3, 20, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C6(wr, NR, out) rows_q4(6, 22, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C7(wr, NR, out) rows_q4(7, 24, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C8(wr, NR, out) rows_q4(8, 34, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C39(wr, NR, out) rows_q4(39, 17, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
 #define C14(wr, NR, out) rows_q6k(wr, nb, xq, xs4, nn, NR, k, out, ldy)
     switch (type) {
     case 2: ROWS(C2); break;
