@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from tiergen import kernels
+from tiergen._platform import cpu_has_fast_bfloat16
+from tiergen.models.layers import UPCAST_ROWS
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import TIERS, parse_size
@@ -86,11 +88,14 @@ def _mlp_width(cfg: ModelConfig) -> int:
     return width
 
 
-def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: int) -> int:
+def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: int,
+                     packs: bool = True) -> int:
     """Bytes attention itself makes for one step: the decode path's scores and probabilities,
     or a prompt step's mask in the compute dtype, K/V repeated for the query heads of a
     group, a ring's K/V joined with the step's own, gpt-oss's spelled-out scores, the float32
-    partial outputs a chunk merges, and MLA's latents expanded into per-head keys and values."""
+    partial outputs a chunk merges, and MLA's latents expanded into per-head keys and values.
+    ``packs``: the matrix library packs a decode step's absorbed products (all but bfloat16
+    on a CPU without native bfloat16, which multiplies the operands as they lie)."""
     q, _ = _attention_widths(cfg)
     parts, heads, width = cfg.kv_layout()
     expanded = 0
@@ -98,7 +103,8 @@ def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: in
         m = cfg.mla  # or a decode step's absorbed queries, outputs and their float32 copies
         expanded = (rows * keys * cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim
                                                    + m.v_head_dim) * dt if tokens > 1 else
-                    20 * rows * cfg.num_heads * (m.kv_lora_rank + m.qk_rope_head_dim) * 4)
+                    (20 if packs else 4) * rows * cfg.num_heads
+                    * (m.kv_lora_rank + m.qk_rope_head_dim) * 4)
     if tokens == 1:
         return rows * cfg.num_heads * keys * (2 * dt + 4) + expanded
     need = rows * tokens * keys * (dt + 1) + 3 * rows * tokens * q * 4
@@ -119,17 +125,21 @@ def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int,
     of the norms' float32 copies, RoPE's temporaries, attention's own bytes, the MLP's
     gate|up output, activation and product, or its output with the new residual. The head
     makes the last position's logits in the compute dtype and their float32 copy. A CPU
-    multiplying half precision packs the layer matrix it multiplies. (A GPU's matmul
+    multiplying half precision packs the layer matrix it multiplies, or, without native
+    bfloat16, widens a product's rows and output to float32. (A GPU's matmul
     workspace comes off the budget instead: ``Budgets.for_tensors``.)"""
     dt, n, hidden = dtype.itemsize, rows * tokens, cfg.hidden_size
     q, kv = _attention_widths(cfg)
+    # a CPU without native bfloat16 widens products of many rows (layers._widened_linear)
+    # and packs none
+    widens = device_type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bfloat16()
     held = n * (hidden * dt + 2 * (q + kv) * dt + 2 * q * dt + hidden * 4)
     held += rows * tokens * (keys + 2 * cfg.head_dim * dt)  # the step's mask, RoPE's tables
     moments = [n * hidden * (8 + dt),  # a norm: float32 copy, its squares, the result
                3 * n * q * dt,  # RoPE
                n * (hidden * dt + 4 * _mlp_width(cfg) * dt),  # normed input, gate|up, act, product
                n * hidden * (dt + 4),  # down's output, the new residual
-               _attention_bytes(cfg, dt, rows, tokens, keys) if attends else 0]
+               _attention_bytes(cfg, dt, rows, tokens, keys, not widens) if attends else 0]
     if cfg.moe is not None:  # router scores, and the float32 sum the experts add into
         moments.append(n * (cfg.moe.num_experts * 8 + hidden * 8))
     head = rows * (hidden * (4 + dt) + cfg.vocab_size * (dt + 4))
@@ -141,7 +151,15 @@ def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int,
     tiles = (dtype == torch.bfloat16 and n <= kernels.AMX_DENSE_ROWS and not cfg.attention_sinks
              and kernels.amx_engine())
     if device_type == "cpu" and dtype.itemsize < 4 and not tiles:
-        extra = hidden * max(q + kv, 2 * _mlp_width(cfg)) * dtype.itemsize
+        if widens:
+            # From UPCAST_ROWS rows, products widen to float32: a matrix's input rows and
+            # its output in float32 beside the bfloat16 ones; fewer rows multiply as they lie.
+            widest = max(hidden + q + kv, q + hidden, hidden + 2 * _mlp_width(cfg),
+                         _mlp_width(cfg) + hidden)
+            extra = n * widest * 4 if n >= UPCAST_ROWS else 0
+            head += rows * (hidden + cfg.vocab_size) * 4 if rows >= UPCAST_ROWS else 0
+        else:
+            extra = hidden * max(q + kv, 2 * _mlp_width(cfg)) * dtype.itemsize
     return max(held + max(moments), head) + extra
 
 
