@@ -2,7 +2,6 @@
 
 import tiergen  # noqa: F401  (sets the CPU safety env var before torch runs)
 
-import time
 from pathlib import Path
 
 import gguf
@@ -376,13 +375,10 @@ def test_corrupt_tensor_type(written, tmp_path, type_id):
 
 
 @needs_smollm2
-def test_smollm2_opens_fast():
-    start = time.perf_counter()
+def test_smollm2_opens_with_its_vocabulary():
+    """(How long opening takes is benchmarks/bench_startup.py's to measure.)"""
     with GGUFFile(SMOLLM2) as f:
-        elapsed = time.perf_counter() - start
         assert len(f.metadata["tokenizer.ggml.tokens"]) == 49152
-    print(f"opened {SMOLLM2.name} in {elapsed * 1000:.0f} ms")
-    assert elapsed < 3.0
 
 
 @needs_smollm2
