@@ -23,6 +23,7 @@ from tiergen.cache.attention import attention
 from tiergen.cache.kv import KVView
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
+from tiergen import kernels
 from tiergen.kernels import grouped_linear
 from tiergen.kernels.layer import MlaKind, mla_attention
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
@@ -211,8 +212,14 @@ def _dense(w: torch.Tensor | Packed, dtype: torch.dtype) -> torch.Tensor:
 def _per_head(x: torch.Tensor, w: torch.Tensor | Packed) -> torch.Tensor:
     """x (B, H, T, K) times each head's block of rows of w (H * N, K), transposed: (B, H, T,
     N). Packed blocks in one call of the integer kernels (where integer activations are set);
-    float ones as (W x^T)^T, which reads W twice as fast as x W^T here."""
+    float ones as (W x^T)^T, which reads W twice as fast as x W^T here, or batch invariant
+    each row alone (the BLAS sums a product of one row in another order than of several)."""
     B, H, T, K = x.shape
     xh = x.transpose(0, 1).reshape(H, B * T, K)
-    y = grouped_linear(xh, w) if isinstance(w, Packed) else torch.matmul(w.view(H, -1, K), xh.mT).mT
+    if isinstance(w, Packed):
+        y = grouped_linear(xh, w)
+    elif kernels.batch_invariant():
+        y = torch.cat([torch.matmul(w.view(H, -1, K), r.mT).mT for r in xh.split(1, dim=1)], dim=1)
+    else:
+        y = torch.matmul(w.view(H, -1, K), xh.mT).mT
     return y.reshape(H, B, T, -1).transpose(0, 1)

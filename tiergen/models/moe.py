@@ -122,7 +122,7 @@ def route(cfg: MoEConfig, x: torch.Tensor, gate: torch.Tensor,
         top, ids = logits.topk(cfg.top_k, dim=-1)
         return ids, torch.softmax(top.float(), dim=-1) * cfg.routed_scaling_factor
     if cfg.scoring == "sigmoid":
-        scores = logits.float().sigmoid()
+        scores = _sigmoid(logits.float())
     else:
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     choice = scores if bias is None else scores + bias.float()
