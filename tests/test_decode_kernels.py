@@ -211,3 +211,24 @@ def test_float16_writes_round_as_torch(build, tmp_path):
     want = x.half()
     same = (out.view(torch.int16) == want.view(torch.int16)) | (out.isnan() & want.isnan())
     assert same.all(), x[~same]
+
+
+def test_every_instruction_set_build_does_the_decode_operations_as_torch(isa_library, torch_path,
+                                                                        monkeypatch):
+    """The tests above, on each instruction set's build (its vectors' widths and tails)."""
+    monkeypatch.setattr(kernels, "_lib", isa_library)
+    test_rms_norm((3, 7, 64), torch_path)
+    test_rms_norm((2, 5, 13), torch_path)
+    test_rope(2, 3, 5, 64, torch_path)
+    test_rope(3, 2, 4, 6, torch_path)
+    test_rope_in_pairs_is_the_half_split_rope_in_llama_cpp_order(2, 3, 5, 64, torch_path)
+    for kv_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        test_decode_attention(9, 3, 64, 64, True, kv_dtype, torch_path)
+        test_decode_attention(4, 1, 72, 40, False, kv_dtype, torch_path)
+        test_decode_attention(4, 1, 256, 256, True, kv_dtype, torch_path)
+        for D in (64, 24):
+            test_a_rows_decode_attention_does_not_depend_on_where_its_tokens_sit(D, kv_dtype)
+    test_decode_attention_ignores_unwritten_slots_and_wide_score_ranges(torch_path)
+    test_argmax_equals_torch_with_ties_nans_and_ragged_rows()
+    for gelu in (False, True):
+        test_glu_equals_torch(gelu)

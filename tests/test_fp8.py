@@ -16,7 +16,6 @@ from tiergen.errors import TiergenError
 from tiergen.weights.fp8 import fp8_dequantize, fp8_packed
 from tiergen.weights.packed import Packed
 from tiergen.weights.quant import GGMLType
-from test_int8_kernels import isa_library  # noqa: F401  (a fixture)
 from test_offload import PROMPTS, prefill_and_decode_logits
 from test_packed import assert_close_relative, kernel_path, random_packed, reference  # noqa: F401
 from tiny_models import build
@@ -39,7 +38,7 @@ def test_every_e4m3_code_decodes_exactly(kernel_path):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9, 40])
-def test_every_instruction_set_build_multiplies_fp8(isa_library, rows, monkeypatch):  # noqa: F811
+def test_every_instruction_set_build_multiplies_fp8(isa_library, rows, monkeypatch):
     w = random_packed(GGMLType.FP8, 19, 384, seed=3)
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(rows))
     monkeypatch.setattr(kernels, "_lib", isa_library)

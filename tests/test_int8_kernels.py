@@ -326,34 +326,8 @@ def test_a_grouped_product_is_each_groups_own_product(ggml_type, rows, kind):
     assert_close_relative(kernels.grouped_linear(many, w), many @ dense.mT, 1e-4)
 
 
-# Builds for other instruction sets than -march=native picks here: AVX2 without VNNI
-# (`maddubs` + `madd`, as on an AMD EPYC), AVX-512 VNNI without AVX-VNNI (Ice Lake; run
-# where the CPU has it), and no AVX2 at all (the portable C loops, as on other CPUs).
-ISA_BUILDS = {"avx2": ["-march=haswell"], "avx512-vnni": ["-march=icelake-server"],
-              "portable": ["-march=x86-64"]}
-ISA_LEVEL = {"avx2": 1, "avx512-vnni": 2, "portable": 0}
-
-
-@pytest.fixture(scope="module", params=sorted(ISA_BUILDS))
-def isa_library(request, tmp_path_factory):
-    import platform
-
-    from tiergen._platform import cpu_flags
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 instruction-set builds")
-    if request.param == "avx512-vnni" and not {"avx512_vnni", "avx512vl"} <= cpu_flags():
-        pytest.skip("this CPU has no AVX-512 VNNI to run that build")
-    flags = [f for f in kernels.FLAGS if not f.startswith(("-march", "-mcpu"))]
-    path = tmp_path_factory.mktemp("isa") / f"{request.param}.so"
-    kernels._compile(path, flags + ISA_BUILDS[request.param])
-    lib = kernels.bind(ctypes.CDLL(str(path)))
-    assert lib.tg_int8_isa() == ISA_LEVEL[request.param]
-    return lib
-
-
 @pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9])
 def test_every_instruction_set_build_does_the_same_arithmetic(isa_library, ggml_type, rows,
                                                               monkeypatch):
     qk = ggml_type_sizes(ggml_type)[0]
@@ -477,14 +451,28 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it_within_a_kernel(
         ggml_type, group, wide, kept):
     """Products that take the same kernels (the row kernels, or the tiles, built or kept) give
     a row the same bits whatever the rows beside it, on one thread or two."""
+    assert_a_row_independent_within_a_kernel(ggml_type, group, wide, kept)
+
+
+def assert_a_row_independent_within_a_kernel(ggml_type: int, group: int, wide: bool,
+                                             kept: bool) -> None:
     one = a_row_in_batches(ggml_type, group, wide, kept, 1)
     two = a_row_in_batches(ggml_type, group, wide, kept, 2)
     for m in BATCHES:
-        assert torch.equal(two[m], one[m])
+        assert torch.equal(two[m], one[m]), f"{m} rows, two threads"
     for tiles in (False, True):
-        same = [one[m] for m in BATCHES if takes_tiles(ggml_type, m, group, wide) == tiles]
-        for y in same[1:]:
-            assert torch.equal(y, same[0])
+        same = [(m, one[m]) for m in BATCHES if takes_tiles(ggml_type, m, group, wide) == tiles]
+        for m, y in same[1:]:
+            assert torch.equal(y, same[0][1]), f"{m} rows against {same[0][0]}"
+
+
+@pytest.mark.parametrize("ggml_type", sorted(INTEGER_TYPES), ids=lambda t: GGMLType(t).name)
+def test_every_instruction_set_build_gives_a_row_the_same_bits_beside_any_rows(
+        isa_library, ggml_type, monkeypatch):
+    """As above, for each instruction set's kernels (built tiles; kept ones read the same)."""
+    monkeypatch.setattr(kernels, "_lib", isa_library)
+    for group, wide in FORMATS:
+        assert_a_row_independent_within_a_kernel(ggml_type, group, wide, False)
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -306,3 +306,16 @@ def test_matrices_back_to_back_join_without_a_copy():
     want = torch.cat([a.dequantize(torch.float32), b.dequantize(torch.float32)])
     assert torch.equal(joined.dequantize(torch.float32), want)
     assert torch.equal(copied.dequantize(torch.float32), want)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(PACKED_TYPES), ids=lambda t: GGMLType(t).name)
+def test_every_instruction_set_build_multiplies_as_dequantise_then_matmul(isa_library, ggml_type,
+                                                                         monkeypatch):
+    """The float kernels of each instruction set's build, at the row counts of each path."""
+    monkeypatch.setattr(kernels, "_lib", isa_library)
+    block = ggml_type_sizes(ggml_type)[0]
+    for cols in (block * (11 if block == 32 else 3), 1280):
+        w = random_packed(ggml_type, 67, cols, seed=ggml_type)
+        for rows in (1, 2, 3, 5, 9, 40):
+            x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+            assert_close_relative(kernels.packed_linear(x, w), reference(x, w))

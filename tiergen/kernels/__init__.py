@@ -120,14 +120,20 @@ def _compile(target: Path, flags: list[str] = FLAGS, sources: list[Path] | None 
         Path(tmp).unlink(missing_ok=True)
 
 
-def _library_path() -> Path:
-    """Cached library for this source and this CPU (its flags decide what -march=native emits)."""
+def build_path(flags: list[str], name: str = "packed") -> Path:
+    """Where a build of this source with ``flags`` is cached on this CPU (its flags decide what
+    -march=native emits)."""
     from tiergen._platform import cpu_flags
     from tiergen.weights import cache_dir
 
     ident = (b"".join(s.read_bytes() for s in SOURCES + HEADERS) + platform.machine().encode()
-             + " ".join(FLAGS).encode() + " ".join(sorted(cpu_flags())).encode())
-    return cache_dir() / "kernels" / f"packed-{hashlib.sha256(ident).hexdigest()[:16]}.so"
+             + " ".join(flags).encode() + " ".join(sorted(cpu_flags())).encode())
+    return cache_dir() / "kernels" / f"{name}-{hashlib.sha256(ident).hexdigest()[:16]}.so"
+
+
+def _library_path() -> Path:
+    """The cached library of this source for this CPU."""
+    return build_path(FLAGS)
 
 
 def library() -> ctypes.CDLL | None:
