@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
@@ -148,6 +149,9 @@ class LLM:
         self.runner = open_runner(self.engine_config, files)
         ex = self.runner.executor
         self.device, self.dtype, self.activations = ex.device, ex.dtype, ex.activations
+        # What loading made stays for the model's life: out of the collector's generations,
+        # so that the collections a generate loop's small objects set off do not walk it.
+        gc.freeze()
 
     # -- prompts -------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
