@@ -288,7 +288,8 @@ class TieredWeights:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Slots per layer: filled by prefetch and emptied by take (pending), by the load and
         # by release (buffers, and the copy that must finish before they are reused).
-        self._pending: dict[int, Future] = {}
+        # a load in flight, or (resident layers) what take returns
+        self._pending: dict[int, Future | tuple[Weights, None]] = {}
         self._buffers: dict[int, tuple[Weights, torch.cuda.Event | None]] = {}
 
     def _place_resident(self, reader: StoredLayers, pin: bool) -> list[Weights]:
@@ -310,15 +311,14 @@ class TieredWeights:
         if j >= self.num_layers or j in self._pending:
             return
         if self._in_place[j]:
-            done: Future = Future()
-            done.set_result((self.resident[j], None))
-            self._pending[j] = done
+            self._pending[j] = (self.resident[j], None)
         else:
             self._pending[j] = self._pool.submit(self._load, j)
 
     def take(self, j: int) -> Weights:
         self.prefetch(j)
-        weights, event = self._pending.pop(j).result()
+        pending = self._pending.pop(j)
+        weights, event = pending.result() if isinstance(pending, Future) else pending
         if event is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(event)
@@ -432,7 +432,8 @@ class TieredWeights:
         """After a failed step: wait for loads in flight and take every buffer back."""
         for future in self._pending.values():
             try:
-                future.result()
+                if isinstance(future, Future):
+                    future.result()
             except BaseException:
                 pass
         self._pending.clear()
