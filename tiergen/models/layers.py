@@ -71,6 +71,9 @@ def use_compiled_gemv(enabled: bool) -> None:
 # differ from the bfloat16 kernel's in the last bit of an element.
 UPCAST_ROWS = 8
 UPCAST_SCRATCH = 1 << 22
+# The rows of x widened at a time hold their float32 copy and output within this many bytes
+# (at least UPCAST_ROWS rows): a long prompt's product would otherwise hold both whole.
+UPCAST_ROWS_BYTES = 16 << 20
 # Batch invariant (kernels.set_activations), a float matrix of up to this many numbers (a MoE
 # router, a gate) multiplies each row alone, as a product of one row does: the BLAS sums a
 # vector product in another order than a product of several rows. Larger ones (a float
@@ -85,17 +88,26 @@ def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     buf = getattr(_scratch, "buf", None)
     if buf is None:
         buf = _scratch.buf = torch.empty(UPCAST_SCRATCH)
-    xf = x.reshape(-1, x.shape[-1]).float()
-    out = torch.empty(xf.shape[0], weight.shape[0])
+    xr = x.reshape(-1, x.shape[-1])
+    y = torch.empty(xr.shape[0], weight.shape[0], dtype=x.dtype)
     step = max(1, UPCAST_SCRATCH // weight.shape[1])
-    for r in range(0, weight.shape[0], step):
-        rows = weight[r:r + step]
-        if rows.numel() > buf.numel():  # one row wider than the buffer
-            buf = _scratch.buf = torch.empty(rows.numel())
-        out[:, r:r + len(rows)] = F.linear(xf, buf[:rows.numel()].view(rows.shape).copy_(rows))
-    if bias is not None:
-        out += bias.float()
-    return out.view(*x.shape[:-1], -1).to(x.dtype)
+    for i in range(0, len(xr), widened_rows(*weight.shape)):
+        xf = xr[i:i + widened_rows(*weight.shape)].float()
+        out = torch.empty(xf.shape[0], weight.shape[0])
+        for r in range(0, weight.shape[0], step):
+            rows = weight[r:r + step]
+            if rows.numel() > buf.numel():  # one row wider than the buffer
+                buf = _scratch.buf = torch.empty(rows.numel())
+            out[:, r:r + len(rows)] = F.linear(xf, buf[:rows.numel()].view(rows.shape).copy_(rows))
+        if bias is not None:
+            out += bias.float()
+        y[i:i + len(xf)] = out
+    return y.view(*x.shape[:-1], -1)
+
+
+def widened_rows(n: int, k: int) -> int:
+    """How many rows of x an (n, k) matrix's widened product takes at a time."""
+    return max(UPCAST_ROWS, UPCAST_ROWS_BYTES // (4 * (n + k)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Packed, bias: torch.Tensor | None = None,

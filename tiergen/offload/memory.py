@@ -10,7 +10,7 @@ import torch
 
 from tiergen import kernels
 from tiergen._platform import cpu_has_fast_bfloat16
-from tiergen.models.layers import UPCAST_ROWS
+from tiergen.models.layers import UPCAST_ROWS, widened_rows
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import TIERS, parse_size
@@ -152,12 +152,16 @@ def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int,
              and kernels.amx_engine())
     if device_type == "cpu" and dtype.itemsize < 4 and not tiles:
         if widens:
-            # From UPCAST_ROWS rows, products widen to float32: a matrix's input rows and
-            # its output in float32 beside the bfloat16 ones; fewer rows multiply as they lie.
-            widest = max(hidden + q + kv, q + hidden, hidden + 2 * _mlp_width(cfg),
-                         _mlp_width(cfg) + hidden)
-            extra = n * widest * 4 if n >= UPCAST_ROWS else 0
-            head += rows * (hidden + cfg.vocab_size) * 4 if rows >= UPCAST_ROWS else 0
+            # From UPCAST_ROWS rows, products widen to float32: the input rows and output of
+            # the rows widened at a time in float32 beside the bfloat16 ones; fewer rows
+            # multiply as they lie.
+            mlp = _mlp_width(cfg)
+            extra = max(min(n, widened_rows(n_, k)) * (n_ + k) * 4 if n >= UPCAST_ROWS else 0
+                        for n_, k in ((q + kv, hidden), (hidden, q), (2 * mlp, hidden),
+                                      (hidden, mlp)))
+            if rows >= UPCAST_ROWS:
+                vocab = cfg.vocab_size
+                head += min(rows, widened_rows(vocab, hidden)) * (hidden + vocab) * 4
         else:
             extra = hidden * max(q + kv, 2 * _mlp_width(cfg)) * dtype.itemsize
     return max(held + max(moments), head) + extra

@@ -7,8 +7,8 @@
  * AVX-512 VNNI on 256-bit vectors) one `dpbusd`. One or two rows (decode): 32 values of a
  * block a vector (dot32), each lane with its own scale from a vector load. More rows: tiles
  * of eight weight rows, one vector for four values of each, against a panel's rows each
- * broadcasting four of its bytes. One row of Q4_0 or Q4_1 takes its blocks' nibbles into
- * registers (row1_q4).
+ * broadcasting four of its bytes. One or two rows of most types take their blocks' values
+ * into registers (rows_q4, rows_q4k, rows_q6k).
  *
  * In an AVX-512 build, avx512.h defines TILE512 (with VNNI: its tiles of sixteen rows),
  * ROW2 (with VNNI and VL: its kernels in registers) and QUANTIZE512 before it includes this

@@ -458,7 +458,7 @@ regs_rows(const int NR, const int QA, const int TYPE, const uint8_t *w, int64_t 
 #endif
 
 #if ROW2
-/* avx2.h's row1_q4 for two weight rows at once against NR activation rows (up to RIR, each
+/* avx2.h's rows_q4 with 512-bit vectors against NR activation rows (up to RIR, each
  * block decoded once for all of them), and for Q5_0 and Q5_1 (their fifth bits joined to the
  * nibbles) and MXFP4 (its values looked up, plus 12, from the nibbles; a power of two a
  * block). Each 512-bit vector holds two consecutive blocks of one row: its 128-bit lanes hold values 0-15 of block b, 16-31 of b, 0-15 of b + 1, 16-31
