@@ -229,19 +229,20 @@ def test_gemma_270m_logits_match_transformers(gemma, gemma_hf):
 
 
 @pytest.mark.slow
-def test_gemma_270m_16k_prompt_logits_match_transformers(gemma, gemma_hf):
-    """A 16k-token prompt fed in chunks through the cache (each chunk's attention merged from a
-    pass over the earlier slots and a causal pass within itself) against one transformers
-    forward; past the 512-token window of the local layers and 32 chunks deep."""
+def test_gemma_270m_long_prompt_in_32_chunks_logits_match_transformers(gemma, gemma_hf):
+    """A 4k-token prompt fed in 32 chunks through the cache (each chunk's attention merged from
+    a pass over the earlier slots and a causal pass within itself) against one transformers
+    forward; past the 512-token window of the local layers eight times over."""
     words = " ".join(f"entry {i}: the {('red', 'green', 'blue')[i % 3]} box holds {i * 37 % 101} "
-                     f"stones." for i in range(2400))
-    ids = gemma.tokenizer.encode(words)[:16384]
-    assert len(ids) == 16384
+                     f"stones." for i in range(600))
+    ids = gemma.tokenizer.encode(words)[:4096]
+    assert len(ids) == 4096
+    chunk = len(ids) // 32
     cache = gemma.executor.new_cache(1, len(ids))
     valid = torch.ones(1, len(ids), dtype=torch.bool)
     try:
-        for start in range(0, len(ids), gemma.prefill_chunk_size):
-            piece = torch.tensor([ids[start:start + gemma.prefill_chunk_size]])
+        for start in range(0, len(ids), chunk):
+            piece = torch.tensor([ids[start:start + chunk]])
             ours = gemma.executor.forward(piece, StepMeta.build(valid, start, piece.shape[1]),
                                           cache)[0]
     finally:
