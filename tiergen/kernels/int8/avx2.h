@@ -260,18 +260,17 @@ static inline __m256i bit_bytes(uint32_t h) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 
-/* NR activation rows (8 bits) against two weight rows (w[0], w[1]) of Q4_0, Q4_1, Q5_0, Q5_1,
- * Q8_0 or MXFP4 blocks, each block's values taken into a register rather than decoded to a
- * copy: the nibbles of its 16 bytes spread over the two halves of a vector (values 0-15,
- * then 16-31, the order of the activations in memory), Q5's fifth bits joined to them,
- * MXFP4's values looked up (plus 12), Q8_0's bytes as they lie (signed, through abs and
- * sign). The offset of Q4_0 (-8), Q5_0 (-16) and MXFP4 (-12) enters each lane's integer sum
- * from the start (nn: by times the lane's four activations, made once per product); the
- * minimums of Q4_1 and Q5_1 multiply the activations' sums over each block (xb, made once per
- * product), added apart. Two weight rows share each read of the activations and keep two
- * sums in flight; a row's arithmetic depends neither on NR nor on the row beside it. */
+/* NR activation rows (8 bits) against one weight row of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or
+ * MXFP4 blocks, each block's values taken into a register rather than decoded to a copy:
+ * the nibbles of its 16 bytes spread over the two halves of a vector (values 0-15, then
+ * 16-31, the order of the activations in memory), Q5's fifth bits joined to them, MXFP4's
+ * values looked up (plus 12), Q8_0's bytes as they lie (signed, through abs and sign). The
+ * offset of Q4_0 (-8), Q5_0 (-16) and MXFP4 (-12) enters each lane's integer sum from the
+ * start (nn: by times the lane's four activations, made once per product); the minimums of
+ * Q4_1 and Q5_1 multiply the activations' sums over each block (xb, made once per product),
+ * added apart. A row's arithmetic does not depend on NR. */
 static inline __attribute__((always_inline)) void
-rows_q4(const int TYPE, const int64_t BYTES, const uint8_t *const w[2], int64_t nb,
+rows_q4(const int TYPE, const int64_t BYTES, const uint8_t *restrict w, int64_t nb,
         const int8_t *restrict xq, const float *restrict xs4, const int32_t *restrict nn,
         const float *restrict xb, const int NR, int64_t k, float *restrict y, int64_t ldy) {
     /* where the values start; Q5's high bits lie just before them */
@@ -282,47 +281,40 @@ rows_q4(const int TYPE, const int64_t BYTES, const uint8_t *const w[2], int64_t 
     const __m256i bit4 = _mm256_set1_epi8(16),
                   table = _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24,
                                                                     12, 11, 10, 9, 8, 6, 4, 0));
-    __m256 acc[RIR][2];
-    float mins[RIR][2];
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < 2; j++) acc[r][j] = _mm256_setzero_ps(), mins[r][j] = 0.0f;
+    __m256 acc[RIR];
+    float mins[RIR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        __m256i x[RIR];
-        __m256 s[RIR];
-        for (int r = 0; r < NR; r++) {
-            x[r] = load32(xq + r * k + 32 * b);
-            s[r] = _mm256_loadu_ps(xs4 + r * (k / 4) + 8 * b);
+        const uint8_t *p = w + b * BYTES;
+        PREFETCH(p);
+        __m256i q;
+        if (q8) {
+            q = load32(p + at);
+        } else {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(p + at));
+            q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
+                                        _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
         }
-        for (int j = 0; j < 2; j++) {
-            const uint8_t *p = w[j] + b * BYTES;
-            PREFETCH(p);
-            __m256i q;
-            if (q8) {
-                q = load32(p + at);
-            } else {
-                const __m128i v = _mm_loadu_si128((const __m128i *)(p + at));
-                q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, low)),
-                                            _mm_and_si128(_mm_srli_epi16(v, 4), low), 1);
-            }
-            if (five) {
-                uint32_t h;
-                memcpy(&h, p + at - 4, 4);
-                q = _mm256_or_si256(q, _mm256_and_si256(bit_bytes(h), bit4));
-            }
-            if (mx) q = _mm256_shuffle_epi8(table, q);
-            const __m256i qa = q8 ? _mm256_abs_epi8(q) : q;
-            const __m256 sc = _mm256_set1_ps(mx ? e8m0_half(p[0]) : half(p));
-            const float mn = minimum ? half(p + 2) : 0.0f;
-            for (int r = 0; r < NR; r++) {
-                const __m256i d = dot4(offset ? load32(nn + r * (k / 4) + 8 * b) : _mm256_setzero_si256(),
-                                       qa, q8 ? _mm256_sign_epi8(x[r], q) : x[r]);
-                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sc, s[r]), acc[r][j]);
-                if (minimum) mins[r][j] = fmaf(mn, xb[r * nb + b], mins[r][j]);
-            }
+        if (five) {
+            uint32_t h;
+            memcpy(&h, p + at - 4, 4);
+            q = _mm256_or_si256(q, _mm256_and_si256(bit_bytes(h), bit4));
+        }
+        if (mx) q = _mm256_shuffle_epi8(table, q);
+        const __m256i qa = q8 ? _mm256_abs_epi8(q) : q;
+        const __m256 sc = _mm256_set1_ps(mx ? e8m0_half(p[0]) : half(p));
+        const float mn = minimum ? half(p + 2) : 0.0f;
+        for (int r = 0; r < NR; r++) {
+            __m256i x = load32(xq + r * k + 32 * b);
+            if (q8) x = _mm256_sign_epi8(x, q);
+            const __m256i d = dot4(offset ? load32(nn + r * (k / 4) + 8 * b) : _mm256_setzero_si256(),
+                                   qa, x);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d),
+                                     _mm256_mul_ps(sc, _mm256_loadu_ps(xs4 + r * (k / 4) + 8 * b)), acc[r]);
+            if (minimum) mins[r] = fmaf(mn, xb[r * nb + b], mins[r]);
         }
     }
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < 2; j++) y[r * ldy + j] = hsum8(acc[r][j]) + mins[r][j];
+    for (int r = 0; r < NR; r++) y[r * ldy] = hsum8(acc[r]) + mins[r];
 }
 
 /* NR activation rows against one weight row of Q4_K blocks (or Q5_K: FIVE), as rows_q4: a
@@ -420,37 +412,17 @@ rows_q6k(const uint8_t *restrict w, int64_t nb, const int8_t *restrict xq,
     for (int r = 0; r < NR; r++) y[r * ldy] = hsum8(acc[r]);
 }
 
-/* A matrix's rows two at a time (the last of an odd count twice, one result kept) by
- * CALL(w2, NR, out, ldy), against the caller's m <= RIR activation rows; NR a constant in
- * each case, so that the kernels' loops over the rows unroll. The caller names w, n, m, y,
- * ldy and row (a weight row's bytes). */
+/* A matrix's rows by CALL(w_row, NR, out), against the caller's m <= RIR activation rows; NR
+ * a constant in each case, so that the kernels' loops over the rows unroll. The caller names
+ * w, n, m, y and row (a weight row's bytes). */
 #define ROWS_R(CALL, NR)                                                                          \
-    do {                                                                                          \
-        _Pragma("omp parallel for schedule(static)")                                              \
-        for (int64_t r_ = 0; r_ < n / 2; r_++) {                                                  \
-            const uint8_t *const w2_[2] = {w + 2 * r_ * row, w + (2 * r_ + 1) * row};             \
-            CALL(w2_, NR, y + 2 * r_, ldy);                                                       \
-        }                                                                                         \
-        if (n % 2) {                                                                              \
-            const uint8_t *const w2_[2] = {w + (n - 1) * row, w + (n - 1) * row};                 \
-            float two_[2 * RIR];                                                                  \
-            CALL(w2_, NR, two_, 2);                                                               \
-            for (int i_ = 0; i_ < (NR); i_++) y[i_ * ldy + n - 1] = two_[2 * i_];                 \
-        }                                                                                         \
-    } while (0)
-#define ROWS(CALL)                                                                               \
-    if (m == 1) ROWS_R(CALL, 1);                                                                  \
-    else ROWS_R(CALL, 2);
-/* ... or one row at a time by CALL(w_row, NR, out) (the K types, whose blocks fill the
- * registers alone) */
-#define ROWS1_R(CALL, NR)                                                                         \
     do {                                                                                          \
         _Pragma("omp parallel for schedule(static)")                                              \
         for (int64_t r_ = 0; r_ < n; r_++) CALL(w + r_ * row, NR, y + r_);                         \
     } while (0)
-#define ROWS1(CALL)                                                                              \
-    if (m == 1) ROWS1_R(CALL, 1);                                                                 \
-    else ROWS1_R(CALL, 2);
+#define ROWS(CALL)                                                                               \
+    if (m == 1) ROWS_R(CALL, 1);                                                                  \
+    else ROWS_R(CALL, 2);
 
 /* Whether m activation rows (8 bits) go through a kernel that takes the blocks into
  * registers: up to RIR rows of most types. */
@@ -471,9 +443,9 @@ static void few_in_registers(int type, const uint8_t *w, int64_t n, int64_t k, c
 #define C4(wr, NR, out) rows_q4k(0, wr, nb, xq, xs4, xb, NR, k, out, ldy)
 #define C5(wr, NR, out) rows_q4k(1, wr, nb, xq, xs4, xb, NR, k, out, ldy)
         if (type == 13) {
-            ROWS1(C5)
+            ROWS(C5)
         } else {
-            ROWS1(C4)
+            ROWS(C4)
         }
 #undef C4
 #undef C5
@@ -487,12 +459,12 @@ static void few_in_registers(int type, const uint8_t *w, int64_t n, int64_t k, c
     } else if (type != 8) {
         lane_offsets(xq, m * (k / 4), type == 2 ? -8 : type == 39 ? -12 : type == 14 ? -32 : -16, nn);
     }
-#define C2(w2, NR, out, ld) rows_q4(2, 18, w2, nb, xq, xs4, nn, xb, NR, k, out, ld)
-#define C3(w2, NR, out, ld) rows_q4(3, 20, w2, nb, xq, xs4, nn, xb, NR, k, out, ld)
-#define C6(w2, NR, out, ld) rows_q4(6, 22, w2, nb, xq, xs4, nn, xb, NR, k, out, ld)
-#define C7(w2, NR, out, ld) rows_q4(7, 24, w2, nb, xq, xs4, nn, xb, NR, k, out, ld)
-#define C8(w2, NR, out, ld) rows_q4(8, 34, w2, nb, xq, xs4, nn, xb, NR, k, out, ld)
-#define C39(w2, NR, out, ld) rows_q4(39, 17, w2, nb, xq, xs4, nn, xb, NR, k, out, ld)
+#define C2(wr, NR, out) rows_q4(2, 18, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C3(wr, NR, out) rows_q4(3, 20, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C6(wr, NR, out) rows_q4(6, 22, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C7(wr, NR, out) rows_q4(7, 24, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C8(wr, NR, out) rows_q4(8, 34, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
+#define C39(wr, NR, out) rows_q4(39, 17, wr, nb, xq, xs4, nn, xb, NR, k, out, ldy)
 #define C14(wr, NR, out) rows_q6k(wr, nb, xq, xs4, nn, NR, k, out, ldy)
     switch (type) {
     case 2: ROWS(C2); break;
@@ -500,7 +472,7 @@ static void few_in_registers(int type, const uint8_t *w, int64_t n, int64_t k, c
     case 6: ROWS(C6); break;
     case 7: ROWS(C7); break;
     case 8: ROWS(C8); break;
-    case 14: ROWS1(C14); break;
+    case 14: ROWS(C14); break;
     default: ROWS(C39);
     }
 #undef C2
@@ -513,6 +485,4 @@ static void few_in_registers(int type, const uint8_t *w, int64_t n, int64_t k, c
 }
 #undef ROWS
 #undef ROWS_R
-#undef ROWS1
-#undef ROWS1_R
 #endif
