@@ -90,9 +90,9 @@ def _widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         buf = _scratch.buf = torch.empty(UPCAST_SCRATCH)
     xr = x.reshape(-1, x.shape[-1])
     y = torch.empty(xr.shape[0], weight.shape[0], dtype=x.dtype)
-    step = max(1, UPCAST_SCRATCH // weight.shape[1])
-    for i in range(0, len(xr), widened_rows(*weight.shape)):
-        xf = xr[i:i + widened_rows(*weight.shape)].float()
+    step, piece = max(1, UPCAST_SCRATCH // weight.shape[1]), widened_rows(*weight.shape)
+    for i in range(0, len(xr), piece):
+        xf = xr[i:i + piece].float()
         out = torch.empty(xf.shape[0], weight.shape[0])
         for r in range(0, weight.shape[0], step):
             rows = weight[r:r + step]

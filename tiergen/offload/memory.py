@@ -156,9 +156,9 @@ def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int,
             # the rows widened at a time in float32 beside the bfloat16 ones; fewer rows
             # multiply as they lie.
             mlp = _mlp_width(cfg)
-            extra = max(min(n, widened_rows(n_, k)) * (n_ + k) * 4 if n >= UPCAST_ROWS else 0
-                        for n_, k in ((q + kv, hidden), (hidden, q), (2 * mlp, hidden),
-                                      (hidden, mlp)))
+            if n >= UPCAST_ROWS:
+                extra = max(min(n, widened_rows(out, k)) * (out + k) * 4 for out, k in
+                            ((q + kv, hidden), (hidden, q), (2 * mlp, hidden), (hidden, mlp)))
             if rows >= UPCAST_ROWS:
                 vocab = cfg.vocab_size
                 head += min(rows, widened_rows(vocab, hidden)) * (hidden + vocab) * 4
