@@ -14,16 +14,17 @@ def write_gguf(hf, arch: str, path, hf_to_gguf: dict[str, str], rope_theta: floa
                qtype: gguf.GGMLQuantizationType = F32,
                transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
                metadata: Callable[[gguf.GGUFWriter], None] | None = None,
-               tensors: dict | None = None) -> None:
+               tensors: dict | None = None, block_count: int | None = None) -> None:
     """``hf_to_gguf`` maps global names and layer-relative names; ``transform(gguf_name, data)``
     applies the converter's per-architecture changes; matrices (and stacks of them) are stored
     as ``qtype``. ``tensors``: what to write, by Hugging Face name (default: the model's
-    state dict)."""
+    state dict); ``block_count``: the blocks the file says it has (default: the model's
+    layers)."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
+    w.add_block_count(block_count or c.num_hidden_layers)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)

@@ -58,6 +58,25 @@ def test_rope(B, H, T, D, torch_path):
     close(layers.apply_rope(x, cos, sin), torch_path(layers.apply_rope, x, cos, sin))
 
 
+@pytest.mark.parametrize("B,H,T,D,R", [(1, 9, 1, 64, 32), (2, 3, 5, 128, 64), (3, 2, 4, 6, 2)])
+@pytest.mark.parametrize("pairs", [False, True])
+def test_partial_rope_turns_a_heads_first_numbers_and_passes_the_rest(B, H, T, D, R, pairs,
+                                                                      torch_path):
+    """Partial rotary (GLM-4.5, MiniMax-M2): tables R wide rotate x[..., :R] as a whole
+    head of R would be, x[..., R:] unchanged, on the C path and on torch's."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, T, H, D, generator=g).transpose(1, 2)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
+    cos, sin = layers.rope_cos_sin(inv_freq, torch.randint(0, 500, (B, T), generator=g),
+                                   torch.float32)
+    want = torch.cat((torch_path(layers.apply_rope, x[..., :R].contiguous(), cos, sin, pairs),
+                      x[..., R:]), dim=-1)
+    assert kernels.rope(x, cos, sin, pairs) is not None
+    close(layers.apply_rope(x, cos, sin, pairs), want)
+    assert torch.equal(layers.apply_rope(x, cos, sin, pairs)[..., R:], x[..., R:])
+    assert torch.equal(torch_path(layers.apply_rope, x, cos, sin, pairs), want)
+
+
 @pytest.mark.parametrize("B,H,T,D", [(1, 9, 1, 64), (2, 3, 5, 64), (3, 2, 4, 6)])
 def test_rope_in_pairs_is_the_half_split_rope_in_llama_cpp_order(B, H, T, D, torch_path):
     """Q/K rows as llama.cpp stores Llama's (each head's rotary pairs side by side), rotated
@@ -222,6 +241,9 @@ def test_every_instruction_set_build_does_the_decode_operations_as_torch(isa_lib
     test_rope(2, 3, 5, 64, torch_path)
     test_rope(3, 2, 4, 6, torch_path)
     test_rope_in_pairs_is_the_half_split_rope_in_llama_cpp_order(2, 3, 5, 64, torch_path)
+    for pairs in (False, True):
+        test_partial_rope_turns_a_heads_first_numbers_and_passes_the_rest(2, 3, 5, 128, 64,
+                                                                          pairs, torch_path)
     for kv_dtype in (torch.float32, torch.float16, torch.bfloat16):
         test_decode_attention(9, 3, 64, 64, True, kv_dtype, torch_path)
         test_decode_attention(4, 1, 72, 40, False, kv_dtype, torch_path)

@@ -23,7 +23,10 @@ from tiny_models import build
 
 GGUF_ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe",
              "deepseek-v2": "deepseek2", "deepseek-v2-lite": "deepseek2", "deepseek-v3": "deepseek2",
-             "gpt-oss": "gpt-oss", "gpt-oss-fused": "gpt-oss"}
+             "gpt-oss": "gpt-oss", "gpt-oss-fused": "gpt-oss", "glm4-moe": "glm4moe",
+             "glm4-moe-lite": "deepseek2", "minimax-m2": "minimax-m2"}
+# llama.cpp converts GLM-4.7-Flash as DeepSeek-V3 ("deepseek2" with sigmoid gating)
+GGUF_AS = {"glm4-moe-lite": "DeepseekV3ForCausalLM"}
 # What a GGUF file cannot say: llama.cpp keeps DeepSeek's mscale equal to mscale_all_dim (as
 # the released models have it) and RoPE pairs adjacent (rope_interleave), and gpt-oss's SwiGLU
 # limit at the released 7.
@@ -108,12 +111,20 @@ def deepseek2_metadata(w: gguf.GGUFWriter, c) -> None:
     w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
     w.add_value_length_mla(c.v_head_dim)
     w.add_rope_dimension_count(c.qk_rope_head_dim)
-    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    deepseek_moe_metadata(w, c)
+
+
+def deepseek_moe_metadata(w: gguf.GGUFWriter, c) -> None:
+    """DeepSeek's routing keys, which GLM-4.5's converter writes too."""
+    dense = getattr(c, "first_k_dense_replace", None)
+    if dense is None:  # GLM-4.7-Flash: a type per layer
+        dense = c.mlp_layer_types.index("sparse")
+    w.add_leading_dense_block_count(dense)
     w.add_expert_shared_count(c.n_shared_experts)
     w.add_expert_weights_scale(c.routed_scaling_factor)
     if c.norm_topk_prob:
         w.add_expert_weights_norm(True)
-    v3 = c.architectures[0] == "DeepseekV3ForCausalLM"
+    v3 = c.architectures[0] != "DeepseekV2ForCausalLM"
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else
                              gguf.ExpertGatingFuncType.SOFTMAX)
     if (c.n_group or 1) > 1 and (v3 or c.topk_method == "group_limited_greedy"):
@@ -136,6 +147,14 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
     if arch == "deepseek2":
         split_kv_b(tensors, c)
         to_gguf |= DEEPSEEK2_TO_GGUF
+    if arch == "glm4moe":
+        to_gguf |= {"post_attention_layernorm.weight": "post_attention_norm.weight"}
+        # llama.cpp's converter counts the multi-token-prediction layer among the blocks
+        mtp = c.num_hidden_layers
+        tensors |= {f"model.layers.{mtp}.input_layernorm.weight": torch.ones(c.hidden_size),
+                    f"model.layers.{mtp}.nextn.eh_proj.weight": torch.ones(c.hidden_size,
+                                                                           2 * c.hidden_size)}
+        to_gguf |= {"nextn.eh_proj.weight": "nextn.eh_proj.weight"}
 
     def change(gname: str, data: np.ndarray) -> np.ndarray:
         if arch == "llama" and ("attn_q." in gname or "attn_k." in gname):
@@ -151,6 +170,14 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
         w.add_expert_used_count(c.num_experts_per_tok)
         if arch == "deepseek2":
             deepseek2_metadata(w, c)
+        if arch == "glm4moe":
+            deepseek_moe_metadata(w, c)
+            w.add_nextn_predict_layers(1)
+        if arch in ("glm4moe", "minimax-m2"):
+            w.add_rope_dimension_count(int(
+                c.head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0)))
+        if arch == "minimax-m2":
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         if arch == "gpt-oss":
             rope = c.rope_parameters
             w.add_sliding_window(c.sliding_window)
@@ -158,13 +185,16 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
             w.add_rope_scaling_factor(rope["factor"])
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
             w.add_expert_feed_forward_length(c.intermediate_size)
+        elif arch == "minimax-m2":
+            w.add_expert_feed_forward_length(c.intermediate_size)
         elif arch != "llama":
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
         if getattr(c, "shared_expert_intermediate_size", None):
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
 
     write_gguf(hf, arch, path, HF_TO_GGUF | to_gguf, c.rope_parameters["rope_theta"], qtype,
-               change, metadata, tensors)
+               change, metadata, tensors,
+               block_count=c.num_hidden_layers + (arch == "glm4moe"))
 
 
 @pytest.fixture(scope="module", params=sorted(GGUF_ARCH))
@@ -183,8 +213,10 @@ def test_moe_gguf_loads_the_same_model(moe_model):
     a, b = from_gguf.executor.cfg, from_dir.executor.cfg
     # (the GGUF keeps gpt-oss's gate and up rows apart, its checkpoint interleaves them)
     assert replace(a.moe, gate_up_interleaved=b.moe.gate_up_interleaved) == b.moe
-    for field in ("architecture", "layer_types", "sliding_window", "attention_sinks"):
-        assert getattr(a, field) == getattr(b, field)
+    assert a.architecture == GGUF_AS.get(case, b.architecture)
+    for field in ("num_layers", "layer_types", "sliding_window", "attention_sinks", "rotary_dim",
+                  "qk_norm", "qk_norm_across_heads", "qkv_bias", "o_bias"):
+        assert getattr(a, field) == getattr(b, field), field
     # (llama.cpp's converter splits DeepSeek's kv_b into k_b and v_b)
     assert a.mla == (b.mla and replace(b.mla, kv_b_split=True))
     for x, y in zip(prefill_and_decode_logits(from_gguf), prefill_and_decode_logits(from_dir)):

@@ -15,8 +15,8 @@ from tiny_models import CASES, build
 from test_offload import PROMPTS, prefill_and_decode_logits
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-MOE_CASES = ["deepseek-v2", "deepseek-v2-lite", "deepseek-v3", "gpt-oss", "mixtral", "qwen2-moe",
-             "qwen3-moe"]
+MOE_CASES = ["deepseek-v2", "deepseek-v2-lite", "deepseek-v3", "glm4-moe", "glm4-moe-lite",
+             "gpt-oss", "minimax-m2", "mixtral", "qwen2-moe", "qwen3-moe"]
 
 EXPERT_POLICIES = {
     "experts-on-disk": dict(experts="disk"),
@@ -148,6 +148,36 @@ def test_bad_moe_configs_are_refused():
         Policy(experts="gpu")
 
 
+def test_glm_and_minimax_configs_are_read_or_refused_by_the_field():
+    """Partial rotary as each family writes it, and what tiergen cannot run refused with the
+    field that asks for it."""
+    base = dict(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                num_experts_per_tok=2, moe_intermediate_size=4)
+    glm = base | dict(architectures=["Glm4MoeForCausalLM"], n_routed_experts=4)
+    assert from_hf_config(glm).rotary_dim == 16  # GLM-4.5's default: half of a head
+    assert from_hf_config(glm | dict(partial_rotary_factor=0.25)).rotary_dim == 8
+    assert from_hf_config(glm | dict(rope_parameters=dict(
+        rope_type="default", rope_theta=1e6, partial_rotary_factor=1.0))).rotary_dim == 32
+    assert from_hf_config(glm).moe.topk_method == "noaux_tc"
+    assert from_hf_config(glm | dict(attention_bias=True)).qkv_bias
+    assert not from_hf_config(glm | dict(attention_bias=True)).o_bias
+    minimax = base | dict(architectures=["MiniMaxM2ForCausalLM"], num_local_experts=4,
+                          rotary_dim=16)
+    cfg = from_hf_config(minimax)
+    assert (cfg.rotary_dim, cfg.qk_norm, cfg.qk_norm_across_heads) == (16, True, True)
+    assert cfg.moe.router_bias and cfg.moe.scoring == "sigmoid" and not cfg.moe.shared_intermediate_size
+    for bad, match in ((glm | dict(scoring_func="softmax"), "scoring_func 'softmax'"),
+                       (minimax | dict(scoring_func="softmax"), "scoring_func 'softmax'"),
+                       (minimax | dict(qk_norm_type="per_head"), "qk_norm_type 'per_head'"),
+                       (minimax | dict(rotary_dim=15), "rotary_dim or partial_rotary_factor"),
+                       (minimax | dict(rotary_dim=64), "rotary_dim or partial_rotary_factor"),
+                       (glm | dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)),
+                        "rope_type 'longrope'")):
+        with pytest.raises(TiergenError, match=match):
+            from_hf_config(bad)
+
+
 def test_measured_rates_fill_in_defaults():
     rates = HostRates.measured(None, 1e10, None)
     assert rates.host_bandwidth == 1e10
@@ -163,12 +193,13 @@ def test_calibrated_rates_take_the_host_from_the_cpu_and_the_link_from_the_gpu()
     assert HostRates.calibrated(None, None) == HostRates()
 
 
-def test_deepseek_v3_skips_its_multi_token_prediction_layer(tmp_path):
-    # DeepSeek-V3 and Kimi K2 checkpoints carry a next-token-prediction layer after the last
+@pytest.mark.parametrize("case", ["deepseek-v3", "glm4-moe"])
+def test_multi_token_prediction_layers_are_skipped(case, tmp_path):
+    # DeepSeek-V3, Kimi K2 and GLM-4.5 checkpoints carry a next-token-prediction layer after the last
     # one (model.layers.{num_hidden_layers}.*); generation does not use it.
     from safetensors.torch import load_file, save_file
 
-    build("deepseek-v3", tmp_path)
+    build(case, tmp_path)
     expected = [r.token_ids for r in LLM(tmp_path, dtype="float32").generate(PROMPTS, GREEDY)]
     (shard,) = tmp_path.glob("*.safetensors")
     tensors = load_file(shard)

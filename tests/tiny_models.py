@@ -100,6 +100,25 @@ CASES: dict[str, tuple[str, dict]] = {
                              original_max_position_embeddings=16))),
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                   tie_word_embeddings=True)),
+    # GLM-4.5: half of each head rotates, q/k/v biases, per-head q/k norms, the first layer
+    # dense, DeepSeek-V3's sigmoid routing over groups with shared experts and a scale.
+    "glm4-moe": ("Glm4MoeConfig", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, moe_intermediate_size=24, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5)),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention and routing under GLM's names
+    "glm4-moe-lite": ("Glm4MoeLiteConfig", dict(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=24,
+        routed_scaling_factor=1.5)),
+    # MiniMax-M2: a quarter of each head rotates, q and k each normalised over all heads
+    # together, sigmoid routing with a bias and no shared expert
+    "minimax-m2": ("MiniMaxM2Config", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=8,
+        num_local_experts=6, num_experts_per_tok=2, intermediate_size=40,
+        bos_token_id=None, eos_token_id=None)),
 }
 
 

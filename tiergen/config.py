@@ -15,8 +15,11 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM",
     "GptOssForCausalLM",
     "LlamaForCausalLM",
+    "MiniMaxM2ForCausalLM",
     "MistralForCausalLM",
     "MixtralForCausalLM",
     "Qwen2ForCausalLM",
@@ -130,6 +133,11 @@ class ModelConfig:
     o_bias: bool = False  # Llama's attention_bias
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    # MiniMax-M2: the q and k norms each over all heads together (the whole projection)
+    qk_norm_across_heads: bool = False
+    # the first rotary_dim numbers of each head rotate, the rest pass through (partial
+    # rotary: GLM-4.5, MiniMax-M2); None: the whole head
+    rotary_dim: int | None = None
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax
     sliding_window: int | None = None
     # Per-layer attention kinds ("sliding_attention" / "full_attention"); None: every layer
@@ -155,6 +163,13 @@ class ModelConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise TiergenError(f"model config: {name} must be a positive integer, "
                                    f"got {getattr(self, name)!r}")
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
+        if (not isinstance(self.rotary_dim, int) or self.rotary_dim <= 0 or self.rotary_dim % 2
+                or self.rotary_dim > self.head_dim):
+            raise TiergenError(f"model config: the rotary dimension ({self.rotary_dim!r}, from "
+                               "rotary_dim or partial_rotary_factor) must be an even number of "
+                               f"a head's {self.head_dim} numbers")
         if self.num_heads % self.num_kv_heads:
             raise TiergenError(f"model config: num_attention_heads ({self.num_heads}) must be a "
                                f"multiple of num_key_value_heads ({self.num_kv_heads})")
@@ -384,13 +399,19 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             shared_gate=arch == "Qwen2MoeForCausalLM",
             dense_layers=[i for i in range(layers) if i in only or (i + 1) % step])
         return dict(moe=moe)
-    # DeepseekV2ForCausalLM, DeepseekV3ForCausalLM (Kimi K2 too)
-    v3 = arch == "DeepseekV3ForCausalLM"
-    if cfg.get("attention_bias"):
-        raise TiergenError("model config: DeepSeek with attention_bias is not supported")
-    if v3 and cfg.get("scoring_func", "sigmoid") != "sigmoid":
-        raise TiergenError(f"model config: DeepSeek-V3 with scoring_func "
-                           f"{cfg['scoring_func']!r} is not supported (only sigmoid)")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" and arch in SIGMOID_ROUTED:
+        raise TiergenError(f"model config: {arch} with scoring_func {cfg['scoring_func']!r} is "
+                           "not supported (only sigmoid)")
+    if arch == "MiniMaxM2ForCausalLM":  # sigmoid scores with a bias to choose by, no groups
+        moe = MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                        intermediate_size=cfg["intermediate_size"], router_float32=True,
+                        scoring="sigmoid", router_bias=bool(cfg.get("use_routing_bias", True)))
+        return dict(moe=moe)
+    # DeepseekV2ForCausalLM, DeepseekV3ForCausalLM (Kimi K2 too) and GLM-4.5's families, which
+    # route as V3 does (GLM-4.7-Flash's attention is V3's latent attention too)
+    v3 = arch != "DeepseekV2ForCausalLM"
+    if cfg.get("attention_bias") and arch != "Glm4MoeForCausalLM":
+        raise TiergenError(f"model config: {arch} with attention_bias is not supported")
     if not v3 and cfg.get("topk_method") == "noaux_tc":
         raise TiergenError("model config: DeepSeek-V2 with topk_method 'noaux_tc' is not "
                            "supported (DeepseekV3ForCausalLM routes that way)")
@@ -400,16 +421,48 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         # transformers' V3 always routes this way, whatever topk_method says
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
         shared_intermediate_size=cfg["moe_intermediate_size"] * int(cfg.get("n_shared_experts") or 0),
-        dense_layers=list(range(min(int(cfg.get("first_k_dense_replace") or 0), layers))),
+        dense_layers=[i for i, t in enumerate(cfg["mlp_layer_types"]) if t == "dense"]
+        if cfg.get("mlp_layer_types") else
+        list(range(min(int(cfg.get("first_k_dense_replace") or 0), layers))),
         router_float32=True, scoring="sigmoid" if v3 else "softmax", router_bias=v3,
         topk_method="noaux_tc" if v3 else cfg.get("topk_method") or "greedy",
         num_groups=int(cfg.get("n_group") or 1), topk_groups=int(cfg.get("topk_group") or 1),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
+    if arch == "Glm4MoeForCausalLM":
+        return dict(moe=moe)
     mla = MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
                     qk_nope_head_dim=cfg["qk_nope_head_dim"],
                     qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
                     rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
     return dict(moe=moe, mla=mla, head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+
+
+# The mixtures of experts whose routers score with a sigmoid (and nothing else tiergen runs)
+SIGMOID_ROUTED = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
+                  "MiniMaxM2ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                     "DeepseekV2ForCausalLM", "GptOssForCausalLM", *SIGMOID_ROUTED)
+
+
+def _rotary_dim(arch: str, cfg: dict[str, Any], head_dim: int) -> int:
+    """How many numbers of a head rotate: MiniMax-M2's rotary_dim, else partial_rotary_factor
+    of the head (in rope_parameters, or beside it in older files; GLM-4.5 defaults to half)."""
+    if cfg.get("rotary_dim") is not None:
+        return cfg["rotary_dim"]
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    factor = params.get("partial_rotary_factor", cfg.get(
+        "partial_rotary_factor", 0.5 if arch == "Glm4MoeForCausalLM" else 1.0))
+    return int(head_dim * float(factor))
+
+
+def _minimax_m2(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-M2's q/k norms: each over its whole projection (all heads together)."""
+    kind = cfg.get("qk_norm_type", "per_layer")
+    if kind != "per_layer":
+        raise TiergenError(f"model config: MiniMax-M2 with qk_norm_type {kind!r} is not "
+                           "supported (only per_layer: each norm over all heads together)")
+    norm = bool(cfg.get("use_qk_norm", True))
+    return dict(qk_norm=norm, qk_norm_across_heads=norm)
 
 
 def _qwen_layer_types(arch: str, cfg: dict[str, Any]) -> list[str] | None:
@@ -472,9 +525,15 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             fields["layer_types"] = list(cfg.get("layer_types") or [
                 "sliding_attention" if i % 2 == 0 else "full_attention"
                 for i in range(cfg["num_hidden_layers"])])
-        if arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"):
+        if arch == "Glm4MoeForCausalLM":
+            fields["qk_norm"] = bool(cfg.get("use_qk_norm", False))
+        if arch == "MiniMaxM2ForCausalLM":
+            fields |= _minimax_m2(cfg)
+        if arch in MOE_ARCHITECTURES:
             fields |= _moe_from_hf(arch, cfg)
+        head_dim = fields.pop("head_dim", None) or cfg.get("head_dim") or hidden // heads
+        if "mla" not in fields:
+            fields["rotary_dim"] = _rotary_dim(arch, cfg, head_dim)
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -483,11 +542,12 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=fields.pop("head_dim", None) or cfg.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             max_position=cfg.get("max_position_embeddings", 2048),
             qkv_bias=bias or arch == "Qwen2ForCausalLM"
             or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),
-            o_bias=bias and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
+            o_bias=bias and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+                                         "Glm4MoeForCausalLM"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=as_id_list(cfg.get("eos_token_id")),
             **fields,

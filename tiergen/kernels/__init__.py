@@ -718,11 +718,13 @@ def glu(gate_up: torch.Tensor, gelu: bool, out: torch.Tensor | None = None,
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False
          ) -> torch.Tensor | None:
     """Rotary embedding of x (B, H, T, D) in the half-split layout (``pairs``: each rotated
-    pair adjacent), cos and sin (B, 1, T, D), in one call for float32 CPU tensors; None where
-    the library cannot take them."""
+    pair adjacent), cos and sin (B, 1, T, R), the first R numbers of each head rotated and the
+    rest passed through, in one call for float32 CPU tensors; None where the library cannot
+    take them."""
     B, H, T, D = x.shape
-    if (not _cpu_float32(x, cos, sin) or x.stride(-1) != 1 or D % 2
-            or cos.shape != (B, 1, T, D) or sin.shape != cos.shape):
+    R = cos.shape[-1]
+    if (not _cpu_float32(x, cos, sin) or x.stride(-1) != 1 or R % 2 or R > D
+            or cos.shape != (B, 1, T, R) or sin.shape != cos.shape):
         return None
     lib = library()
     if lib is None:
@@ -730,8 +732,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = Fa
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(B, H, T, D)
     strides = (ctypes.c_int64 * 3)(*x.stride()[:3])
-    lib.tg_rope(x.data_ptr(), strides, B, H, T, D, cos.data_ptr(), sin.data_ptr(), int(pairs),
-                 out.data_ptr())
+    lib.tg_rope(x.data_ptr(), strides, B, H, T, D, R, cos.data_ptr(), sin.data_ptr(),
+                int(pairs), out.data_ptr())
     return out
 
 

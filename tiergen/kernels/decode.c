@@ -55,30 +55,34 @@ void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t
     }
 }
 
-/* Rotary embedding in the half-split layout: out[b, h, t] = x * cos + rot(x) * sin with
- * rot(x) = (-x[D/2:], x[:D/2]); cos, sin (B, T, D) contiguous (cos[i] = cos[i + D/2]), out
- * (B, H, T, D) contiguous, and x's row (b, h, t) at x + b * xs[0] + h * xs[1] + t * xs[2]
- * (floats). pairs: each rotated pair is adjacent instead, (x[2i], x[2i + 1]) turned by the
- * angle of i, as llama.cpp stores Llama's Q/K rows; the same operations on the same values,
- * so the numbers are those of the half-split layout, in the pairs' order. */
+/* Rotary embedding of the first `rotary` of D numbers of each row (all of them, or fewer:
+ * partial rotary, GLM-4.5 and MiniMax-M2), the rest passed through, in the half-split
+ * layout: with R = rotary, out[b, h, t, :R] = x * cos + rot(x) * sin, rot(x) = (-x[R/2:R],
+ * x[:R/2]); cos, sin (B, T, R) contiguous (cos[i] = cos[i + R/2]), out (B, H, T, D)
+ * contiguous, and x's row (b, h, t) at x + b * xs[0] + h * xs[1] + t * xs[2] (floats).
+ * pairs: each rotated pair is adjacent instead, (x[2i], x[2i + 1]) turned by the angle of i,
+ * as llama.cpp stores Llama's Q/K rows; the same operations on the same values, so the
+ * numbers are those of the half-split layout, in the pairs' order. */
 void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T, int64_t D,
-             const float *cos, const float *sin, int pairs, float *out) {
-    const int64_t half = D / 2;
+             int64_t rotary, const float *cos, const float *sin, int pairs, float *out) {
+    const int64_t half = rotary / 2;
 #pragma omp parallel for schedule(static) if (B * H * T * D >= (1 << 16))
     for (int64_t r = 0; r < B * H * T; r++) {
         const int64_t b = r / (H * T), h = r / T % H, t = r % T;
         const float *restrict xr = x + b * xs[0] + h * xs[1] + t * xs[2];
-        const float *restrict c = cos + (b * T + t) * D, *restrict sn = sin + (b * T + t) * D;
+        const float *restrict c = cos + (b * T + t) * rotary;
+        const float *restrict sn = sin + (b * T + t) * rotary;
         float *restrict o = out + r * D;
         if (pairs) {
             for (int64_t i = 0; i < half; i++) {
                 o[2 * i] = xr[2 * i] * c[i] + -xr[2 * i + 1] * sn[i];
                 o[2 * i + 1] = xr[2 * i + 1] * c[i] + xr[2 * i] * sn[i];
             }
-            continue;
+        } else {
+            for (int64_t i = 0; i < half; i++) o[i] = xr[i] * c[i] + -xr[i + half] * sn[i];
+            for (int64_t i = half; i < rotary; i++) o[i] = xr[i] * c[i] + xr[i - half] * sn[i];
         }
-        for (int64_t i = 0; i < half; i++) o[i] = xr[i] * c[i] + -xr[i + half] * sn[i];
-        for (int64_t i = half; i < D; i++) o[i] = xr[i] * c[i] + xr[i - half] * sn[i];
+        for (int64_t i = rotary; i < D; i++) o[i] = xr[i];
     }
 }
 

@@ -61,7 +61,7 @@ static void put_kv(int kv16, void *dst, int64_t at, const float *src, int64_t n)
     else memcpy((float *)dst + at, src, sizeof(float) * n);
 }
 
-/* h (B, hidden) advances through the layer in place. cos, sin (B, head_dim): this token's
+/* h (B, hidden) advances through the layer in place. cos, sin (B, rotary): this token's
  * rotation per row. The cache (float32, or float16 where kv16 is set): k (v) row of batch
  * row b, head g, slot s at kc + b ks[0] + g ks[1] + s ks[2] (numbers); the new token goes to
  * slot `slot`, attention reads slots [0, S) where mask (B, S) allows. Returns 0, 1 for a
@@ -94,8 +94,8 @@ int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, co
         norm_rows(L, L->k_norm, qkv + b * NQKV + NQ, L->kv_heads, D);
     }
     const int64_t strides[3] = {NQKV, D, 0};
-    tg_rope(qkv, strides, B, L->heads, 1, D, cos, sin, L->pairs, q);
-    tg_rope(qkv + NQ, strides, B, L->kv_heads, 1, D, cos, sin, L->pairs, kr);
+    tg_rope(qkv, strides, B, L->heads, 1, D, L->rotary, cos, sin, L->pairs, q);
+    tg_rope(qkv + NQ, strides, B, L->kv_heads, 1, D, L->rotary, cos, sin, L->pairs, kr);
     if (L->q_scale != 1.0f)
         for (int64_t i = 0; i < B * NQ; i++) q[i] *= L->q_scale;
     for (int64_t b = 0; b < B; b++)
@@ -308,7 +308,7 @@ int tg_mla_attention(const tg_mla *L, float *h, int64_t B, const float *cos, con
         tg_rms_norm(a + b * A + QO, L->kv_norm, 0.0f, 1, R, L->eps, row + b * D);
     const int64_t kstrides[3] = {A, 0, 0}, qstrides[3] = {qstride, QK, 0};
     float *kpe = og;  /* (B, P) scratch */
-    tg_rope(a + QO + R, kstrides, B, 1, 1, P, cos, sin, 1, kpe);
+    tg_rope(a + QO + R, kstrides, B, 1, 1, P, P, cos, sin, 1, kpe);
     for (int64_t b = 0; b < B; b++) {
         memcpy(row + b * D + R, kpe + b * P, sizeof(float) * P);
         put_kv(kv16, cache, b * cs[0] + slot * cs[2], row + b * D, D);
@@ -320,7 +320,7 @@ int tg_mla_attention(const tg_mla *L, float *h, int64_t B, const float *cos, con
                    sizeof(float) * L->nope);
     if ((err = grouped(L, L->kb_type, L->k_b, L->kb_stride, NH, R, L->nope, xn, B, lat, &ab)))
         goto done;
-    tg_rope(qsrc + L->nope, qstrides, B, NH, 1, P, cos, sin, 1, ol);  /* (B, NH, P) scratch */
+    tg_rope(qsrc + L->nope, qstrides, B, NH, 1, P, P, cos, sin, 1, ol);  /* (B, NH, P) scratch */
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < NH; g++) {
             memcpy(qa + (b * NH + g) * D, lat + (g * B + b) * R, sizeof(float) * R);

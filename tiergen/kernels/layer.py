@@ -35,7 +35,8 @@ _ptr = ctypes.c_void_p
 class _Layer(ctypes.Structure):
     """tiergen.h's tg_layer, field for field."""
 
-    _fields_ = ([(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")]
+    _fields_ = ([(n, ctypes.c_int64)
+                 for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "rotary")]
                 + [(n, ctypes.c_float) for n in ("eps", "shift", "q_scale")]
                 + [(n, ctypes.c_int32) for n in ("gelu", "qa", "wide", "pairs")]
                 + [(n, _ptr) for n in NORMS + BIASES + MATRICES])
@@ -53,6 +54,7 @@ class LayerKind:
     q_scale: float = 1.0  # q is multiplied by it after the rotation
     gelu: bool = False  # the MLP's activation: GELU (tanh) instead of SiLU
     pairs: bool = False  # rotary pairs adjacent (RopeConfig.pairs)
+    rotary: int = 0  # the rotated numbers of a head: 0 all of them, fewer for partial rotary
 
 
 _built: dict[tuple, tuple[_Layer, list]] = {}  # by the addresses (and layouts) they point to
@@ -99,7 +101,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
     arrays = [kernels.matrix_descriptor(m) for m in mats]
     qa, wide = fmt or (0, False)
     layer = _Layer(w["o"].shape[0], kind.heads, kind.kv_heads, kind.head_dim,
-                   w["down"].shape[1], kind.eps, kind.shift, kind.q_scale, int(kind.gelu),
+                   w["down"].shape[1], kind.rotary or kind.head_dim, kind.eps, kind.shift, kind.q_scale, int(kind.gelu),
                    qa, int(wide), int(kind.pairs),
                    *(None if v is None else v.data_ptr() for v in vecs),
                    *(ctypes.addressof(a) for a in arrays))
@@ -126,7 +128,7 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor | None:
     """h (B, 1, hidden) after the layer, the new token's K/V written to the cache k, v
     (B, KVH, S, D; float32 or float16) at ``slot``, attention over the slots ``mask`` (B, 1, 1, S) allows;
-    cos, sin (B, 1, 1, D). None where the C layer cannot run it (see the module docstring)."""
+    cos, sin (B, 1, 1, rotary). None where the C layer cannot run it (see the module docstring)."""
     B = h.shape[0]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
     kv16 = kernels.kv_format(k, v)  # (the layer writes float32 and float16 caches)

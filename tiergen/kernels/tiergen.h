@@ -20,6 +20,7 @@ typedef const int64_t *tg_matrix;
 /* A decode layer (layer.c; kernels/layer.py's _Layer). */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
+    int64_t rotary;      /* the rotated numbers of a head (partial rotary: fewer than head_dim) */
     float eps, shift, q_scale;
     int32_t gelu;        /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
     int32_t qa, wide;    /* activations: qa = 0 float32, else int8 scale groups of qa (wide: 16-bit) */
@@ -101,7 +102,7 @@ void tg_set_batch_invariant(int on);
 void tg_rms_norm(const float *x, const float *w, float shift, int64_t m, int64_t n, float eps,
                  float *out);
 void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T, int64_t D,
-             const float *cos, const float *sin, int pairs, float *out);
+             int64_t rotary, const float *cos, const float *sin, int pairs, float *out);
 int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
                         int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
                         const int64_t *ks, const int64_t *vs, float scale, int kv, float *out);

@@ -10,8 +10,11 @@ FAMILIES = {
     "DeepseekV2ForCausalLM": DeepseekV2,
     "DeepseekV3ForCausalLM": DeepseekV2,  # V3's differences are in its config (routing)
     "Gemma3ForCausalLM": Gemma3,
+    "Glm4MoeForCausalLM": Llama,
+    "Glm4MoeLiteForCausalLM": DeepseekV2,  # V3's latent attention and routing, GLM's sizes
     "GptOssForCausalLM": Llama,
     "LlamaForCausalLM": Llama,
+    "MiniMaxM2ForCausalLM": Llama,
     "MistralForCausalLM": Llama,
     "MixtralForCausalLM": Llama,
     "Qwen2ForCausalLM": Llama,

@@ -285,8 +285,9 @@ def rope_attention_factor(rope: RopeConfig) -> float:
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (B, 1, T, head_dim) for positions (B, T), computed in float32."""
-    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
+    """cos/sin tables (B, 1, T, 2 len(inv_freq)) for positions (B, T), computed in float32:
+    as wide as the rotated part of a head (all of it, or its first ``rotary_dim`` numbers)."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, R/2)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -295,10 +296,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: boo
                ) -> torch.Tensor:
     """Rotate x (B, heads, T, D) in the half-split layout Hugging Face uses, or (``pairs``)
     with each rotated pair adjacent, (x[2i], x[2i + 1]) turned by the angle of i: Q/K rows in
-    llama.cpp's order (``RopeConfig.pairs``). Both take rope_cos_sin's tables."""
+    llama.cpp's order (``RopeConfig.pairs``). Both take rope_cos_sin's tables, whose width R
+    may be less than D (partial rotary): then only x's first R numbers turn."""
     out = kernels.rope(x, cos, sin, pairs)  # float32 on a CPU: one call
     if out is not None:
         return out
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :R], cos, sin, pairs), x[..., R:]), dim=-1)
     if pairs:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         c, s = cos[..., :x.shape[-1] // 2], sin[..., :x.shape[-1] // 2]

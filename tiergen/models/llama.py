@@ -1,7 +1,9 @@
 """The Llama family: Llama 2/3.x, Mistral (sliding window or not), Qwen2 (q/k/v biases),
 Qwen3 (per-head q/k RMSNorm), their mixture-of-experts versions Mixtral, Qwen2-MoE and
-Qwen3-MoE (``cfg.moe``: the MLP of a layer becomes routed experts), and gpt-oss (attention
-sinks, sliding and full layers, experts with biases). The differences are config flags.
+Qwen3-MoE (``cfg.moe``: the MLP of a layer becomes routed experts), gpt-oss (attention
+sinks, sliding and full layers, experts with biases), GLM-4.5 to 4.7 (partial rotary, q/k/v
+biases, DeepSeek-V3's routing) and MiniMax-M2 (partial rotary, q and k normalised over all
+heads together, sigmoid routing). The differences are config flags.
 
 Per layer: h += o_proj(attn(rope(q), rope(k), v)) over rms_norm(h); h += mlp(rms_norm(h)).
 """
@@ -30,10 +32,10 @@ FUSED_NAMES = {"attn_norm": "input_norm", "q_norm": "q_norm", "k_norm": "k_norm"
 class Llama:
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg, self.reduce = cfg, no_reduce
-        self.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        self.inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)
         self.rope_factor = rope_attention_factor(cfg.rope)  # YaRN scales cos and sin
         self.kind = LayerKind(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-                              pairs=cfg.rope.pairs)
+                              pairs=cfg.rope.pairs, rotary=cfg.rotary_dim)
 
     def global_specs(self) -> dict[str, tuple[int, ...]]:
         return causal_lm_global_specs(self.cfg)
@@ -57,8 +59,8 @@ class Llama:
         if c.o_bias:
             specs[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
         if c.qk_norm:
-            specs |= {p + "self_attn.q_norm.weight": (c.head_dim,),
-                      p + "self_attn.k_norm.weight": (c.head_dim,)}
+            specs |= {p + "self_attn.q_norm.weight": self._qk_norm_shape(q),
+                      p + "self_attn.k_norm.weight": self._qk_norm_shape(kv)}
         if c.attention_sinks:
             specs[p + "self_attn.sinks"] = (c.num_heads,)
         return specs
@@ -75,10 +77,14 @@ class Llama:
         if c.o_bias:
             specs["o_bias"] = (c.hidden_size,)
         if c.qk_norm:
-            specs["q_norm"] = specs["k_norm"] = (c.head_dim,)
+            specs["q_norm"], specs["k_norm"] = self._qk_norm_shape(q), self._qk_norm_shape(kv)
         if c.attention_sinks:
             specs["sinks"] = (c.num_heads,)
         return specs
+
+    def _qk_norm_shape(self, width: int) -> tuple[int]:
+        """A q or k norm's weight: a head's, or the whole projection's (MiniMax-M2)."""
+        return (width if self.cfg.qk_norm_across_heads else self.cfg.head_dim,)
 
     def fuse_globals(self, raw: Weights) -> Weights:
         return fuse_causal_lm_globals(self.cfg, raw)
@@ -118,16 +124,19 @@ class Llama:
         B, T, _ = h.shape
         c = self.cfg
         if T == 1 and self.reduce is no_reduce and not c.is_moe_layer(i) \
-                and not c.attention_sinks and (out := fused_decode(
+                and not (c.attention_sinks or c.qk_norm_across_heads) and (out := fused_decode(
                 self.kind, FUSED_NAMES, w, h, meta, cache, shared)) is not None:
             return out
         x = rms_norm(h, w["input_norm"], c.rms_norm_eps)
         qkv = linear(x, w["qkv"], w.get("qkv_bias"))
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                              c.num_kv_heads * c.head_dim], dim=-1)
+        if c.qk_norm_across_heads:  # each over all heads together
+            q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
         q = q.view(B, T, c.num_heads, c.head_dim)
         k = k.view(B, T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
+        if c.qk_norm and not c.qk_norm_across_heads:
             q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
         cos, sin = shared

@@ -73,6 +73,11 @@ class ShardPlan:
         if not isinstance(size, int) or size < 1:
             raise TiergenError(f"tensor_parallel must be a positive integer, got {size!r}")
         h, kv = cfg.num_heads, cfg.num_kv_heads
+        if cfg.qk_norm_across_heads and size > 1:
+            raise TiergenError(f"tensor_parallel={size}: {cfg.architecture}'s q and k norms "
+                               "are each over all heads together, which one rank's heads "
+                               "cannot compute alone; run it on one rank, or over "
+                               "pipeline_parallel ranks")
         if cfg.mla is not None:  # one latent for all heads: every rank keeps it
             heads = kv_heads = even_ranges(h, size, "attention heads")[rank]
         elif kv >= size:

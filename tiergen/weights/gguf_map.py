@@ -24,8 +24,10 @@ from tiergen.weights.quant import FLOAT_TYPES, GGMLType, dequantize, tensor_nbyt
 GGUF_ARCHITECTURES = {
     "deepseek2": "DeepseekV2ForCausalLM",  # DeepseekV3ForCausalLM with sigmoid gating
     "gemma3": "Gemma3ForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts
+    "minimax-m2": "MiniMaxM2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
@@ -97,7 +99,8 @@ MOE_NAMES = {
 # llama.cpp always renormalises the chosen experts' weights for these (it has no key for it)
 NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": False}
 
-# gpt-oss: the norm before the MLP, and the attention sinks (a vector named without .weight)
+# gpt-oss and GLM-4.5: the norm before the MLP; gpt-oss's attention sinks (a vector named
+# without .weight)
 GPT_OSS_LAYER_NAMES = LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm"}
 UNSUFFIXED = {"attn_sinks": "self_attn.sinks"}
 
@@ -124,7 +127,8 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     names = {"gemma3": GEMMA3_LAYER_NAMES, "deepseek2": DEEPSEEK2_LAYER_NAMES,
-             "gpt-oss": GPT_OSS_LAYER_NAMES}.get(arch, LAYER_NAMES)
+             "gpt-oss": GPT_OSS_LAYER_NAMES, "glm4moe": GPT_OSS_LAYER_NAMES
+             }.get(arch, LAYER_NAMES)
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in UNSUFFIXED:
         return f"model.layers.{m.group(1)}.{UNSUFFIXED[m.group(2)]}"
@@ -187,10 +191,16 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
                           beta_slow=float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
                           mscale=mscale, mscale_all_dim=mscale)
     rope.pairs = arch in PERMUTED_QK
-    layers = int(key("block_count"))
+    # GLM-4.5's multi-token-prediction layers come after the model's own: skipped
+    layers = int(key("block_count")) - int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     architecture, extra = GGUF_ARCHITECTURES[arch], {}  # MoE, MLA, gpt-oss fields
-    if arch == "deepseek2":
+    if arch in ("glm4moe", "minimax-m2"):  # partial rotary, halves split (llama.cpp's NEOX)
+        extra = dict(moe=_sigmoid_moe(meta, arch, layers),
+                     rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)))
+        if arch == "minimax-m2":
+            extra |= dict(qk_norm_across_heads=True)
+    elif arch == "deepseek2":
         extra = _deepseek2_from_gguf(meta, arch, layers, tensor_names)
         mla = extra["mla"]
         head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
@@ -238,20 +248,9 @@ def _deepseek2_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[s
     def get(name: str, default: object = None) -> object:
         return meta.get(f"{arch}.{name}", default)
 
-    v3 = int(get("expert_gating_func", 1)) == 2
-    groups = int(get("expert_group_count", 1) or 1)
-    size = int(get("expert_feed_forward_length"))
     rope_dim = int(get("rope.dimension_count"))
     qk_dim = int(get("attention.key_length_mla") or get("attention.key_length"))
-    moe = MoEConfig(
-        num_experts=int(get("expert_count")), top_k=int(get("expert_used_count")),
-        intermediate_size=size, norm_topk_prob=bool(get("expert_weights_norm", False)),
-        shared_intermediate_size=size * int(get("expert_shared_count", 0)),
-        dense_layers=list(range(min(int(get("leading_dense_block_count", 0)), layers))),
-        router_float32=True, scoring="sigmoid" if v3 else "softmax", router_bias=v3,
-        topk_method="noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
-        num_groups=groups, topk_groups=int(get("expert_group_used_count", 1) or 1),
-        routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0))
+    moe = _deepseek_moe(meta, arch, layers)
     mla = MLAConfig(q_lora_rank=int(get("attention.q_lora_rank", 0)) or None,
                     kv_lora_rank=int(get("attention.kv_lora_rank")),
                     qk_nope_head_dim=qk_dim - rope_dim, qk_rope_head_dim=rope_dim,
@@ -259,6 +258,39 @@ def _deepseek2_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[s
                                    or get("attention.value_length")),
                     kv_b_split="blk.0.attn_k_b.weight" in tensor_names)
     return dict(moe=moe, mla=mla)
+
+
+def _deepseek_moe(meta: dict, arch: str, layers: int) -> MoEConfig:
+    """DeepSeek's routed and shared experts as llama.cpp keeps them (V3's sigmoid gating:
+    expert_gating_func 2), which GLM-4.5 and MiniMax-M2 route as too."""
+    def get(name: str, default: object = None) -> object:
+        return meta.get(f"{arch}.{name}", default)
+
+    v3 = int(get("expert_gating_func", 1)) == 2
+    groups = int(get("expert_group_count", 1) or 1)
+    size = int(get("expert_feed_forward_length"))
+    return MoEConfig(
+        num_experts=int(get("expert_count")), top_k=int(get("expert_used_count")),
+        intermediate_size=size,
+        # llama.cpp always renormalises MiniMax-M2's chosen weights
+        norm_topk_prob=bool(get("expert_weights_norm", arch == "minimax-m2")),
+        shared_intermediate_size=size * int(get("expert_shared_count", 0)),
+        dense_layers=list(range(min(int(get("leading_dense_block_count", 0)), layers))),
+        router_float32=True, scoring="sigmoid" if v3 else "softmax", router_bias=v3,
+        topk_method="noaux_tc" if v3 and arch != "minimax-m2"
+        else "group_limited_greedy" if groups > 1 else "greedy",
+        num_groups=groups, topk_groups=int(get("expert_group_used_count", 1) or 1),
+        routed_scaling_factor=float(get("expert_weights_scale", 1.0) or 1.0))
+
+
+def _sigmoid_moe(meta: dict, arch: str, layers: int) -> MoEConfig:
+    """GLM-4.5's and MiniMax-M2's experts: DeepSeek-V3's routing, refused where the file
+    says another."""
+    gating = int(meta.get(f"{arch}.expert_gating_func", 2))
+    if gating != 2:
+        raise TiergenError(f"GGUF {arch}.expert_gating_func is {gating}; tiergen runs {arch} "
+                           "with sigmoid gating (2) only")
+    return _deepseek_moe(meta, arch, layers)
 
 
 def _moe_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[str]) -> dict:

@@ -25,6 +25,10 @@ CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
 }
 CHECKPOINT_NAMES["DeepseekV3ForCausalLM"] = CHECKPOINT_NAMES["DeepseekV2ForCausalLM"] | {
     "router_bias": "mlp.gate.e_score_correction_bias"}
+CHECKPOINT_NAMES["Glm4MoeForCausalLM"] = CHECKPOINT_NAMES["DeepseekV3ForCausalLM"]
+CHECKPOINT_NAMES["Glm4MoeLiteForCausalLM"] = CHECKPOINT_NAMES["DeepseekV3ForCausalLM"]
+CHECKPOINT_NAMES["MiniMaxM2ForCausalLM"] = CHECKPOINT_NAMES["MixtralForCausalLM"] | {
+    "router_bias": "block_sparse_moe.e_score_correction_bias"}
 # gpt-oss stores every expert in one tensor, transposed: gate_up (E, H, 2I) with gate and up
 # in alternate columns (kept alternating: see models.moe.expert_mlp), down (E, I, H);
 # "stacked" names it.
