@@ -93,7 +93,7 @@ def test_fused_specs_describe_fuse_layer(model_dir):
 IN_PLACE = {"llama-mha", "llama-gqa-tied", "llama-mqa-headdim", "llama3-rope", "mistral",
             "mistral-window", "qwen2", "qwen2-window", "qwen2-yarn", "qwen3", "gemma3-window4",
             "gemma3-window8-linear", "mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v2",
-            "deepseek-v2-lite", "deepseek-v3", "glm4-moe", "glm4-moe-lite", "minimax-m2"}
+            "deepseek-v2-lite", "deepseek-v3", "glm4-moe", "glm4-moe-lite", "minimax-m2", "deepseek-v32", "glm-moe-dsa"}
 
 
 def test_weights_on_disk_are_read_in_place_where_they_lie(model_dir, tmp_path, request):

@@ -113,6 +113,24 @@ CASES: dict[str, tuple[str, dict]] = {
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=24,
         routed_scaling_factor=1.5)),
+    # DeepSeek-V3.2: V3 with sparse attention, each query over the 8 rows its indexer (32
+    # heads of 16) scores best: prompts and generation run several times past 8. (With few
+    # heads, scores tie at 0 where all heads' products are negative, and transformers'
+    # topk breaks ties in no defined order: see test_moe's test of tied choices.)
+    "deepseek-v32": ("DeepseekV32Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=24,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        index_topk=8, index_head_dim=16, index_n_heads=32)),
+    # GLM-5: V3.2's sparse attention with the indexer's RoPE in pairs, and a layer that
+    # reuses the choice of the layer before it
+    "glm-moe-dsa": ("GlmMoeDsaConfig", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=24,
+        first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=32,
+        indexer_types=["full", "shared", "full"])),
     # MiniMax-M2: a quarter of each head rotates, q and k each normalised over all heads
     # together, sigmoid routing with a bias and no shared expert
     "minimax-m2": ("MiniMaxM2Config", dict(

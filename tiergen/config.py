@@ -14,9 +14,11 @@ from tiergen.errors import TiergenError
 SUPPORTED_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
     "Gemma3ForCausalLM",
     "Glm4MoeForCausalLM",
     "Glm4MoeLiteForCausalLM",
+    "GlmMoeDsaForCausalLM",
     "GptOssForCausalLM",
     "LlamaForCausalLM",
     "MiniMaxM2ForCausalLM",
@@ -113,6 +115,19 @@ class MLAConfig:
     v_head_dim: int
     rope_interleave: bool = True  # rotation pairs are adjacent elements (DeepSeek's layout)
     kv_b_split: bool = False  # kv_b stored as k_b and v_b, per head (llama.cpp's GGUF)
+    # DeepSeek Sparse Attention (V3.2, GLM-5): a "lightning indexer" of index_heads heads of
+    # index_head_dim scores every cached token (its key, index_head_dim numbers per token,
+    # cached beside the latent), and each query attends to its index_topk best only.
+    # 0 heads: dense latent attention.
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    index_rope_interleave: bool = False  # the indexer's RoPE pairs adjacent (GLM-5), else halves
+    # GLM-5: the layers that reuse the choice of the last layer before them that made one
+    index_shared: list[bool] | None = None
+
+    def shares_choice(self, layer: int) -> bool:
+        return bool(self.index_shared and self.index_shared[layer])
 
 
 @dataclass
@@ -197,6 +212,19 @@ class ModelConfig:
                 raise TiergenError(f"model config: n_group ({m.num_groups}) leaves fewer than "
                                    f"two of the {m.num_experts} experts per group; a group "
                                    "is scored by its best two")
+        if self.mla is not None and self.mla.index_heads:
+            m = self.mla
+            if not m.q_lora_rank or not 0 < m.index_topk or not (
+                    m.qk_rope_head_dim <= m.index_head_dim and m.index_head_dim % 2 == 0):
+                raise TiergenError(
+                    "model config: sparse attention needs q_lora_rank, a positive index_topk "
+                    f"(got {m.index_topk!r}) and an even index_head_dim of at least "
+                    f"qk_rope_head_dim ({m.index_head_dim!r} < {m.qk_rope_head_dim!r}?)")
+            if m.index_shared is not None and (len(m.index_shared) != self.num_layers
+                                               or m.index_shared[0]):
+                raise TiergenError("model config: indexer_types must name every layer, the "
+                                   "first one 'full' (a 'shared' layer reuses the choice of "
+                                   "the last 'full' one before it)")
         act = _ACTIVATIONS.get(self.architecture, "silu")
         if self.hidden_act != act:
             raise TiergenError(f"model config: {self.architecture} with hidden activation "
@@ -237,8 +265,9 @@ class ModelConfig:
     def kv_layout(self) -> tuple[int, int, int]:
         """What the cache keeps per token and layer: (parts, heads, width). Keys and values
         (2, num_kv_heads, head_dim); MLA one latent row (1, 1, kv_lora_rank + qk_rope_head_dim)."""
-        if self.mla is not None:
-            return 1, 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        if self.mla is not None:  # (with the indexer's key of sparse attention after it)
+            m = self.mla
+            return 1, 1, m.kv_lora_rank + m.qk_rope_head_dim + m.index_head_dim
         return 2, self.num_kv_heads, self.head_dim
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
@@ -260,7 +289,15 @@ class ModelConfig:
         share): what each layer's cache and weights need, nothing of the others."""
         moe = self.moe and replace(self.moe, dense_layers=[
             j - layers.start for j in self.moe.dense_layers if j in layers])
-        return replace(self, num_layers=len(layers), moe=moe, layer_types=None
+        mla = self.mla
+        if mla is not None and mla.index_shared is not None:
+            if mla.index_shared[layers.start]:
+                raise TiergenError(
+                    f"layer {layers.start} reuses the sparse-attention choice of a layer "
+                    "before it, so a pipeline stage cannot begin there; choose another "
+                    "number of pipeline_parallel stages")
+            mla = replace(mla, index_shared=mla.index_shared[layers.start:layers.stop])
+        return replace(self, num_layers=len(layers), moe=moe, mla=mla, layer_types=None
                        if self.layer_types is None else self.layer_types[layers.start:layers.stop])
 
     def layer_rope(self, layer: int) -> RopeConfig:
@@ -434,12 +471,33 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     qk_nope_head_dim=cfg["qk_nope_head_dim"],
                     qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
                     rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
+    if arch in INDEXED_ATTENTION:
+        mla = replace(mla, **_indexer_from_hf(arch, cfg))
     return dict(moe=moe, mla=mla, head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
 
 
+def _indexer_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MLAConfig fields of DeepSeek Sparse Attention's indexer."""
+    kinds = cfg.get("layer_types")
+    if kinds is not None and set(kinds) - {"indexed_attention"}:
+        raise TiergenError(f"model config: {arch} with layer type "
+                           f"{sorted(set(kinds) - {'indexed_attention'})[0]!r} is not "
+                           "supported (only indexed_attention)")
+    shared = cfg.get("indexer_types")
+    if shared is not None:
+        if set(shared) - {"full", "shared"}:
+            raise TiergenError(f"model config: indexer_types may hold 'full' and 'shared', "
+                               f"got {sorted(set(shared) - {'full', 'shared'})[0]!r}")
+        shared = [t == "shared" for t in shared]
+    return dict(index_heads=int(cfg["index_n_heads"]), index_head_dim=int(cfg["index_head_dim"]),
+                index_topk=int(cfg["index_topk"]), index_shared=shared,
+                index_rope_interleave=arch == "GlmMoeDsaForCausalLM")
+
+
 # The mixtures of experts whose routers score with a sigmoid (and nothing else tiergen runs)
-SIGMOID_ROUTED = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM",
-                  "MiniMaxM2ForCausalLM")
+SIGMOID_ROUTED = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Glm4MoeForCausalLM",
+                  "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "MiniMaxM2ForCausalLM")
+INDEXED_ATTENTION = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "DeepseekV2ForCausalLM", "GptOssForCausalLM", *SIGMOID_ROUTED)
 

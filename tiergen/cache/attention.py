@@ -241,3 +241,63 @@ def _sparse_output(probs: torch.Tensor, v: torch.Tensor, sparsity: float) -> tor
     rows = v.gather(2, idx.reshape(B, kvh, G * keep, 1).expand(-1, -1, -1, v.shape[-1]))
     rows = rows.view(B, kvh, G, keep, -1)  # (B, KVH, G, keep, Dv)
     return (weights.to(v.dtype).unsqueeze(-2) @ rows).squeeze(-2)
+
+
+# A sparse-attention step takes its queries a few at a time, so that their index scores
+# (heads x keys each) and their gathered rows stay within this many bytes.
+SPARSE_PIECE_BYTES = 32 << 20
+
+
+def index_choice(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor,
+                 allowed: torch.Tensor, topk: int) -> torch.Tensor:
+    """DeepSeek Sparse Attention's lightning indexer: queries (B, T, IH, ID) with head
+    weights (B, T, IH) score keys (B, S, ID) as sum_h w_h relu(q_h . k / sqrt(ID)), in
+    float32; returns each query's ``topk`` best slots (B, T, topk) among those ``allowed``
+    (B, T, S) (and masked ones after them where fewer are allowed). Scores tie where every
+    head's product is negative (all 0); a tie across the last place goes to the earlier
+    slots, so that a row chooses the same keys whatever padding comes before it."""
+    B, T, IH, ID = index_q.shape
+    keys = index_k.float().transpose(1, 2)[:, None]  # (B, 1, ID, S)
+    piece = max(1, SPARSE_PIECE_BYTES // (4 * B * IH * keys.shape[-1]))
+    chosen = []
+    for a in range(0, T, piece):
+        scores = torch.relu(torch.matmul(index_q[:, a:a + piece].float(), keys) * ID**-0.5)
+        scores = torch.matmul(weights[:, a:a + piece, None].float(), scores)[:, :, 0]
+        scores = scores.masked_fill(~allowed[:, a:a + piece], float("-inf"))
+        chosen.append(_best(scores, topk))
+    return torch.cat(chosen, dim=1)
+
+
+def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The slots of the k largest scores (..., S) of each row, a tie across the k-th place
+    going to the earlier slots (topk's own order among equals is not defined)."""
+    top = scores.topk(min(k + 1, scores.shape[-1]), dim=-1)
+    best = top.indices[..., :k]
+    if top.values.shape[-1] > k:
+        tied = (top.values[..., k - 1] == top.values[..., k]) & (top.values[..., k] > -math.inf)
+        if bool(tied.any()):
+            best[tied] = scores[tied].sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    return best
+
+
+def chosen_attention(q: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,
+                     allowed: torch.Tensor, values: int) -> torch.Tensor:
+    """q (B, H, T, W) over the rows (B, S, W) each query chose, ``chosen`` (B, T, K) of which
+    count those ``allowed`` (B, T, S), scaled by W**-0.5, the rows' first ``values`` numbers
+    as the values: (B, H, T, values). The chosen rows are gathered (a few queries at a time,
+    see SPARSE_PIECE_BYTES), so a step reads them and no others."""
+    B, H, T, W = q.shape
+    K = chosen.shape[-1]
+    piece = max(1, SPARSE_PIECE_BYTES // (4 * B * K * (W + H)))
+    batch = torch.arange(B, device=q.device)[:, None, None]
+    out = torch.empty(B, H, T, values, dtype=q.dtype, device=q.device)
+    for a in range(0, T, piece):
+        slots = chosen[:, a:a + piece]
+        picked = rows[batch, slots].to(q.dtype)  # (B, t, K, W)
+        ok = allowed[:, a:a + piece].gather(2, slots)
+        scores = torch.matmul(q[:, :, a:a + piece, None], picked[:, None].mT)[..., 0, :]
+        scores = scores.masked_fill(~ok[:, None], float("-inf")) * W**-0.5
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[:, :, a:a + piece] = torch.matmul(probs[..., None, :],
+                                              picked[:, None, ..., :values])[..., 0, :]
+    return out

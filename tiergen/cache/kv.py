@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tiergen import kernels
-from tiergen.cache.attention import attention, rows_alone
+from tiergen.cache.attention import attention, chosen_attention, index_choice, rows_alone
 from tiergen.cache.step import StepMeta
 
 
@@ -184,7 +184,43 @@ class LatentKVView(KVView):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 meta: StepMeta, sinks: torch.Tensor | None) -> torch.Tensor:
         rows, _ = self.update(k, None, meta)
+        return self._dense(q, rows, meta)
+
+    def _dense(self, q: torch.Tensor, rows: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         # values are the first `rank` numbers of each row: attend with the whole row as value
-        # (contiguous, no copy) and drop the RoPE part of the output
+        # (contiguous, no copy where the row holds no indexer key) and drop the RoPE part of
+        # the output
+        rows = rows[..., :q.shape[-1]]
         return attention(q, rows, rows, meta.mask, self.sparsity,
                          meta.valid[:, :meta.end])[..., :self.rank]
+
+    def attend_indexed(self, q: torch.Tensor, k: torch.Tensor, meta: StepMeta, topk: int,
+                       index: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       chosen: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sparse attention (DeepSeek-V3.2): store this step's rows k (B, 1, T, rank + rope +
+        the indexer's key) and attend each query of q (B, H, T, rank + rope) to the ``topk``
+        cached rows that ``index`` (the indexer's queries (B, T, IH, ID) and head weights
+        (B, T, IH)) scores best, or to those ``chosen`` by an earlier layer, or to all while
+        the context is no longer than ``topk`` (then dense attention, as the choice would be
+        every row). Returns the output (B, H, T, rank) and the choice (B, T, topk), None
+        where it was every row. Where the cache is in host RAM, only the indexer's keys and
+        the chosen rows are read."""
+        where, there = q.device, self.k.device
+        moved = [t if t is None else t.to(there) for t in (q, k, chosen, *(index or ()))]
+        q, k, chosen, index = moved[0], moved[1], moved[2], moved[3:] or None
+        meta = meta.to(there) if there != where else meta
+        rows, _ = self.update(k, None, meta)
+        S, W = meta.end, q.shape[-1]
+        if S <= topk:
+            return self._dense(q, rows, meta).to(where), None
+        rows = rows[:, 0, :S]  # (B, S, width)
+        if meta.mask is not None:
+            allowed = meta.mask[:, 0, :, :S]
+        else:  # no padding: causal
+            slots = torch.arange(S, device=there)
+            allowed = (slots[None] <= slots[meta.start:meta.end, None])[None].expand(
+                len(rows), -1, -1)
+        if chosen is None:
+            chosen = index_choice(*index, rows[..., W:], allowed, topk)
+        return chosen_attention(q, rows[..., :W], chosen, allowed, self.rank).to(where), chosen

@@ -9,6 +9,8 @@ from tiergen.models.llama import Llama
 FAMILIES = {
     "DeepseekV2ForCausalLM": DeepseekV2,
     "DeepseekV3ForCausalLM": DeepseekV2,  # V3's differences are in its config (routing)
+    "DeepseekV32ForCausalLM": DeepseekV2,  # V3 with sparse attention
+    "GlmMoeDsaForCausalLM": DeepseekV2,  # V3.2's sparse attention, some layers sharing a choice
     "Gemma3ForCausalLM": Gemma3,
     "Glm4MoeForCausalLM": Llama,
     "Glm4MoeLiteForCausalLM": DeepseekV2,  # V3's latent attention and routing, GLM's sizes

@@ -13,11 +13,20 @@ cached latents.
 
 Per layer: h += o_proj(mla(rms_norm(h))); h += mlp(rms_norm(h)), the MLP dense for the first
 ``first_k_dense_replace`` layers and DeepSeekMoE (shared + routed experts) after.
+
+DeepSeek Sparse Attention (V3.2, GLM-5; ``MLAConfig.index_heads``): a small indexer scores
+every cached token for each query, sum_h w_h relu(q_h . k / sqrt(d)), with its own queries
+from the q latent, one key per token from x (LayerNorm, RoPE on its first rope numbers) and
+per-head weights from x; each query then attends to the ``index_topk`` best rows only, which
+are gathered (:meth:`~tiergen.cache.kv.LatentKVView.attend_indexed`). The indexer's key is
+cached after [c_kv | k_pe] in the same row. GLM-5's "shared" layers reuse the choice of the
+last layer before them that made one.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tiergen.cache.attention import attention
 from tiergen.cache.kv import KVView
@@ -28,8 +37,9 @@ from tiergen.kernels import grouped_linear
 from tiergen.kernels.layer import MlaKind, mla_attention
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
-from tiergen.models.layers import (apply_rope_interleaved, cat_rows, embedding, linear,
-                                   rms_norm, rope_attention_factor, rope_inv_freq, yarn_mscale)
+from tiergen.models.layers import (apply_rope, apply_rope_interleaved, cat_rows, embedding,
+                                   linear, rms_norm, rope_attention_factor, rope_inv_freq,
+                                   yarn_mscale)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
 from tiergen.weights.packed import Packed
 
@@ -71,7 +81,19 @@ class DeepseekV2:
                       a + "q_b_proj.weight": (heads * self.qk_dim, m.q_lora_rank)}
         else:
             specs[a + "q_proj.weight"] = (heads * self.qk_dim, h)
+        specs |= {a + "indexer." + CHECKPOINT_INDEXER[n]: s
+                  for n, s in self._indexer_specs(i).items()}
         return specs | {p + n: s for n, s in ffn_checkpoint_specs(c, i).items()}
+
+    def _indexer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
+        """The indexer's tensors of layer i (none without one, or where it reuses a choice)."""
+        m = self.mla
+        if not m.index_heads or m.shares_choice(i):
+            return {}
+        return {"index_q": (m.index_heads * m.index_head_dim, m.q_lora_rank),
+                "index_k": (m.index_head_dim, self.cfg.hidden_size),
+                "index_norm": (m.index_head_dim,), "index_norm_bias": (m.index_head_dim,),
+                "index_weights": (m.index_heads, self.cfg.hidden_size)}
 
     def fused_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The projections reading x fused into "qkv_a": [q_a | kv_a] with q_lora_rank, else
@@ -88,7 +110,7 @@ class DeepseekV2:
                  "kv_norm": (rank,), **kv, "o": (h, heads * m.v_head_dim), "post_norm": (h,)}
         if m.q_lora_rank:
             specs |= {"q_norm": (m.q_lora_rank,), "q_b": (heads * self.qk_dim, m.q_lora_rank)}
-        return specs | ffn_fused_specs(c, layer)
+        return specs | self._indexer_specs(layer) | ffn_fused_specs(c, layer)
 
     def fuse_globals(self, raw: Weights) -> Weights:
         return fuse_causal_lm_globals(self.cfg, raw)
@@ -113,6 +135,7 @@ class DeepseekV2:
              "o": r[a + "o_proj.weight"], "post_norm": r["post_attention_layernorm.weight"]}
         if m.q_lora_rank:
             w["q_norm"], w["q_b"] = r[a + "q_a_layernorm.weight"], r[a + "q_b_proj.weight"]
+        w |= {n: r[a + "indexer." + CHECKPOINT_INDEXER[n]] for n in self._indexer_specs(i)}
         return w | fuse_ffn(c, i, r)
 
     def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +150,7 @@ class DeepseekV2:
               shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         c = self.cfg
         out = self._native_attention(w, h, meta, cache, shared)
-        h = self._attention(w, h, meta, cache, shared) if out is None else out
+        h = self._attention(i, w, h, meta, cache, shared) if out is None else out
         return h + self.reduce(ffn(c, i, w, rms_norm(h, w["post_norm"], c.rms_norm_eps)))
 
     def _native_attention(self, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
@@ -136,7 +159,7 @@ class DeepseekV2:
         where it can run: on the CPU, llama.cpp's packed k_b and v_b, RoPE pairs adjacent,
         the heads all here. None for any other step."""
         if (h.shape[1] != 1 or h.device.type != "cpu" or not self.absorb or "k_b" not in w
-                or not self.mla.rope_interleave or self.reduce is not no_reduce
+                or self.mla.index_heads or not self.mla.rope_interleave or self.reduce is not no_reduce
                 or cache.k.device.type != "cpu" or (slots := cache.decode_slots(meta)) is None):
             return None
         if "mla_rope" not in meta.derived:  # (B, rope), halves equal: made once per step
@@ -145,7 +168,7 @@ class DeepseekV2:
         return mla_attention(self.kind, w, h, *meta.derived["mla_rope"],
                              cache.k, *slots)
 
-    def _attention(self, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
+    def _attention(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
                    shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """h after the latent attention, operation by operation."""
         c, m = self.cfg, self.mla
@@ -155,7 +178,8 @@ class DeepseekV2:
         a = linear(x, w["qkv_a"])
         q, latent = a.split([a.shape[-1] - rank - rope, rank + rope], dim=-1)
         if m.q_lora_rank:
-            q = linear(rms_norm(q, w["q_norm"], c.rms_norm_eps), w["q_b"])
+            q_latent = rms_norm(q, w["q_norm"], c.rms_norm_eps)
+            q = linear(q_latent, w["q_b"])
         q = q.view(B, T, heads, self.qk_dim).transpose(1, 2)  # (B, H, T, nope + rope)
         q_nope, q_pe = q.split([m.qk_nope_head_dim, rope], dim=-1)
         c_kv, k_pe = latent.split([rank, rope], dim=-1)
@@ -168,12 +192,47 @@ class DeepseekV2:
             q_lat = _per_head(q_nope, w["k_b"]) if "k_b" in w else torch.matmul(q_nope, w["w_uk"])
             # attention scales by (rank + rope)**-0.5; MLA wants self.scale
             qa = torch.cat([q_lat, q_pe], dim=-1) * (self.scale * (rank + rope) ** 0.5)
-            o_lat = cache.attend(qa, row, None, meta)  # (B, H, T, rank)
+            if m.index_heads:
+                o_lat = self._sparse_attention(i, w, x, q_latent, row, qa, cache, meta, shared)
+            else:
+                o_lat = cache.attend(qa, row, None, meta)  # (B, H, T, rank)
             # (B, H, T, v)
             o = _per_head(o_lat, w["v_b"] if "v_b" in w else w["w_uv"])
+        elif m.index_heads:
+            raise NotImplementedError("sparse attention runs absorbed only")
         else:
             o = self._naive_attention(w, q_nope, q_pe, row, cache, meta)
         return h + self.reduce(linear(o.transpose(1, 2).reshape(B, T, -1), w["o"]))
+
+    def _sparse_attention(self, i: int, w: Weights, x: torch.Tensor, q_latent: torch.Tensor,
+                          row: torch.Tensor, qa: torch.Tensor, cache: KVView, meta: StepMeta,
+                          shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The absorbed queries qa over the rows the indexer chooses (B, H, T, rank); the
+        choice is kept in the step for the layers after that reuse it."""
+        m = self.mla
+        B, T, _ = x.shape
+        if m.shares_choice(i):  # no indexer: the row's key part stays zero
+            row = torch.cat([row, row.new_zeros(B, 1, T, m.index_head_dim)], dim=-1)
+            o_lat, _ = cache.attend_indexed(qa, row, meta, m.index_topk,
+                                            chosen=meta.derived.get("sparse choice"))
+            return o_lat
+        index_q = linear(q_latent, w["index_q"]).view(B, T, m.index_heads, m.index_head_dim)
+        index_k = F.layer_norm(linear(x, w["index_k"]).float(), (m.index_head_dim,),
+                               w["index_norm"].float(), w["index_norm_bias"].float(), 1e-6)
+        index_q = self._index_rope(index_q.transpose(1, 2), shared).transpose(1, 2)
+        index_k = self._index_rope(index_k[:, None], shared)  # (B, 1, T, index_head_dim)
+        weights = F.linear(x.float(), _dense(w["index_weights"], torch.float32).float())
+        row = torch.cat([row, index_k.to(row.dtype)], dim=-1)
+        o_lat, meta.derived["sparse choice"] = cache.attend_indexed(
+            qa, row, meta, m.index_topk, index=(index_q, weights * m.index_heads**-0.5))
+        return o_lat
+
+    def _index_rope(self, x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]
+                    ) -> torch.Tensor:
+        """The indexer's rotation of x's first qk_rope_head_dim numbers: in halves (V3.2) or
+        in adjacent pairs (GLM-5); the tables cos/sin hold each angle once."""
+        cos, sin = (torch.cat([t, t], dim=-1) for t in shared)
+        return apply_rope(x.float(), cos, sin, pairs=self.mla.index_rope_interleave)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate RoPE dimensions laid out in adjacent pairs, or (``rope_interleave`` off) in
@@ -203,6 +262,12 @@ class DeepseekV2:
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])
+
+
+# the indexer's tensors (fused names) under self_attn.indexer. in a checkpoint
+CHECKPOINT_INDEXER = {"index_q": "wq_b.weight", "index_k": "wk.weight",
+                      "index_norm": "k_norm.weight", "index_norm_bias": "k_norm.bias",
+                      "index_weights": "weights_proj.weight"}
 
 
 def _dense(w: torch.Tensor | Packed, dtype: torch.dtype) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from tiergen import kernels
 from tiergen._platform import cpu_has_fast_bfloat16
+from tiergen.cache.attention import SPARSE_PIECE_BYTES
 from tiergen.models.layers import UPCAST_ROWS, widened_rows
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
@@ -105,6 +106,8 @@ def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: in
                                                    + m.v_head_dim) * dt if tokens > 1 else
                     (20 if packs else 4) * rows * cfg.num_heads
                     * (m.kv_lora_rank + m.qk_rope_head_dim) * 4)
+    if cfg.mla is not None and cfg.mla.index_heads:  # sparse attention's pieces of queries
+        expanded += 2 * SPARSE_PIECE_BYTES
     if tokens == 1:
         return rows * cfg.num_heads * keys * (2 * dt + 4) + expanded
     need = rows * tokens * keys * (dt + 1) + 3 * rows * tokens * q * 4

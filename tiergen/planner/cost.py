@@ -276,6 +276,15 @@ def _compute(layer: LayerShape, tier: str, rows: int, new: int, before: float,
     attn_flops = 4 * rows * c.num_heads * c.kv_layout()[2] * pairs
     slots = min(before + new, layer.window or before + new)
     read = rows * slots * env.slot_bytes * (1 + env.policy.attn_sparsity) / 2
+    if c.mla is not None and c.mla.index_heads:
+        # sparse attention: the indexer scores every slot, each query attends to its
+        # index_topk; a step reads every indexer key and only the chosen latent rows
+        m, width = c.mla, c.kv_layout()[2]
+        latent = width - m.index_head_dim
+        attn_flops = 2 * rows * pairs * m.index_heads * m.index_head_dim \
+            + 4 * rows * c.num_heads * latent * attention_pairs(new, before, m.index_topk)
+        read = rows * env.slot_bytes * (slots * m.index_head_dim
+                                        + min(slots, m.index_topk) * latent) / width
     on_cpu = not env.cuda or (tier == "host" and not env.cache_moves(tier, new > 1))
     t += max(attn_flops / env.attention(new > 1, amx),
              read / (env.cal.cpu_attention if on_cpu else env.gemv))

@@ -224,6 +224,9 @@ def kv_cache_line(cfg: ModelConfig, dtype: torch.dtype) -> str:
     if cfg.mla is not None:
         kind = (f"MLA latent: {cfg.mla.kv_lora_rank} + {cfg.mla.qk_rope_head_dim} RoPE numbers "
                 f"per layer for {cfg.num_heads} heads")
+        if cfg.mla.index_heads:
+            kind += (f", and the sparse-attention indexer's key of {cfg.mla.index_head_dim}; "
+                     f"each query reads its {cfg.mla.index_topk} best latent rows")
     elif heads == cfg.num_heads:
         kind = f"MHA: K and V of {heads} heads x {width}"
     else:

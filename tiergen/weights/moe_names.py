@@ -25,8 +25,9 @@ CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
 }
 CHECKPOINT_NAMES["DeepseekV3ForCausalLM"] = CHECKPOINT_NAMES["DeepseekV2ForCausalLM"] | {
     "router_bias": "mlp.gate.e_score_correction_bias"}
-CHECKPOINT_NAMES["Glm4MoeForCausalLM"] = CHECKPOINT_NAMES["DeepseekV3ForCausalLM"]
-CHECKPOINT_NAMES["Glm4MoeLiteForCausalLM"] = CHECKPOINT_NAMES["DeepseekV3ForCausalLM"]
+for _arch in ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM",
+              "GlmMoeDsaForCausalLM"):
+    CHECKPOINT_NAMES[_arch] = CHECKPOINT_NAMES["DeepseekV3ForCausalLM"]
 CHECKPOINT_NAMES["MiniMaxM2ForCausalLM"] = CHECKPOINT_NAMES["MixtralForCausalLM"] | {
     "router_bias": "block_sparse_moe.e_score_correction_bias"}
 # gpt-oss stores every expert in one tensor, transposed: gate_up (E, H, 2I) with gate and up
