@@ -14,7 +14,7 @@ import torch
 
 from tiergen import LLM, Policy, SamplingParams, kernels
 from tiergen.weights.moe_names import CHECKPOINT_NAMES
-from tiergen.weights.gguf_map import DEEPSEEK2_LAYER_NAMES, MOE_NAMES
+from tiergen.weights.gguf_map import DEEPSEEK2_LAYER_NAMES, DSA_LAYER_NAMES, MOE_NAMES
 from tiergen.weights.packed import Packed
 from gguf_writer import write_gguf
 from test_gguf_model import HF_TO_GGUF, llama_cpp_permute
@@ -24,7 +24,9 @@ from tiny_models import build
 GGUF_ARCH = {"mixtral": "llama", "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe",
              "deepseek-v2": "deepseek2", "deepseek-v2-lite": "deepseek2", "deepseek-v3": "deepseek2",
              "gpt-oss": "gpt-oss", "gpt-oss-fused": "gpt-oss", "glm4-moe": "glm4moe",
-             "glm4-moe-lite": "deepseek2", "minimax-m2": "minimax-m2"}
+             "glm4-moe-lite": "deepseek2", "minimax-m2": "minimax-m2", "deepseek-v32": "deepseek32",
+             "glm-moe-dsa": "glm-dsa"}
+LATENT = ("deepseek2", "deepseek32", "glm-dsa")
 # llama.cpp converts GLM-4.7-Flash as DeepSeek-V3 ("deepseek2" with sigmoid gating)
 GGUF_AS = {"glm4-moe-lite": "DeepseekV3ForCausalLM"}
 # What a GGUF file cannot say: llama.cpp keeps DeepSeek's mscale equal to mscale_all_dim (as
@@ -36,6 +38,8 @@ OVERRIDES = {"deepseek-v2": dict(rope_parameters=dict(
              "deepseek-v3": dict(rope_interleave=True), "gpt-oss": dict(swiglu_limit=7.0)}
 DEEPSEEK2_TO_GGUF = {f"{v}.weight": f"{k}.weight" for k, v in DEEPSEEK2_LAYER_NAMES.items()} | {
     "self_attn.k_b_proj.weight": "attn_k_b.weight", "self_attn.v_b_proj.weight": "attn_v_b.weight"}
+DSA_TO_GGUF = {f"{v}.{kind}": f"{k}.{kind}" for k, v in DSA_LAYER_NAMES.items()
+               for kind in ("weight", "bias")}
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
@@ -144,9 +148,9 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
         tensors, to_gguf = gpt_oss_tensors(directory, fused=case.endswith("fused"))
     else:
         tensors, to_gguf = moe_tensors(directory, CHECKPOINT_NAMES[c.architectures[0]])
-    if arch == "deepseek2":
+    if arch in LATENT:
         split_kv_b(tensors, c)
-        to_gguf |= DEEPSEEK2_TO_GGUF
+        to_gguf |= DEEPSEEK2_TO_GGUF | DSA_TO_GGUF
     if arch == "glm4moe":
         to_gguf |= {"post_attention_layernorm.weight": "post_attention_norm.weight"}
         # llama.cpp's converter counts the multi-token-prediction layer among the blocks
@@ -168,8 +172,12 @@ def write_moe_gguf(hf, directory, case: str, path, qtype=gguf.GGMLQuantizationTy
         w.add_expert_count(getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
                            or c.n_routed_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-        if arch == "deepseek2":
+        if arch in LATENT:
             deepseek2_metadata(w, c)
+        if arch in ("deepseek32", "glm-dsa"):
+            w.add_indexer_head_count(c.index_n_heads)
+            w.add_indexer_key_length(c.index_head_dim)
+            w.add_indexer_top_k(c.index_topk)
         if arch == "glm4moe":
             deepseek_moe_metadata(w, c)
             w.add_nextn_predict_layers(1)

@@ -247,7 +247,8 @@ def test_q4_k_model_runs_on_q4_k_blocks(tmp_path):
     assert len(llm.generate(PROMPTS, GREEDY)[0].token_ids) == GREEDY.max_tokens
 
 
-@pytest.mark.parametrize("case", ["deepseek-v2", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("case", ["deepseek-v2", "deepseek-v32", "minimax-m2",
+                                  "qwen2-moe", "mixtral"])
 def test_families_with_experts_take_quantised_matrices(case, tmp_path):
     """Routed experts are quantised into packed stacks; routers and DeepSeek-V2's joined
     latent projections stay float. On the float path the quantised model's logits are the

@@ -253,19 +253,34 @@ def index_choice(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Te
     """DeepSeek Sparse Attention's lightning indexer: queries (B, T, IH, ID) with head
     weights (B, T, IH) score keys (B, S, ID) as sum_h w_h relu(q_h . k / sqrt(ID)), in
     float32; returns each query's ``topk`` best slots (B, T, topk) among those ``allowed``
-    (B, T, S) (and masked ones after them where fewer are allowed). Scores tie where every
-    head's product is negative (all 0); a tie across the last place goes to the earlier
-    slots, so that a row chooses the same keys whatever padding comes before it."""
+    (B, T, S), -1 after them where fewer are allowed. Scores tie where every head's product
+    is negative (all 0); a tie across the last place goes to the earlier slots, so that a
+    row chooses the same keys whatever padding comes before it. Batch invariant, the sums
+    run in a fixed order whatever the shapes and the slots come in their order."""
     B, T, IH, ID = index_q.shape
-    keys = index_k.float().transpose(1, 2)[:, None]  # (B, 1, ID, S)
-    piece = max(1, SPARSE_PIECE_BYTES // (4 * B * IH * keys.shape[-1]))
+    S = index_k.shape[1]
+    exact = kernels.batch_invariant()
+    keys = index_k.float()[:, None, None] if exact else index_k.float().transpose(1, 2)[:, None]
+    piece = max(1, SPARSE_PIECE_BYTES // (4 * B * IH * S * (ID if exact else 1)))
     chosen = []
     for a in range(0, T, piece):
-        scores = torch.relu(torch.matmul(index_q[:, a:a + piece].float(), keys) * ID**-0.5)
-        scores = torch.matmul(weights[:, a:a + piece, None].float(), scores)[:, :, 0]
+        q = index_q[:, a:a + piece].float()
+        if exact:  # (B, t, IH, 1, ID) x (B, 1, 1, S, ID), summed over ID then over heads
+            scores = torch.relu((q[..., None, :] * keys).sum(-1) * ID**-0.5)
+            scores = (weights[:, a:a + piece, :, None].float() * scores).sum(-2)
+        else:
+            scores = torch.relu(torch.matmul(q, keys) * ID**-0.5)
+            scores = torch.matmul(weights[:, a:a + piece, None].float(), scores)[:, :, 0]
         scores = scores.masked_fill(~allowed[:, a:a + piece], float("-inf"))
-        chosen.append(_best(scores, topk))
-    return torch.cat(chosen, dim=1)
+        best = _best(scores, min(topk, S))
+        chosen.append(best.masked_fill(scores.gather(-1, best) == float("-inf"), -1))
+    chosen = torch.cat(chosen, dim=1)
+    if chosen.shape[-1] < topk:
+        chosen = F.pad(chosen, (0, topk - chosen.shape[-1]), value=-1)
+    if exact:  # the slots in their order, none (-1) last
+        chosen = chosen.where(chosen >= 0, S).sort(dim=-1).values
+        chosen = chosen.masked_fill(chosen == S, -1)
+    return chosen
 
 
 def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -282,22 +297,26 @@ def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def chosen_attention(q: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,
                      allowed: torch.Tensor, values: int) -> torch.Tensor:
-    """q (B, H, T, W) over the rows (B, S, W) each query chose, ``chosen`` (B, T, K) of which
-    count those ``allowed`` (B, T, S), scaled by W**-0.5, the rows' first ``values`` numbers
-    as the values: (B, H, T, values). The chosen rows are gathered (a few queries at a time,
-    see SPARSE_PIECE_BYTES), so a step reads them and no others."""
+    """q (B, H, T, W) over the rows (B, S, W) each query chose, ``chosen`` (B, T, K) slots
+    (-1: none) of which count those ``allowed`` (B, T, S), scaled by W**-0.5, the rows'
+    first ``values`` numbers as the values: (B, H, T, values). The chosen rows are gathered
+    (a few queries at a time, see SPARSE_PIECE_BYTES), so a step reads them and no others.
+    Batch invariant, the sums run in a fixed order whatever the shapes."""
     B, H, T, W = q.shape
     K = chosen.shape[-1]
-    piece = max(1, SPARSE_PIECE_BYTES // (4 * B * K * (W + H)))
+    exact = kernels.batch_invariant()
+    piece = max(1, SPARSE_PIECE_BYTES // (4 * B * K * (W + H) * (H if exact else 1)))
     batch = torch.arange(B, device=q.device)[:, None, None]
     out = torch.empty(B, H, T, values, dtype=q.dtype, device=q.device)
     for a in range(0, T, piece):
         slots = chosen[:, a:a + piece]
-        picked = rows[batch, slots].to(q.dtype)  # (B, t, K, W)
-        ok = allowed[:, a:a + piece].gather(2, slots)
-        scores = torch.matmul(q[:, :, a:a + piece, None], picked[:, None].mT)[..., 0, :]
+        picked = rows[batch, slots.clamp(min=0)].to(q.dtype)[:, None]  # (B, 1, t, K, W)
+        ok = allowed[:, a:a + piece].gather(2, slots.clamp(min=0)) & (slots >= 0)
+        qs = q[:, :, a:a + piece, None]  # (B, H, t, 1, W)
+        scores = (qs * picked).sum(-1) if exact else torch.matmul(qs, picked.mT)[..., 0, :]
         scores = scores.masked_fill(~ok[:, None], float("-inf")) * W**-0.5
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[:, :, a:a + piece] = torch.matmul(probs[..., None, :],
-                                              picked[:, None, ..., :values])[..., 0, :]
+        v = picked[..., :values]
+        out[:, :, a:a + piece] = ((probs[..., None] * v).sum(-2) if exact
+                                  else torch.matmul(probs[..., None, :], v)[..., 0, :])
     return out

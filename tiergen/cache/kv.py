@@ -212,7 +212,7 @@ class LatentKVView(KVView):
         meta = meta.to(there) if there != where else meta
         rows, _ = self.update(k, None, meta)
         S, W = meta.end, q.shape[-1]
-        if S <= topk:
+        if S <= topk and not kernels.batch_invariant():  # (batch invariant: as any context)
             return self._dense(q, rows, meta).to(where), None
         rows = rows[:, 0, :S]  # (B, S, width)
         if meta.mask is not None:
@@ -221,6 +221,6 @@ class LatentKVView(KVView):
             slots = torch.arange(S, device=there)
             allowed = (slots[None] <= slots[meta.start:meta.end, None])[None].expand(
                 len(rows), -1, -1)
-        if chosen is None:
+        if chosen is None:  # (a shared layer's choice is None where every row was chosen)
             chosen = index_choice(*index, rows[..., W:], allowed, topk)
         return chosen_attention(q, rows[..., :W], chosen, allowed, self.rank).to(where), chosen

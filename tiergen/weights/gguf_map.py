@@ -8,6 +8,7 @@ import logging
 import math
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from tiergen.weights.quant import FLOAT_TYPES, GGMLType, dequantize, tensor_nbyt
 # general.architecture -> Hugging Face architecture
 GGUF_ARCHITECTURES = {
     "deepseek2": "DeepseekV2ForCausalLM",  # DeepseekV3ForCausalLM with sigmoid gating
+    "deepseek32": "DeepseekV32ForCausalLM",
+    "glm-dsa": "GlmMoeDsaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
@@ -73,6 +76,14 @@ DEEPSEEK2_LAYER_NAMES = LAYER_NAMES | {
     "attn_k_b": "self_attn.k_b_proj",
     "attn_v_b": "self_attn.v_b_proj",
 }
+# ... and sparse attention's indexer (DeepSeek-V3.2, GLM-5)
+DSA_LAYER_NAMES = DEEPSEEK2_LAYER_NAMES | {
+    "indexer.attn_q_b": "self_attn.indexer.wq_b",
+    "indexer.attn_k": "self_attn.indexer.wk",
+    "indexer.k_norm": "self_attn.indexer.k_norm",
+    "indexer.proj": "self_attn.indexer.weights_proj",
+}
+LATENT_ARCHITECTURES = ("deepseek2", "deepseek32", "glm-dsa")
 
 # A MoE layer's tensors (GGUF name less "blk.N."), by the keys of their checkpoint names in
 # tiergen.weights.moe_names (checkpoint_names); *_exps tensors stack the routed experts
@@ -118,7 +129,7 @@ NORM_PLUS_ONE = {"gemma3"}
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+(?:\.\w+)?)\.(weight|bias)")
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
@@ -127,6 +138,7 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     names = {"gemma3": GEMMA3_LAYER_NAMES, "deepseek2": DEEPSEEK2_LAYER_NAMES,
+             "deepseek32": DSA_LAYER_NAMES, "glm-dsa": DSA_LAYER_NAMES,
              "gpt-oss": GPT_OSS_LAYER_NAMES, "glm4moe": GPT_OSS_LAYER_NAMES
              }.get(arch, LAYER_NAMES)
     m = _LAYER_RE.fullmatch(gguf_name)
@@ -200,12 +212,12 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
                      rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)))
         if arch == "minimax-m2":
             extra |= dict(qk_norm_across_heads=True)
-    elif arch == "deepseek2":
+    elif arch in LATENT_ARCHITECTURES:
         extra = _deepseek2_from_gguf(meta, arch, layers, tensor_names)
         mla = extra["mla"]
         head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         kv_heads = heads  # llama.cpp writes one latent KV head
-        if extra["moe"].scoring == "sigmoid":
+        if extra["moe"].scoring == "sigmoid" and arch == "deepseek2":
             architecture = "DeepseekV3ForCausalLM"
     elif meta.get(f"{arch}.expert_count"):
         extra = _moe_from_gguf(meta, arch, layers, tensor_names)
@@ -257,6 +269,13 @@ def _deepseek2_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[s
                     v_head_dim=int(get("attention.value_length_mla")
                                    or get("attention.value_length")),
                     kv_b_split="blk.0.attn_k_b.weight" in tensor_names)
+    if arch != "deepseek2":  # sparse attention: a layer without an indexer reuses a choice
+        shared = [f"blk.{j}.indexer.proj.weight" not in tensor_names for j in range(layers)]
+        mla = replace(mla, index_heads=int(get("attention.indexer.head_count")),
+                      index_head_dim=int(get("attention.indexer.key_length")),
+                      index_topk=int(get("attention.indexer.top_k")),
+                      index_rope_interleave=arch == "glm-dsa",
+                      index_shared=shared if any(shared) else None)
     return dict(moe=moe, mla=mla)
 
 

@@ -46,7 +46,9 @@ _MAGIC = "tiergen-quantized"
 _LAYER_MATRIX = re.compile(r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|q_b|k_b|v_b)_proj"
                            r"|mlp(\.shared_experts?|\.experts\.\d+)?\.(gate|up|down)_proj"
                            r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight")
-_JOINED_AS_TENSORS = dict.fromkeys(["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"],
+_JOINED_AS_TENSORS = dict.fromkeys(["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                                    "DeepseekV32ForCausalLM", "Glm4MoeLiteForCausalLM",
+                                    "GlmMoeDsaForCausalLM"],
                                    re.compile(r".*\.self_attn\.q_proj\.weight"))
 
 # Rows quantised at once: bounds the memory of the quantisers' intermediates.
