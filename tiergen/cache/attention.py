@@ -260,7 +260,7 @@ def index_choice(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Te
     B, T, IH, ID = index_q.shape
     S = index_k.shape[1]
     exact = kernels.batch_invariant()
-    keys = index_k.float()[:, None, None] if exact else index_k.float().transpose(1, 2)[:, None]
+    keys = index_k.float()[:, None, None] if exact else index_k.float().transpose(1, 2)
     piece = max(1, SPARSE_PIECE_BYTES // (4 * B * IH * S * (ID if exact else 1)))
     chosen = []
     for a in range(0, T, piece):
@@ -268,9 +268,11 @@ def index_choice(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Te
         if exact:  # (B, t, IH, 1, ID) x (B, 1, 1, S, ID), summed over ID then over heads
             scores = torch.relu((q[..., None, :] * keys).sum(-1) * ID**-0.5)
             scores = (weights[:, a:a + piece, :, None].float() * scores).sum(-2)
-        else:
-            scores = torch.relu(torch.matmul(q, keys) * ID**-0.5)
-            scores = torch.matmul(weights[:, a:a + piece, None].float(), scores)[:, :, 0]
+        else:  # (B, t IH, ID) x (B, ID, S): the heads of the queries as rows
+            t = q.shape[1]
+            scores = torch.relu(torch.matmul(q.reshape(B, t * IH, ID), keys) * ID**-0.5)
+            scores = torch.matmul(weights[:, a:a + piece, None].float(),
+                                  scores.view(B, t, IH, -1))[:, :, 0]
         scores = scores.masked_fill(~allowed[:, a:a + piece], float("-inf"))
         best = _best(scores, min(topk, S))
         chosen.append(best.masked_fill(scores.gather(-1, best) == float("-inf"), -1))
@@ -310,13 +312,16 @@ def chosen_attention(q: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,
     out = torch.empty(B, H, T, values, dtype=q.dtype, device=q.device)
     for a in range(0, T, piece):
         slots = chosen[:, a:a + piece]
-        picked = rows[batch, slots.clamp(min=0)].to(q.dtype)[:, None]  # (B, 1, t, K, W)
+        picked = rows[batch, slots.clamp(min=0)].to(q.dtype)  # (B, t, K, W)
         ok = allowed[:, a:a + piece].gather(2, slots.clamp(min=0)) & (slots >= 0)
-        qs = q[:, :, a:a + piece, None]  # (B, H, t, 1, W)
-        scores = (qs * picked).sum(-1) if exact else torch.matmul(qs, picked.mT)[..., 0, :]
-        scores = scores.masked_fill(~ok[:, None], float("-inf")) * W**-0.5
+        qs = q[:, :, a:a + piece].transpose(1, 2)  # (B, t, H, W): the heads of a query
+        if exact:  # (B, t, H, 1, W) x (B, t, 1, K, W), summed over W
+            scores = (qs[..., None, :] * picked[:, :, None]).sum(-1)
+        else:
+            scores = torch.matmul(qs, picked.mT)  # (B, t, H, K)
+        scores = scores.masked_fill(~ok[:, :, None], float("-inf")) * W**-0.5
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        v = picked[..., :values]
-        out[:, :, a:a + piece] = ((probs[..., None] * v).sum(-2) if exact
-                                  else torch.matmul(probs[..., None, :], v)[..., 0, :])
+        v = picked[..., :values]  # (B, t, K, values)
+        o = (probs[..., None] * v[:, :, None]).sum(-2) if exact else torch.matmul(probs, v)
+        out[:, :, a:a + piece] = o.transpose(1, 2)
     return out
