@@ -29,8 +29,9 @@ def test_two_shards_match_one_process(case, tmp_path):
     """Shard 1 holds its weights and cache on disk; shard 0 everything in memory."""
     directory, one, greedy, sampled = case
     logits = one.logits(TEXT)
-    if one.executor.cfg.qk_norm_across_heads:  # MiniMax-M2: refused before any rank starts
-        with pytest.raises(TiergenError, match="norms are each over all heads together"):
+    cfg = one.executor.cfg
+    if cfg.qk_norm_across_heads or cfg.linear:  # refused before any rank starts
+        with pytest.raises(TiergenError, match="all heads together|linear-attention layers"):
             LLM(directory, **OPTIONS, tensor_parallel=2)
         return
     with LLM(directory, **OPTIONS, tensor_parallel=2, policy=[Policy(), disk(tmp_path)]) as llm:

@@ -131,6 +131,14 @@ CASES: dict[str, tuple[str, dict]] = {
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=24,
         first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=32,
         indexer_types=["full", "shared", "full"])),
+    # Qwen3-Next: three Gated DeltaNet layers (2 key heads shared by 4 value heads, a
+    # convolution of 4) and a gated attention layer (a quarter of each head rotating); experts
+    # with a gated shared one, layer 1 dense.
+    "qwen3-next": ("Qwen3NextConfig", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=32, mlp_only_layers=[1])),
     # MiniMax-M2: a quarter of each head rotates, q and k each normalised over all heads
     # together, sigmoid routing with a bias and no shared expert
     "minimax-m2": ("MiniMaxM2Config", dict(

@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 
 
@@ -131,6 +132,32 @@ class MLAConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet (Qwen3-Next): the layers of layer type "linear_attention" keep, per
+    sequence, a state of fixed size instead of a KV cache: the short causal convolution's
+    last ``conv_kernel - 1`` inputs (``conv_dim`` channels each) and the delta rule's matrix
+    (key_head_dim x value_head_dim) per value head, float32."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k and v side by side."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+    @property
+    def state_numel(self) -> int:
+        """Numbers a sequence's state holds in one layer: the convolution's, then the
+        delta rule's."""
+        return (self.conv_dim * (self.conv_kernel - 1)
+                + self.value_heads * self.key_head_dim * self.value_head_dim)
+
+
+@dataclass
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -166,6 +193,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    linear: LinearAttentionConfig | None = None  # Qwen3-Next's linear-attention layers
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -237,10 +265,12 @@ class ModelConfig:
             if len(self.layer_types) != self.num_layers:
                 raise TiergenError(f"model config: layer_types names {len(self.layer_types)} "
                                    f"layers, but the model has {self.num_layers}")
-            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            kinds = {"sliding_attention", "full_attention"} | (
+                {"linear_attention"} if self.linear is not None else set())
+            bad = sorted(set(self.layer_types) - kinds)
             if bad:
                 raise TiergenError(f"model config: unsupported layer type {bad[0]!r} "
-                                   "(supported: sliding_attention, full_attention)")
+                                   f"(supported: {', '.join(sorted(kinds))})")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise TiergenError("model config: layer_types has sliding_attention layers but "
                                    "sliding_window is not set")
@@ -277,6 +307,11 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
+
+    def keeps_state(self, layer: int) -> bool:
+        """Whether a layer keeps a linear-attention state (one fixed-size row per sequence,
+        ``LinearAttentionConfig.state_numel`` float32 numbers) instead of a KV cache."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
     def window(self, layer: int) -> int | None:
         """The sliding window of a layer's attention, or None for full attention."""
@@ -423,17 +458,17 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         moe = MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                         intermediate_size=cfg["intermediate_size"])
         return dict(moe=moe)
-    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
         only = set(cfg.get("mlp_only_layers") or [])
         moe = MoEConfig(
             num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
             top_k=cfg["num_experts_per_tok"],
             intermediate_size=cfg["moe_intermediate_size"],
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", arch != "Qwen2MoeForCausalLM")),
             shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-            if arch == "Qwen2MoeForCausalLM" else 0,
-            shared_gate=arch == "Qwen2MoeForCausalLM",
+            if arch != "Qwen3MoeForCausalLM" else 0,
+            shared_gate=arch != "Qwen3MoeForCausalLM",
             dense_layers=[i for i in range(layers) if i in only or (i + 1) % step])
         return dict(moe=moe)
     if cfg.get("scoring_func", "sigmoid") != "sigmoid" and arch in SIGMOID_ROUTED:
@@ -499,7 +534,8 @@ SIGMOID_ROUTED = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Glm4MoeFor
                   "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "MiniMaxM2ForCausalLM")
 INDEXED_ATTENTION = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                     "DeepseekV2ForCausalLM", "GptOssForCausalLM", *SIGMOID_ROUTED)
+                     "Qwen3NextForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
+                     *SIGMOID_ROUTED)
 
 
 def _rotary_dim(arch: str, cfg: dict[str, Any], head_dim: int) -> int:
@@ -521,6 +557,25 @@ def _minimax_m2(cfg: dict[str, Any]) -> dict[str, Any]:
                            "supported (only per_layer: each norm over all heads together)")
     norm = bool(cfg.get("use_qk_norm", True))
     return dict(qk_norm=norm, qk_norm_across_heads=norm)
+
+
+def _qwen3_next(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's linear-attention layers and its per-head q/k norms."""
+    if cfg.get("attention_bias"):
+        raise TiergenError("model config: Qwen3-Next with attention_bias is not supported")
+    layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0
+        else "linear_attention" for i in range(layers)]
+    linear = LinearAttentionConfig(
+        key_heads=int(cfg["linear_num_key_heads"]), value_heads=int(cfg["linear_num_value_heads"]),
+        key_head_dim=int(cfg["linear_key_head_dim"]),
+        value_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+    if linear.value_heads % linear.key_heads:
+        raise TiergenError("model config: linear_num_value_heads must be a multiple of "
+                           "linear_num_key_heads")
+    return dict(layer_types=list(kinds), linear=linear, qk_norm=True)
 
 
 def _qwen_layer_types(arch: str, cfg: dict[str, Any]) -> list[str] | None:
@@ -587,6 +642,8 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             fields["qk_norm"] = bool(cfg.get("use_qk_norm", False))
         if arch == "MiniMaxM2ForCausalLM":
             fields |= _minimax_m2(cfg)
+        if arch == "Qwen3NextForCausalLM":
+            fields |= _qwen3_next(cfg)
         if arch in MOE_ARCHITECTURES:
             fields |= _moe_from_hf(arch, cfg)
         head_dim = fields.pop("head_dim", None) or cfg.get("head_dim") or hidden // heads

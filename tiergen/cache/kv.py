@@ -224,3 +224,19 @@ class LatentKVView(KVView):
         if chosen is None:  # (a shared layer's choice is None where every row was chosen)
             chosen = index_choice(*index, rows[..., W:], allowed, topk)
         return chosen_attention(q, rows[..., :W], chosen, allowed, self.rank).to(where), chosen
+
+
+class StateView:
+    """A linear-attention layer's state (1, B, 1, 1, numel), float32: per row, its
+    convolution's last inputs and its delta rule's matrices, after the last token written
+    (see ``LinearAttentionConfig``). The layer reads it and writes it back whole each step;
+    the executor places and moves it as a one-slot cache."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+        self.k = self.v = kv[0]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The state (B, numel), in place."""
+        return self.kv[0, :, 0, 0]

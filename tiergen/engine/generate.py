@@ -147,15 +147,21 @@ def _windows(cfg: ModelConfig) -> list[int]:
     return [w for w in map(cfg.window, range(cfg.num_layers)) if w]
 
 
+def _keeps_states(cfg: ModelConfig) -> bool:
+    return any(map(cfg.keeps_state, range(cfg.num_layers)))
+
+
 def _sharable(cfg: ModelConfig, seqs: list[Sequence], n: int) -> int:
     """``n`` leading tokens, short of every prompt's end (each row keeps a token of its own,
     whose logits give its first sample), or 0: under MIN_SHARED_PREFIX tokens, or where a
     sliding window would see the padding between a shared prefix and prompts of different
-    lengths (a ring's window counts slots, and that padding would take slots inside it)."""
+    lengths (a ring's window counts slots, and that padding would take slots inside it), or
+    a linear-attention layer's convolution would (its window is its last inputs)."""
     n = min(n, min(len(s.prompt_ids) for s in seqs) - 1)
     windows = _windows(cfg)
-    if n < MIN_SHARED_PREFIX or (windows and capacity(seqs) > min(windows)
-                                 and len({len(s.prompt_ids) for s in seqs}) > 1):
+    differ = len({len(s.prompt_ids) for s in seqs}) > 1
+    if n < MIN_SHARED_PREFIX or differ and (
+            (windows and capacity(seqs) > min(windows)) or _keeps_states(cfg)):
         return 0
     return n
 
@@ -231,7 +237,8 @@ class SharedPrefix:
         if n == common < self.length and any(s.prompt_logprobs is not None for s in seqs):
             # it scored its own token after them, not the rows': they score the last one
             n = _sharable(cfg, seqs, n - 1)
-        return 0 if _windows(cfg) and n < self.length else n
+        # a ring, or a linear-attention state, holds its last slots, not its first
+        return 0 if (_windows(cfg) or _keeps_states(cfg)) and n < self.length else n
 
     def give_logprobs(self, seqs: list[Sequence], n: int) -> None:
         """Start the prompt log-probabilities of the rows that asked with those of its first

@@ -5,6 +5,7 @@ from tiergen.models.base import ModelFamily
 from tiergen.models.deepseek_v2 import DeepseekV2
 from tiergen.models.gemma3 import Gemma3
 from tiergen.models.llama import Llama
+from tiergen.models.qwen3_next import Qwen3Next
 
 FAMILIES = {
     "DeepseekV2ForCausalLM": DeepseekV2,
@@ -23,6 +24,7 @@ FAMILIES = {
     "Qwen2MoeForCausalLM": Llama,
     "Qwen3ForCausalLM": Llama,
     "Qwen3MoeForCausalLM": Llama,
+    "Qwen3NextForCausalLM": Qwen3Next,
 }
 
 

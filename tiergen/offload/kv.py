@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from tiergen.cache.kv import KVView, LatentKVView, RollingKVView
+from tiergen.cache.kv import KVView, LatentKVView, RollingKVView, StateView
 from tiergen.config import ModelConfig
 from tiergen.cache.step import StepMeta
+from tiergen.errors import TiergenError
 from tiergen.offload.compress import decompress_rows, compress_rows, compressed_width
 from tiergen.offload.disk import SpillFile
 
@@ -52,6 +53,11 @@ def layer_slots(capacity: int, window: int | None) -> int:
     return min(capacity, window) if window else capacity
 
 
+def state_bytes(cfg: ModelConfig, rows: int) -> int:
+    """Bytes of ``rows`` sequences' linear-attention state in one layer (float32)."""
+    return rows * cfg.linear.state_numel * 4
+
+
 def cache_moves(tier: str, device_type: str, compressed: bool, cpu_attention: bool,
                 prompt: bool = False) -> bool:
     """Whether a layer's cache on ``tier`` is loaded into a device working buffer before use
@@ -70,15 +76,23 @@ def cache_needs(cfg: ModelConfig, dtype: torch.dtype, tiers: list[str],
     needs = {"device": 0, "host": 0, "disk": 0}
     parts, heads, width = cfg.kv_layout()
     stored, stored_dtype = stored_width(cfg, dtype, compress)
-    layers = Counter(zip(tiers, map(cfg.window, range(len(tiers)))))  # (tier, window): count
+    states = Counter(t for j, t in enumerate(tiers) if cfg.keeps_state(j))
+    # (tier, window): count of the layers with a KV cache
+    layers = Counter((t, cfg.window(j)) for j, t in enumerate(tiers) if not cfg.keeps_state(j))
     for rows, capacity in micro_batches:
         slots = {key: layer_slots(capacity, key[1]) for key in layers}
         for (tier, window), count in layers.items():
             needs[tier] += count * parts * rows * heads * slots[tier, window] * stored \
                 * stored_dtype.itemsize
+        for tier, count in states.items():
+            needs[tier] += count * state_bytes(cfg, rows)
         if compress or "disk" in tiers or ("host" in tiers and device_type != "cpu"):
-            needs["device"] += parts * rows * heads * max(slots.values()) * width \
-                * dtype.itemsize  # working buffer
+            # working buffers: one for the KV caches, one for the states
+            if slots:
+                needs["device"] += parts * rows * heads * max(slots.values()) * width \
+                    * dtype.itemsize
+            if states:
+                needs["device"] += state_bytes(cfg, rows)
     return needs
 
 
@@ -222,20 +236,30 @@ class TieredKV:
         self.latent_rank = cfg.mla.kv_lora_rank if cfg.mla is not None else None
         self.dtype, self.device, self.tiers = dtype, device, tiers
         self.cpu_attention = cpu_attention
-        self.slots = [layer_slots(capacity, cfg.window(j)) for j in range(len(tiers))]
+        # A linear-attention layer keeps one slot, its state after the last token: a ring of
+        # one slot, which every step writes whole (see StateView).
+        self.states = [cfg.keeps_state(j) for j in range(len(tiers))]
+        if any(self.states) and compress is not None:
+            raise TiergenError("compressed KV caches are not supported for models with "
+                               "linear-attention layers (their states stay float32); leave "
+                               "compress_cache off")
+        self.state_numel = cfg.linear.state_numel if any(self.states) else 0
+        self.slots = [1 if state else layer_slots(capacity, cfg.window(j))
+                      for j, state in enumerate(self.states)]
         # A layer is a ring when its window is shorter than what the batch will hold.
-        self.rings = [cfg.window(j) if n < capacity else None for j, n in enumerate(self.slots)]
+        self.rings = [1 if state else cfg.window(j) if n < capacity else None
+                      for j, (n, state) in enumerate(zip(self.slots, self.states))]
         self.layers: list[torch.Tensor | SpillFile] = []
         for j, tier in enumerate(tiers):
             if tier == "disk":
                 assert spill_dir is not None
                 # a new spill file reads back as zeros: no need to write them
-                self.layers.append(SpillFile(spill_dir, self._numel(j) * self.stored_dtype.itemsize))
+                self.layers.append(SpillFile(spill_dir, self._nbytes(j)))
             elif device.type == "cpu":
-                self.layers.append(RECYCLED.take(self.stored_shape(j), self.stored_dtype))
+                self.layers.append(RECYCLED.take(self.stored_shape(j), self._dtype(j)))
             else:
                 host = tier == "host"
-                self.layers.append(torch.zeros(self.stored_shape(j), dtype=self.stored_dtype,
+                self.layers.append(torch.zeros(self.stored_shape(j), dtype=self._dtype(j),
                                                device="cpu" if host else device,
                                                pin_memory=host and pin))
         self._work: dict[int, torch.Tensor] = {}  # device working buffers by slot count
@@ -247,23 +271,34 @@ class TieredKV:
         self._resident: dict[int, KVView] = {}  # views of the layers used where they live
 
     def shape(self, j: int) -> tuple[int, ...]:
-        """Layer j's cache as the layer sees it."""
+        """Layer j's cache as the layer sees it (a state: one slot of its numbers)."""
+        if self.states[j]:
+            return (1, self.batch, 1, 1, self.state_numel)
         return (self.parts, self.batch, self.heads, self.slots[j], self.head_dim)
 
     def stored_shape(self, j: int) -> tuple[int, ...]:
         """Layer j's cache as its tier holds it (compressed rows when compressed)."""
+        if self.states[j]:
+            return self.shape(j)
         return (self.parts, self.batch, self.heads, self.slots[j], self.stored_width)
 
-    def _numel(self, j: int) -> int:
-        return torch.Size(self.stored_shape(j)).numel()
+    def _dtype(self, j: int) -> torch.dtype:
+        """What layer j's tier holds: float32 states, the cache dtype (or compressed bytes)."""
+        return torch.float32 if self.states[j] else self.stored_dtype
 
-    def _slot_bytes(self) -> int:
-        return self.parts * self.batch * self.heads * self.stored_width * self.stored_dtype.itemsize
+    def _nbytes(self, j: int) -> int:
+        return torch.Size(self.stored_shape(j)).numel() * self._dtype(j).itemsize
+
+    def _slot_major(self, j: int, slots: int) -> torch.Tensor:
+        """An empty (slots, parts, batch, heads, width) buffer: layer j as a spill file
+        lays it out."""
+        p, b, h, _, w = self.stored_shape(j)
+        return torch.empty((slots, p, b, h, w), dtype=self._dtype(j))
 
     @property
     def nbytes(self) -> int:
         """Bytes its layers hold, on whichever tier."""
-        return sum(self._numel(j) for j in range(len(self.layers))) * self.stored_dtype.itemsize
+        return sum(self._nbytes(j) for j in range(len(self.layers)))
 
     def on_disk(self, j: int) -> bool:
         return isinstance(self.layers[j], SpillFile)
@@ -275,15 +310,18 @@ class TieredKV:
 
     def _view(self, j: int, kv: torch.Tensor) -> KVView:
         ring, sparsity = self.rings[j], self.sparsity
+        if self.states[j]:
+            return StateView(kv)
         if self.latent_rank is not None:
             return LatentKVView(kv, self.latent_rank, sparsity)
         return KVView(kv, sparsity) if ring is None else RollingKVView(kv, ring, sparsity)
 
     def _working(self, j: int) -> torch.Tensor:
-        n = self.slots[j]
-        if n not in self._work:
-            self._work[n] = torch.zeros(self.shape(j), dtype=self.dtype, device=self.device)
-        return self._work[n]
+        key = self.shape(j)
+        if key not in self._work:
+            dtype = torch.float32 if self.states[j] else self.dtype
+            self._work[key] = torch.zeros(key, dtype=dtype, device=self.device)
+        return self._work[key]
 
     @torch.inference_mode()  # on the compute thread or the cache thread alike
     def load(self, j: int, end: int, prompt: bool = False) -> KVView:
@@ -302,8 +340,7 @@ class TieredKV:
         if not used:
             return self._view(j, work)
         if isinstance(store, SpillFile):
-            slots = torch.empty((used, self.parts, self.batch, self.heads, self.stored_width),
-                                dtype=self.stored_dtype)
+            slots = self._slot_major(j, used)
             store.read_into(slots)
             rows = slots.permute(1, 2, 3, 0, 4).to(self.device)
         else:
@@ -334,7 +371,7 @@ class TieredKV:
             if self.compress:
                 new = compress_rows(new, *self.compress)
             if isinstance(store, SpillFile):
-                store.write(new.permute(3, 0, 1, 2, 4).cpu(), lo * self._slot_bytes())
+                store.write(new.permute(3, 0, 1, 2, 4).cpu(), lo * self._nbytes(j) // self.slots[j])
             elif self.moves(j, prompt):
                 self.stores.put(j, new, store[:, :, :, lo:hi])
 
@@ -344,8 +381,7 @@ class TieredKV:
         store = self.layers[j]
         if not isinstance(store, SpillFile):
             return store
-        full = torch.empty((self.slots[j], self.parts, self.batch, self.heads, self.stored_width),
-                           dtype=self.stored_dtype)
+        full = self._slot_major(j, self.slots[j])
         store.read_into(full)
         return full.permute(1, 2, 3, 0, 4)
 
@@ -372,7 +408,7 @@ class TieredKV:
         becomes s + later here, which a ring (slot s at index s % W) turns into a roll."""
         for j in range(len(self.layers)):
             olds = [cache.read_layer(j) for cache, _ in parts]  # all on this layer's tier
-            merged = torch.zeros(self.stored_shape(j), dtype=self.stored_dtype,
+            merged = torch.zeros(self.stored_shape(j), dtype=self._dtype(j),
                                  device=olds[0].device)
             row = 0
             for (cache, later), old in zip(parts, olds):
@@ -392,7 +428,7 @@ class TieredKV:
         other.layers = []
         try:
             for j in range(len(self.layers)):
-                other.layers.append(SpillFile(spill_dir, self._numel(j) * self.stored_dtype.itemsize))
+                other.layers.append(SpillFile(spill_dir, self._nbytes(j)))
                 other.write_layer(j, self.read_layer(j))
         except BaseException:
             other.close()

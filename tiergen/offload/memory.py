@@ -108,6 +108,12 @@ def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: in
                     * (m.kv_lora_rank + m.qk_rope_head_dim) * 4)
     if cfg.mla is not None and cfg.mla.index_heads:  # sparse attention's pieces of queries
         expanded += 2 * SPARSE_PIECE_BYTES
+    if cfg.linear is not None:  # the delta rule's float32 chunks and states, the convolution's
+        m = cfg.linear
+        expanded += 4 * rows * (
+            -(-tokens // 64) * 64 * m.value_heads * (4 * 64 + 6 * m.key_head_dim
+                                                     + 6 * m.value_head_dim)
+            + 3 * m.state_numel + 2 * tokens * m.conv_dim)
     if tokens == 1:
         return rows * cfg.num_heads * keys * (2 * dt + 4) + expanded
     need = rows * tokens * keys * (dt + 1) + 3 * rows * tokens * q * 4

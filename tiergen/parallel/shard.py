@@ -73,6 +73,10 @@ class ShardPlan:
         if not isinstance(size, int) or size < 1:
             raise TiergenError(f"tensor_parallel must be a positive integer, got {size!r}")
         h, kv = cfg.num_heads, cfg.num_kv_heads
+        if cfg.linear is not None and size > 1:
+            raise TiergenError(f"tensor_parallel={size}: {cfg.architecture}'s linear-attention "
+                               "layers are not split over ranks; run it on one rank, or over "
+                               "pipeline_parallel ranks")
         if cfg.qk_norm_across_heads and size > 1:
             raise TiergenError(f"tensor_parallel={size}: {cfg.architecture}'s q and k norms "
                                "are each over all heads together, which one rank's heads "

@@ -1,0 +1,70 @@
+"""Linear attention (Qwen3-Next's Gated DeltaNet) beyond parity: the chunked delta rule
+against the recurrent one, a state's bytes per sequence (not per token) in the budget and
+the cache, and prompts longer than a chunk of the rule and of a prefill."""
+
+from __future__ import annotations
+
+import torch
+
+from tiergen import LLM, Policy, SamplingParams
+from tiergen.models.qwen3_next import CHUNK, delta_rule
+from tiergen.offload.kv import TieredKV, cache_needs
+from tiny_models import build
+
+
+def test_the_chunked_delta_rule_is_the_recurrent_one_token_by_token():
+    g = torch.Generator().manual_seed(0)
+    B, T, H, dk, dv = 2, 2 * CHUNK + 21, 3, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, dk, generator=g), dim=-1)
+            for _ in range(2))
+    v = torch.randn(B, T, H, dv, generator=g)
+    decay, beta = -torch.rand(B, T, H, generator=g), torch.rand(B, T, H, generator=g)
+    S0 = torch.randn(B, H, dk, dv, generator=g)
+    out, S = delta_rule(q, k, v, decay, beta, S0)
+    state, steps = S0, []
+    for t in range(T):  # plainly: S <- S e^g; S += k (beta (v - S^T k))^T; o = S^T q
+        state = state * decay[:, t, :, None, None].exp()
+        recalled = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t],
+                                     beta[:, t, :, None] * (v[:, t] - recalled))
+        steps.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    torch.testing.assert_close(out, torch.stack(steps, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(S, state, atol=1e-5, rtol=1e-5)
+    one, S1 = delta_rule(q[:, :1], k[:, :1], v[:, :1], decay[:, :1], beta[:, :1], S0)
+    torch.testing.assert_close(one[:, 0], steps[0], atol=1e-6, rtol=1e-6)
+
+
+def test_a_state_is_counted_per_sequence_not_per_token(tmp_path):
+    build("qwen3-next", tmp_path)
+    cfg = LLM(tmp_path, dtype="float32").config
+    tiers = ["device"] * cfg.num_layers
+    short, long = (cache_needs(cfg, torch.float32, tiers, [(3, n)], "cpu")["device"]
+                   for n in (10, 1010))
+    attention = sum(not cfg.keeps_state(j) for j in range(cfg.num_layers))
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * 3 * attention
+    assert long - short == 1000 * per_token  # the states do not grow
+    states = sum(map(cfg.keeps_state, range(cfg.num_layers)))
+    assert short == 10 * per_token + states * 3 * cfg.linear.state_numel * 4
+    cache = TieredKV(cfg, 3, 10, torch.float32, torch.device("cpu"), tiers, None)
+    assert cache.nbytes == short
+    cache.close()
+
+
+def test_long_prompts_across_chunks_and_tiers(tmp_path):
+    """Prompts longer than a chunk of the delta rule, in prefill chunks of 48 tokens, with
+    the states on disk: the tokens and logits of one prefill with everything resident, and
+    transformers' logits."""
+    hf = build("qwen3-next", tmp_path / "hf", max_position_embeddings=512)
+    prompts = [[(5 * i) % 120 + 3 for i in range(150)], [(7 * i) % 120 + 3 for i in range(90)]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plain = LLM(tmp_path / "hf", dtype="float32")
+    want = [r.token_ids for r in plain.generate(prompts, params)]
+    chunked = LLM(tmp_path / "hf", dtype="float32", prefill_chunk_size=48,
+                  policy=Policy(cache=(0, 0), offload_dir=tmp_path / "off"))
+    assert [r.token_ids for r in chunked.generate(prompts, params)] == want
+    torch.testing.assert_close(chunked.logits(prompts[0]), plain.logits(prompts[0]),
+                               atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # three chunks of the delta rule, as transformers computes them
+        ref = hf(torch.tensor(prompts[:1])).logits[0]
+    torch.testing.assert_close(plain.logits(prompts[0]).reshape(ref.shape[0], -1)[-1], ref[-1],
+                               atol=1e-4, rtol=1e-4)

@@ -1,0 +1,213 @@
+"""Qwen3-Next: three layers in four are linear attention (Gated DeltaNet), whose cache is a
+state of fixed size per sequence; the fourth is gated attention. Every norm multiplies by
+(1 + w) (as Gemma's), and the MLPs are Qwen2-MoE's routed experts with a gated shared expert.
+
+Gated DeltaNet, per layer: q, k, v, z, b, a = projections of x (grouped by key head); q, k, v
+pass a short causal convolution (kernel K, its last K - 1 inputs kept) and SiLU; q and k are
+l2-normalised, q scaled by key_head_dim**-0.5; per value head (value heads share key heads in
+groups) the state S (key_head_dim x value_head_dim) decays by exp(g), g = -exp(A_log) *
+softplus(a + dt_bias), and learns v at rate beta = sigmoid(b) by the delta rule:
+S <- S exp(g); S += k (beta (v - S^T k))^T; the output S^T q goes through an RMSNorm gated by
+silu(z). A prompt runs the chunked form (chunks of 64 tokens: a triangular solve inside each
+chunk, the state carried between them), a decode step the recurrent one; both are the same
+arithmetic up to rounding.
+
+Gated attention: q's projection is doubled, its second half (per head) gating the output
+through a sigmoid; q and k are normalised per head; a quarter of each head rotates.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tiergen.cache.kv import KVView, StateView
+from tiergen.cache.step import StepMeta
+from tiergen.config import ModelConfig
+from tiergen.models.base import (Weights, causal_lm_global_specs, fuse_causal_lm_globals,
+                                 no_reduce)
+from tiergen.models.layers import (apply_rope, cat_rows, embedding, gemma_rms_norm, linear,
+                                   rope_cos_sin, rope_inv_freq)
+from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
+
+CHUNK = 64  # tokens of the chunked delta rule's blocks
+
+
+class Qwen3Next:
+    def __init__(self, cfg: ModelConfig) -> None:
+        assert cfg.linear is not None
+        self.cfg, self.linear, self.reduce = cfg, cfg.linear, no_reduce
+        self.inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)
+
+    def global_specs(self) -> dict[str, tuple[int, ...]]:
+        return causal_lm_global_specs(self.cfg)
+
+    def _widths(self) -> tuple[int, int, int]:
+        """The linear layer's in-projection rows (q, k, v, z then b, a), its convolution's
+        channels and its value heads' width."""
+        m = self.linear
+        keys, values = m.key_heads * m.key_head_dim, m.value_heads * m.value_head_dim
+        return 2 * keys + 2 * values + 2 * m.value_heads, m.conv_dim, values
+
+    def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
+        c, m, p = self.cfg, self.linear, f"model.layers.{i}."
+        h = c.hidden_size
+        specs = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if c.keeps_state(i):
+            rows, channels, values = self._widths()
+            a = p + "linear_attn."
+            specs |= {a + "in_proj_qkvz.weight": (rows - 2 * m.value_heads, h),
+                      a + "in_proj_ba.weight": (2 * m.value_heads, h),
+                      a + "conv1d.weight": (channels, 1, m.conv_kernel),
+                      a + "dt_bias": (m.value_heads,), a + "A_log": (m.value_heads,),
+                      a + "norm.weight": (m.value_head_dim,), a + "out_proj.weight": (h, values)}
+        else:
+            q, kv, a = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, p + "self_attn."
+            specs |= {a + "q_proj.weight": (2 * q, h), a + "k_proj.weight": (kv, h),
+                      a + "v_proj.weight": (kv, h), a + "o_proj.weight": (h, q),
+                      a + "q_norm.weight": (c.head_dim,), a + "k_norm.weight": (c.head_dim,)}
+        return specs | {p + n: s for n, s in ffn_checkpoint_specs(c, i).items()}
+
+    def fused_specs(self, layer: int) -> dict[str, tuple[int, ...]]:
+        c, m, h = self.cfg, self.linear, self.cfg.hidden_size
+        specs = {"input_norm": (h,), "post_norm": (h,), **ffn_fused_specs(c, layer)}
+        if c.keeps_state(layer):
+            rows, channels, values = self._widths()
+            return specs | {"in": (rows, h), "conv": (channels, 1, m.conv_kernel),
+                            "dt_bias": (m.value_heads,), "A_log": (m.value_heads,),
+                            "gated_norm": (m.value_head_dim,), "out": (h, values)}
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        return specs | {"qkv": (2 * q + 2 * kv, h), "o": (h, q), "q_norm": (c.head_dim,),
+                        "k_norm": (c.head_dim,)}
+
+    def fuse_globals(self, raw: Weights) -> Weights:
+        return fuse_causal_lm_globals(self.cfg, raw)
+
+    def fuse_layer(self, i: int, raw: Weights) -> Weights:
+        r = {k.removeprefix(f"model.layers.{i}."): v for k, v in raw.items()}
+        w = {"input_norm": r["input_layernorm.weight"],
+             "post_norm": r["post_attention_layernorm.weight"], **fuse_ffn(self.cfg, i, r)}
+        if self.cfg.keeps_state(i):
+            a = "linear_attn."
+            return w | {"in": cat_rows([r[a + "in_proj_qkvz.weight"], r[a + "in_proj_ba.weight"]]),
+                        "conv": r[a + "conv1d.weight"], "dt_bias": r[a + "dt_bias"],
+                        "A_log": r[a + "A_log"], "gated_norm": r[a + "norm.weight"],
+                        "out": r[a + "out_proj.weight"]}
+        a = "self_attn."
+        return w | {"qkv": cat_rows([r[a + f"{n}_proj.weight"] for n in "qkv"]),
+                    "o": r[a + "o_proj.weight"], "q_norm": r[a + "q_norm.weight"],
+                    "k_norm": r[a + "k_norm.weight"]}
+
+    def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(self.inv_freq.to(meta.positions.device), meta.positions, dtype)
+
+    def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
+        return embedding(w["embed"], ids, w["norm"].dtype).float()
+
+    def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta,
+              cache: KVView | StateView, shared: tuple[torch.Tensor, torch.Tensor]
+              ) -> torch.Tensor:
+        c = self.cfg
+        x = gemma_rms_norm(h, w["input_norm"], c.rms_norm_eps)
+        mix = (self._linear_attention(w, x, meta, cache) if c.keeps_state(i)
+               else self._attention(w, x, meta, cache, shared))
+        h = h + self.reduce(mix)
+        return h + self.reduce(ffn(c, i, w, gemma_rms_norm(h, w["post_norm"], c.rms_norm_eps)))
+
+    def _attention(self, w: Weights, x: torch.Tensor, meta: StepMeta, cache: KVView,
+                   shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        c = self.cfg
+        B, T, _ = x.shape
+        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        qg, k, v = linear(x, w["qkv"]).split([2 * H * D, KVH * D, KVH * D], dim=-1)
+        q, gate = qg.view(B, T, H, 2 * D).chunk(2, dim=-1)
+        q = gemma_rms_norm(q, w["q_norm"], c.rms_norm_eps)
+        k = gemma_rms_norm(k.view(B, T, KVH, D), w["k_norm"], c.rms_norm_eps)
+        cos, sin = shared
+        q, k = (apply_rope(t.transpose(1, 2), cos, sin) for t in (q, k))
+        o = cache.attend(q, k, v.view(B, T, KVH, D).transpose(1, 2), meta)
+        o = o.transpose(1, 2).reshape(B, T, H * D) * torch.sigmoid(gate.reshape(B, T, H * D))
+        return linear(o, w["o"])
+
+    def _linear_attention(self, w: Weights, x: torch.Tensor, meta: StepMeta,
+                          cache: StateView) -> torch.Tensor:
+        m = self.linear
+        B, T, _ = x.shape
+        KH, VH, dk, dv, K = (m.key_heads, m.value_heads, m.key_head_dim, m.value_head_dim,
+                             m.conv_kernel)
+        g = VH // KH
+        valid = meta.valid[:, meta.start:meta.end].to(x.device)
+        x = x * valid[..., None].to(x.dtype)  # padding enters no state
+        proj = linear(x, w["in"])
+        qkvz, ba = proj.split([proj.shape[-1] - 2 * VH, 2 * VH], dim=-1)
+        q, k, v, z = qkvz.view(B, T, KH, 2 * dk + 2 * g * dv).split([dk, dk, g * dv, g * dv], -1)
+        b, a = ba.view(B, T, KH, 2 * g).split([g, g], dim=-1)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1)
+
+        # (B, numel): the convolution's, then the delta rule's; a sequence starts from zeros
+        # (its cache's memory may have held another's: see offload.kv.Recycled)
+        state = cache.rows.to(x.device) if meta.start else x.new_zeros(cache.rows.shape,
+                                                                        dtype=torch.float32)
+        C = m.conv_dim
+        conv_state, S = state.split([C * (K - 1), VH * dk * dv], dim=-1)
+        seq = torch.cat([conv_state.view(B, C, K - 1), mixed.float().transpose(1, 2)], dim=-1)
+        conv = F.silu(F.conv1d(seq, w["conv"].float(), groups=C)).transpose(1, 2)  # (B, T, C)
+        q, k, v = conv.split([KH * dk, KH * dk, VH * dv], dim=-1)
+        q, k = (_l2norm(t.reshape(B, T, KH, dk)).repeat_interleave(g, dim=2) for t in (q, k))
+        beta = torch.sigmoid(b.reshape(B, T, VH).float()) * valid[..., None]
+        decay = (-w["A_log"].float().exp() * F.softplus(a.reshape(B, T, VH).float()
+                                                         + w["dt_bias"].float())) * valid[..., None]
+        out, S = delta_rule(q * dk**-0.5, k, v.reshape(B, T, VH, dv), decay, beta,
+                            S.view(B, VH, dk, dv))
+        cache.rows.copy_(torch.cat([seq[:, :, -(K - 1):].reshape(B, -1), S.reshape(B, -1)], -1))
+
+        normed = F.rms_norm(out, (dv,), None, self.cfg.rms_norm_eps)  # gated RMSNorm, float32
+        y = normed * w["gated_norm"].float() * F.silu(z.reshape(B, T, VH, dv).float())
+        return linear(y.reshape(B, T, VH * dv).to(x.dtype), w["out"])
+
+    def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
+        return linear(gemma_rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T tokens: q, k (B, T, H, dk), v (B, T, H, dv), log decay g
+    and rate beta (B, T, H), state S (B, H, dk, dv), all float32; returns the outputs
+    (B, T, H, dv) and the state after the last token. One token: the recurrent step; more:
+    the chunked form (within a chunk, the tokens' updates as one triangular solve)."""
+    q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))  # heads first
+    if q.shape[2] == 1:
+        S = S * g[..., 0, None, None].exp()
+        kv = (S * k[:, :, 0, :, None]).sum(-2)  # (B, H, dv): what S recalls for k
+        S = S + k[:, :, 0, :, None] * ((v[:, :, 0] - kv) * beta[..., 0, None])[..., None, :]
+        return (S * q[:, :, 0, :, None]).sum(-2)[:, None], S
+    B, H, T, dk = q.shape
+    pad = -T % CHUNK
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (T + pad) // CHUNK
+    q, k, v = (t.view(B, H, n, CHUNK, -1) for t in (q, k, v))
+    beta = beta.view(B, H, n, CHUNK, 1)
+    g = g.view(B, H, n, CHUNK).cumsum(-1)  # the decay from the chunk's start, in log
+    later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(later, float("-inf")).exp()
+    k_beta = k * beta
+    # (I + strictly lower part of (k_beta k^T) decay)^-1 against v_beta and the decayed keys
+    system = (k_beta @ k.mT) * decay
+    values = torch.linalg.solve_triangular(system, v * beta, upper=False, unitriangular=True)
+    k_decayed = torch.linalg.solve_triangular(system, k_beta * g.exp()[..., None], upper=False,
+                                              unitriangular=True)
+    inner = (q @ k.mT) * decay
+    q = q * g.exp()[..., None]
+    k = k * (g[..., -1:] - g).exp()[..., None]
+    total = g[..., -1].exp()[..., None, None]
+    out = torch.empty_like(v)
+    for c in range(n):
+        fresh = values[:, :, c] - k_decayed[:, :, c] @ S
+        out[:, :, c] = q[:, :, c] @ S + inner[:, :, c] @ fresh
+        S = S * total[:, :, c] + k[:, :, c].mT @ fresh
+    return out.view(B, H, -1, v.shape[-1])[:, :, :T].transpose(1, 2), S
