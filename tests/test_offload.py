@@ -69,13 +69,21 @@ def prefill_and_decode_logits(llm: LLM) -> list[torch.Tensor]:
     return out
 
 
+def tolerance(llm: LLM) -> float:
+    """How close another policy's logits come: 1e-5, or 1e-4 (as against transformers) where
+    linear-attention layers carry the rounding of other batch shapes through their states."""
+    cfg = llm.config
+    return 1e-4 if any(map(cfg.keeps_state, range(cfg.num_layers))) else 1e-5
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_policy_matches_all_on_device(model_dir, reference, name, tmp_path):
     tokens, logits = reference
     llm = LLM(model_dir, dtype="float32", policy=Policy(**POLICIES[name], offload_dir=tmp_path))
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == tokens
+    tol = tolerance(llm)
     for ours, ref in zip(prefill_and_decode_logits(llm), logits):
-        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
     assert not list((tmp_path / "spill").glob("*")), "spill files left behind"
 
 

@@ -139,6 +139,17 @@ CASES: dict[str, tuple[str, dict]] = {
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, shared_expert_intermediate_size=32, mlp_only_layers=[1])),
+    # Qwen3.5 (text): Qwen3-Next's layers with each in-projection apart; dense, and with
+    # experts (no dense MLP: no intermediate_size)
+    "qwen3.5": ("Qwen3_5TextConfig", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4)),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=32)),
     # MiniMax-M2: a quarter of each head rotates, q and k each normalised over all heads
     # together, sigmoid routing with a bias and no shared expert
     "minimax-m2": ("MiniMaxM2Config", dict(

@@ -29,6 +29,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
 
 
@@ -143,6 +145,8 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    # Qwen3-Next projects q, k, v, z (and b, a) grouped by key head, Qwen3.5 each apart
+    grouped: bool = True
 
     @property
     def conv_dim(self) -> int:
@@ -458,7 +462,8 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         moe = MoEConfig(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                         intermediate_size=cfg["intermediate_size"])
         return dict(moe=moe)
-    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM",
+                "Qwen3_5MoeForCausalLM"):
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
         only = set(cfg.get("mlp_only_layers") or [])
         moe = MoEConfig(
@@ -534,7 +539,8 @@ SIGMOID_ROUTED = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Glm4MoeFor
                   "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "MiniMaxM2ForCausalLM")
 INDEXED_ATTENTION = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                     "Qwen3NextForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM",
+                     "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV2ForCausalLM",
+                     "GptOssForCausalLM",
                      *SIGMOID_ROUTED)
 
 
@@ -559,8 +565,11 @@ def _minimax_m2(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(qk_norm=norm, qk_norm_across_heads=norm)
 
 
-def _qwen3_next(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-Next's linear-attention layers and its per-head q/k norms."""
+LINEAR_ATTENTION = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+
+
+def _qwen3_next(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's and Qwen3.5's linear-attention layers and per-head q/k norms."""
     if cfg.get("attention_bias"):
         raise TiergenError("model config: Qwen3-Next with attention_bias is not supported")
     layers = cfg["num_hidden_layers"]
@@ -571,7 +580,8 @@ def _qwen3_next(cfg: dict[str, Any]) -> dict[str, Any]:
         key_heads=int(cfg["linear_num_key_heads"]), value_heads=int(cfg["linear_num_value_heads"]),
         key_head_dim=int(cfg["linear_key_head_dim"]),
         value_head_dim=int(cfg["linear_value_head_dim"]),
-        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)))
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        grouped=arch == "Qwen3NextForCausalLM")
     if linear.value_heads % linear.key_heads:
         raise TiergenError("model config: linear_num_value_heads must be a multiple of "
                            "linear_num_key_heads")
@@ -642,8 +652,8 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             fields["qk_norm"] = bool(cfg.get("use_qk_norm", False))
         if arch == "MiniMaxM2ForCausalLM":
             fields |= _minimax_m2(cfg)
-        if arch == "Qwen3NextForCausalLM":
-            fields |= _qwen3_next(cfg)
+        if arch in LINEAR_ATTENTION:
+            fields |= _qwen3_next(arch, cfg)
         if arch in MOE_ARCHITECTURES:
             fields |= _moe_from_hf(arch, cfg)
         head_dim = fields.pop("head_dim", None) or cfg.get("head_dim") or hidden // heads
@@ -653,7 +663,9 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            # (Qwen3.5's mixtures of experts have no dense MLP, nor its size)
+            intermediate_size=cfg["moe_intermediate_size"] if arch == "Qwen3_5MoeForCausalLM"
+            and "intermediate_size" not in cfg else cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,

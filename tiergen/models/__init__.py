@@ -25,6 +25,8 @@ FAMILIES = {
     "Qwen3ForCausalLM": Llama,
     "Qwen3MoeForCausalLM": Llama,
     "Qwen3NextForCausalLM": Qwen3Next,
+    "Qwen3_5ForCausalLM": Qwen3Next,  # the same layers, projections apart
+    "Qwen3_5MoeForCausalLM": Qwen3Next,
 }
 
 

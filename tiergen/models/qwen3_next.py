@@ -1,5 +1,5 @@
-"""Qwen3-Next: three layers in four are linear attention (Gated DeltaNet), whose cache is a
-state of fixed size per sequence; the fourth is gated attention. Every norm multiplies by
+"""Qwen3-Next and Qwen3.5 (text): three layers in four are linear attention (Gated
+DeltaNet), whose cache is a state of fixed size per sequence; the fourth is gated attention. Every norm multiplies by
 (1 + w) (as Gemma's), and the MLPs are Qwen2-MoE's routed experts with a gated shared expert.
 
 Gated DeltaNet, per layer: q, k, v, z, b, a = projections of x (grouped by key head); q, k, v
@@ -49,16 +49,24 @@ class Qwen3Next:
         keys, values = m.key_heads * m.key_head_dim, m.value_heads * m.value_head_dim
         return 2 * keys + 2 * values + 2 * m.value_heads, m.conv_dim, values
 
+    def _in_projections(self) -> list[tuple[str, int]]:
+        """The linear layer's in-projections (checkpoint name, rows), in the order fused."""
+        m = self.linear
+        keys, values = m.key_heads * m.key_head_dim, m.value_heads * m.value_head_dim
+        if m.grouped:  # Qwen3-Next: q, k, v, z grouped by key head, then b, a likewise
+            return [("qkvz", 2 * keys + 2 * values), ("ba", 2 * m.value_heads)]
+        return [("qkv", 2 * keys + values), ("z", values), ("b", m.value_heads),
+                ("a", m.value_heads)]
+
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         c, m, p = self.cfg, self.linear, f"model.layers.{i}."
         h = c.hidden_size
         specs = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
         if c.keeps_state(i):
-            rows, channels, values = self._widths()
+            _, channels, values = self._widths()
             a = p + "linear_attn."
-            specs |= {a + "in_proj_qkvz.weight": (rows - 2 * m.value_heads, h),
-                      a + "in_proj_ba.weight": (2 * m.value_heads, h),
-                      a + "conv1d.weight": (channels, 1, m.conv_kernel),
+            specs |= {a + f"in_proj_{n}.weight": (r, h) for n, r in self._in_projections()}
+            specs |= {a + "conv1d.weight": (channels, 1, m.conv_kernel),
                       a + "dt_bias": (m.value_heads,), a + "A_log": (m.value_heads,),
                       a + "norm.weight": (m.value_head_dim,), a + "out_proj.weight": (h, values)}
         else:
@@ -89,7 +97,8 @@ class Qwen3Next:
              "post_norm": r["post_attention_layernorm.weight"], **fuse_ffn(self.cfg, i, r)}
         if self.cfg.keeps_state(i):
             a = "linear_attn."
-            return w | {"in": cat_rows([r[a + "in_proj_qkvz.weight"], r[a + "in_proj_ba.weight"]]),
+            return w | {"in": cat_rows([r[a + f"in_proj_{n}.weight"]
+                                        for n, _ in self._in_projections()]),
                         "conv": r[a + "conv1d.weight"], "dt_bias": r[a + "dt_bias"],
                         "A_log": r[a + "A_log"], "gated_norm": r[a + "norm.weight"],
                         "out": r[a + "out_proj.weight"]}
@@ -139,10 +148,15 @@ class Qwen3Next:
         valid = meta.valid[:, meta.start:meta.end].to(x.device)
         x = x * valid[..., None].to(x.dtype)  # padding enters no state
         proj = linear(x, w["in"])
-        qkvz, ba = proj.split([proj.shape[-1] - 2 * VH, 2 * VH], dim=-1)
-        q, k, v, z = qkvz.view(B, T, KH, 2 * dk + 2 * g * dv).split([dk, dk, g * dv, g * dv], -1)
-        b, a = ba.view(B, T, KH, 2 * g).split([g, g], dim=-1)
-        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1)
+        if m.grouped:  # per key head: its q, k, then its value heads' v and z; b, a likewise
+            qkvz, ba = proj.split([proj.shape[-1] - 2 * VH, 2 * VH], dim=-1)
+            q, k, v, z = qkvz.view(B, T, KH, 2 * dk + 2 * g * dv).split(
+                [dk, dk, g * dv, g * dv], dim=-1)
+            b, a = ba.view(B, T, KH, 2 * g).split([g, g], dim=-1)
+            mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)],
+                              dim=-1)
+        else:
+            mixed, z, b, a = proj.split([m.conv_dim, VH * dv, VH, VH], dim=-1)
 
         # (B, numel): the convolution's, then the delta rule's; a sequence starts from zeros
         # (its cache's memory may have held another's: see offload.kv.Recycled)

@@ -26,6 +26,7 @@ CHECKPOINT_NAMES: dict[str, dict[str, str]] = {
 CHECKPOINT_NAMES["DeepseekV3ForCausalLM"] = CHECKPOINT_NAMES["DeepseekV2ForCausalLM"] | {
     "router_bias": "mlp.gate.e_score_correction_bias"}
 CHECKPOINT_NAMES["Qwen3NextForCausalLM"] = CHECKPOINT_NAMES["Qwen2MoeForCausalLM"]
+CHECKPOINT_NAMES["Qwen3_5MoeForCausalLM"] = CHECKPOINT_NAMES["Qwen2MoeForCausalLM"]
 for _arch in ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM",
               "GlmMoeDsaForCausalLM"):
     CHECKPOINT_NAMES[_arch] = CHECKPOINT_NAMES["DeepseekV3ForCausalLM"]
