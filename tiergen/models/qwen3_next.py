@@ -173,7 +173,8 @@ class Qwen3Next:
                                                          + w["dt_bias"].float())) * valid[..., None]
         out, S = delta_rule(q * dk**-0.5, k, v.reshape(B, T, VH, dv), decay, beta,
                             S.view(B, VH, dk, dv))
-        cache.rows.copy_(torch.cat([seq[:, :, -(K - 1):].reshape(B, -1), S.reshape(B, -1)], -1))
+        kept = seq[:, :, seq.shape[-1] - (K - 1):]  # the convolution's last K - 1 inputs
+        cache.rows.copy_(torch.cat([kept.reshape(B, -1), S.reshape(B, -1)], dim=-1))
 
         normed = F.rms_norm(out, (dv,), None, self.cfg.rms_norm_eps)  # gated RMSNorm, float32
         y = normed * w["gated_norm"].float() * F.silu(z.reshape(B, T, VH, dv).float())
