@@ -59,8 +59,7 @@ def test_shared_prefix_is_exact(model_dir, rests):
     assert llm.last_stats.shared_prompt_tokens == 0
     assert_same(shared, alone)
     longest = max(map(len, prompts)) + 12
-    states = any(map(llm.config.keeps_state, range(llm.config.num_layers)))
-    if rests is RESTS and (windows_below(llm, longest) or states):
+    if rests is RESTS and (windows_below(llm, longest) or llm.config.keeps_states):
         # the padding after the prefix would sit inside a ring's window, or a
         # linear-attention layer's convolution
         assert saved == 0

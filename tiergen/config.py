@@ -312,6 +312,11 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
 
+    @property
+    def keeps_states(self) -> bool:
+        """Whether any layer keeps a linear-attention state (see :meth:`keeps_state`)."""
+        return self.linear is not None and any(map(self.keeps_state, range(self.num_layers)))
+
     def keeps_state(self, layer: int) -> bool:
         """Whether a layer keeps a linear-attention state (one fixed-size row per sequence,
         ``LinearAttentionConfig.state_numel`` float32 numbers) instead of a KV cache."""

@@ -147,10 +147,6 @@ def _windows(cfg: ModelConfig) -> list[int]:
     return [w for w in map(cfg.window, range(cfg.num_layers)) if w]
 
 
-def _keeps_states(cfg: ModelConfig) -> bool:
-    return any(map(cfg.keeps_state, range(cfg.num_layers)))
-
-
 def _sharable(cfg: ModelConfig, seqs: list[Sequence], n: int) -> int:
     """``n`` leading tokens, short of every prompt's end (each row keeps a token of its own,
     whose logits give its first sample), or 0: under MIN_SHARED_PREFIX tokens, or where a
@@ -161,7 +157,7 @@ def _sharable(cfg: ModelConfig, seqs: list[Sequence], n: int) -> int:
     windows = _windows(cfg)
     differ = len({len(s.prompt_ids) for s in seqs}) > 1
     if n < MIN_SHARED_PREFIX or differ and (
-            (windows and capacity(seqs) > min(windows)) or _keeps_states(cfg)):
+            (windows and capacity(seqs) > min(windows)) or cfg.keeps_states):
         return 0
     return n
 
@@ -238,7 +234,7 @@ class SharedPrefix:
             # it scored its own token after them, not the rows': they score the last one
             n = _sharable(cfg, seqs, n - 1)
         # a ring, or a linear-attention state, holds its last slots, not its first
-        return 0 if (_windows(cfg) or _keeps_states(cfg)) and n < self.length else n
+        return 0 if (_windows(cfg) or cfg.keeps_states) and n < self.length else n
 
     def give_logprobs(self, seqs: list[Sequence], n: int) -> None:
         """Start the prompt log-probabilities of the rows that asked with those of its first

@@ -239,11 +239,11 @@ class TieredKV:
         # A linear-attention layer keeps one slot, its state after the last token: a ring of
         # one slot, which every step writes whole (see StateView).
         self.states = [cfg.keeps_state(j) for j in range(len(tiers))]
-        if any(self.states) and compress is not None:
+        if cfg.keeps_states and compress is not None:
             raise TiergenError("compressed KV caches are not supported for models with "
                                "linear-attention layers (their states stay float32); leave "
                                "compress_cache off")
-        self.state_numel = cfg.linear.state_numel if any(self.states) else 0
+        self.state_numel = cfg.linear.state_numel if cfg.keeps_states else 0
         self.slots = [1 if state else layer_slots(capacity, cfg.window(j))
                       for j, state in enumerate(self.states)]
         # A layer is a ring when its window is shorter than what the batch will hold.

@@ -12,6 +12,7 @@ from tiergen import kernels
 from tiergen._platform import cpu_has_fast_bfloat16
 from tiergen.cache.attention import SPARSE_PIECE_BYTES
 from tiergen.models.layers import UPCAST_ROWS, widened_rows
+from tiergen.models.qwen3_next import CHUNK
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import TIERS, parse_size
@@ -111,7 +112,7 @@ def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: in
     if cfg.linear is not None:  # the delta rule's float32 chunks and states, the convolution's
         m = cfg.linear
         expanded += 4 * rows * (
-            -(-tokens // 64) * 64 * m.value_heads * (4 * 64 + 6 * m.key_head_dim
+            -(-tokens // CHUNK) * CHUNK * m.value_heads * (4 * CHUNK + 6 * m.key_head_dim
                                                      + 6 * m.value_head_dim)
             + 3 * m.state_numel + 2 * tokens * m.conv_dim)
     if tokens == 1:
