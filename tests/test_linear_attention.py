@@ -4,12 +4,14 @@ the cache, and prompts longer than a chunk of the rule and of a prefill."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
 
 from tiergen import LLM, Policy, SamplingParams
 from tiergen.models.qwen3_next import CHUNK, delta_rule
 from tiergen.offload.kv import TieredKV, cache_needs
-from tiny_models import build
+from tiny_models import BASE, CASES, build
 
 
 def test_the_chunked_delta_rule_is_the_recurrent_one_token_by_token():
@@ -68,3 +70,38 @@ def test_long_prompts_across_chunks_and_tiers(tmp_path):
         ref = hf(torch.tensor(prompts[:1])).logits[0]
     torch.testing.assert_close(plain.logits(prompts[0]).reshape(ref.shape[0], -1)[-1], ref[-1],
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["qwen3.5", "qwen3.5-moe"])
+def test_an_image_and_text_checkpoint_runs_its_text_model(tmp_path, case):
+    """Qwen3.5 as released: ``...ForConditionalGeneration`` with a vision tower and the text
+    model under ``model.language_model.``. Its text model (multimodal rotary, whose three
+    position rows are equal for text, so plain rotary) against transformers' whole model, on
+    prompts of different lengths."""
+    wrapper = {"qwen3.5": "Qwen3_5Config", "qwen3.5-moe": "Qwen3_5MoeConfig"}[case]
+    text = BASE | CASES[case][1] | dict(head_dim=32, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+        mrope_interleaved=True, mrope_section=[2, 1, 1]))
+    config = getattr(transformers, wrapper)(text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.15) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    hf.eval().save_pretrained(tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    assert llm.config.architecture == CASES[case][0].replace("TextConfig", "ForCausalLM")
+    prompts = [[5, 9, 17, 3, 44, 8, 2, 71, 30], [12, 6, 90]]
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(llm.logits(prompt).reshape(ref.shape), ref,
+                                   atol=1e-4, rtol=1e-4)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = [r.token_ids for r in llm.generate(prompts, params)]
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert tokens == out[0, len(prompt):].tolist()

@@ -33,6 +33,28 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3_5MoeForCausalLM",
 )
 
+# Checkpoints of an image-and-text model whose text model tiergen runs (the vision tower is not
+# loaded): the text model's architecture, and the prefix its tensors carry instead of "model."
+TEXT_MODELS = {
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "model.language_model."),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "model.language_model."),
+}
+
+
+def text_model(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of the text model inside an image-and-text checkpoint (its
+    ``text_config``, under the text model's architecture); any other config unchanged."""
+    archs = cfg.get("architectures") or []
+    if not archs or archs[0] not in TEXT_MODELS:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise TiergenError(f"config.json of {archs[0]} has no text_config object")
+    # (the wrapper ties the head; its eos is the text model's when that names none)
+    return text | {"architectures": [TEXT_MODELS[archs[0]][0]],
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+                   "eos_token_id": text.get("eos_token_id") or cfg.get("eos_token_id")}
+
 
 @dataclass
 class RopeConfig:
@@ -611,6 +633,7 @@ def _qwen_layer_types(arch: str, cfg: dict[str, Any]) -> list[str] | None:
 
 def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from the dict of a Hugging Face ``config.json``."""
+    cfg = text_model(cfg)
     archs = cfg.get("architectures") or []
     if not archs:
         raise TiergenError("config.json names no architecture ('architectures' is missing); "
@@ -618,7 +641,7 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise TiergenError(f"unsupported architecture {arch!r}; tiergen supports "
-                           + ", ".join(SUPPORTED_ARCHITECTURES))
+                           + ", ".join(SUPPORTED_ARCHITECTURES + tuple(TEXT_MODELS)))
     quant = cfg.get("quantization_config")
     method = _quant_method(cfg) or ("unknown" if isinstance(quant, dict) else quant)
     mxfp4 = method == "mxfp4" and arch == "GptOssForCausalLM"  # gpt-oss's own experts

@@ -31,7 +31,10 @@ def _pread(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
 class SafetensorsSource:
     """Reads tensors by name, lazily, from the shards of a checkpoint directory."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, text_prefix: str = "model.") -> None:
+        """``text_prefix``: where the text model's tensors live in an image-and-text
+        checkpoint; they are read under "model." names, and the other "model." tensors (the
+        vision tower's) are not seen."""
         index = directory / "model.safetensors.index.json"
         if index.exists():
             try:
@@ -64,7 +67,12 @@ class SafetensorsSource:
                                    "the file may be truncated or corrupt: re-download it") from None
             if not weight_map:
                 weight_map.update({k: shard for k in self._files[shard].keys()})
-        self._where = weight_map
+        self._stored = {name: name for name in weight_map}  # name -> name in the checkpoint
+        if text_prefix != "model.":
+            self._stored = {name: name for name in weight_map if not name.startswith("model.")}
+            self._stored |= {"model." + name[len(text_prefix):]: name for name in weight_map
+                             if name.startswith(text_prefix)}
+        self._where = {name: weight_map[stored] for name, stored in self._stored.items()}
         self._paths = {shard: directory / shard for shard in shards}
         self._headers: dict[str, tuple[int, dict]] = {}
 
@@ -79,7 +87,7 @@ class SafetensorsSource:
                 size = struct.unpack("<Q", f.read(8))[0]
                 self._headers[shard] = (8 + size, json.loads(f.read(size)))
         start, header = self._headers[shard]
-        entry = header.get(name)
+        entry = header.get(self._stored[name])
         dtype = _DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) else None
         if dtype is None:
             return None
@@ -90,7 +98,7 @@ class SafetensorsSource:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape, from the shards' headers (nothing is read)."""
-        return {name: tuple(self._files[shard].get_slice(name).get_shape())
+        return {name: tuple(self._files[shard].get_slice(self._stored[name]).get_shape())
                 for name, shard in self._where.items()}
 
     def meta(self, name: str) -> None:
@@ -98,7 +106,7 @@ class SafetensorsSource:
         return None
 
     def get(self, name: str) -> torch.Tensor:
-        return self._read(name, lambda f: f.get_tensor(name))
+        return self._read(name, lambda f: f.get_tensor(self._stored[name]))
 
     def get_slice(self, name: str, dim: int, rows: range) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) ``rows`` of a tensor. Read with plain reads, not
@@ -108,7 +116,7 @@ class SafetensorsSource:
         if where is None:  # not plain row-major data of a torch dtype
             index = (slice(rows.start, rows.stop),) if dim == 0 else \
                 (slice(None), slice(rows.start, rows.stop))
-            return self._read(name, lambda f: f.get_slice(name)[index].contiguous())
+            return self._read(name, lambda f: f.get_slice(self._stored[name])[index].contiguous())
         path, offset, dtype, shape = where
         row_bytes = dtype.itemsize * math.prod(shape[1:])
         fd = os.open(path, os.O_RDONLY)
