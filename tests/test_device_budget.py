@@ -15,7 +15,8 @@ from tiny_models import build
 # predicted / measured peak of a forward step on a CPU: at least 1 (a budget is a promise),
 # at most this (measured 1.0-2.1 over the cases below)
 TOLERANCE = 2.5
-CASES = ["llama-gqa-tied", "qwen3", "mixtral", "gemma3-window4", "deepseek-v2", "gpt-oss"]
+CASES = ["llama-gqa-tied", "qwen3", "mixtral", "gemma3-window4", "deepseek-v2", "gpt-oss",
+         "qwen3-next", "kimi-linear"]
 
 
 def profiled_peak(fn) -> int:

@@ -14,18 +14,23 @@ from tiergen.offload.kv import TieredKV, cache_needs
 from tiny_models import BASE, CASES, build
 
 
-def test_the_chunked_delta_rule_is_the_recurrent_one_token_by_token():
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_the_chunked_delta_rule_is_the_recurrent_one_token_by_token(per_channel):
+    """Qwen3-Next's decay per head, Kimi's per key channel (steep, as trained ones are)."""
     g = torch.Generator().manual_seed(0)
     B, T, H, dk, dv = 2, 2 * CHUNK + 21, 3, 8, 5
     q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, dk, generator=g), dim=-1)
             for _ in range(2))
     v = torch.randn(B, T, H, dv, generator=g)
-    decay, beta = -torch.rand(B, T, H, generator=g), torch.rand(B, T, H, generator=g)
+    decay = -torch.rand(B, T, H, dk, generator=g) * 8 if per_channel else \
+        -torch.rand(B, T, H, generator=g)
+    beta = torch.rand(B, T, H, generator=g)
     S0 = torch.randn(B, H, dk, dv, generator=g)
     out, S = delta_rule(q, k, v, decay, beta, S0)
     state, steps = S0, []
     for t in range(T):  # plainly: S <- S e^g; S += k (beta (v - S^T k))^T; o = S^T q
-        state = state * decay[:, t, :, None, None].exp()
+        d = decay[:, t].exp()
+        state = state * (d[..., None] if per_channel else d[..., None, None])
         recalled = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
         state = state + torch.einsum("bhk,bhv->bhkv", k[:, t],
                                      beta[:, t, :, None] * (v[:, t] - recalled))
@@ -52,11 +57,12 @@ def test_a_state_is_counted_per_sequence_not_per_token(tmp_path):
     cache.close()
 
 
-def test_long_prompts_across_chunks_and_tiers(tmp_path):
+@pytest.mark.parametrize("case", ["qwen3-next", "kimi-linear"])
+def test_long_prompts_across_chunks_and_tiers(tmp_path, case):
     """Prompts longer than a chunk of the delta rule, in prefill chunks of 48 tokens, with
     the states on disk: the tokens and logits of one prefill with everything resident, and
     transformers' logits."""
-    hf = build("qwen3-next", tmp_path / "hf", max_position_embeddings=512)
+    hf = build(case, tmp_path / "hf", max_position_embeddings=512)
     prompts = [[(5 * i) % 120 + 3 for i in range(150)], [(7 * i) % 120 + 3 for i in range(90)]]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     plain = LLM(tmp_path / "hf", dtype="float32")

@@ -16,7 +16,7 @@ from test_offload import PROMPTS, prefill_and_decode_logits, tolerance
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 MOE_CASES = ["deepseek-v2", "deepseek-v2-lite", "deepseek-v3", "deepseek-v32", "glm-moe-dsa",
-             "glm4-moe", "glm4-moe-lite", "gpt-oss", "minimax-m2", "mixtral", "qwen2-moe",
+             "glm4-moe", "glm4-moe-lite", "gpt-oss", "kimi-linear", "minimax-m2", "mixtral", "qwen2-moe",
              "qwen3-moe", "qwen3-next", "qwen3.5-moe"]
 
 EXPERT_POLICIES = {

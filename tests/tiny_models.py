@@ -150,6 +150,15 @@ CASES: dict[str, tuple[str, dict]] = {
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
         linear_value_head_dim=12, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=24, shared_expert_intermediate_size=32)),
+    # Kimi-Linear: KDA layers (0 and 2) and latent attention without rotation (1 and 3); layer
+    # 0's MLP dense, the others DeepSeek-V3's experts with a shared one
+    "kimi-linear": ("KimiLinearConfig", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=24,
+        num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, linear_head_dim=8,
+        linear_num_heads=4, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        layer_types=["linear_attention", "full_attention", "linear_attention",
+                     "full_attention"])),
     # MiniMax-M2: a quarter of each head rotates, q and k each normalised over all heads
     # together, sigmoid routing with a bias and no shared expert
     "minimax-m2": ("MiniMaxM2Config", dict(

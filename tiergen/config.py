@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
     "Glm4MoeLiteForCausalLM",
     "GlmMoeDsaForCausalLM",
     "GptOssForCausalLM",
+    "KimiLinearForCausalLM",
     "LlamaForCausalLM",
     "MiniMaxM2ForCausalLM",
     "MistralForCausalLM",
@@ -34,10 +35,10 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 # Checkpoints of an image-and-text model whose text model tiergen runs (the vision tower is not
-# loaded): the text model's architecture, and the prefix its tensors carry instead of "model."
+# loaded; its tensors' names: weights.safetensors.RENAMES): the text model's architecture
 TEXT_MODELS = {
-    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "model.language_model."),
-    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "model.language_model."),
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
 
 
@@ -51,7 +52,7 @@ def text_model(cfg: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise TiergenError(f"config.json of {archs[0]} has no text_config object")
     # (the wrapper ties the head; its eos is the text model's when that names none)
-    return text | {"architectures": [TEXT_MODELS[archs[0]][0]],
+    return text | {"architectures": [TEXT_MODELS[archs[0]]],
                    "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
                    "eos_token_id": text.get("eos_token_id") or cfg.get("eos_token_id")}
 
@@ -150,6 +151,7 @@ class MLAConfig:
     index_rope_interleave: bool = False  # the indexer's RoPE pairs adjacent (GLM-5), else halves
     # GLM-5: the layers that reuse the choice of the last layer before them that made one
     index_shared: list[bool] | None = None
+    rotary: bool = True  # Kimi-Linear: the k_pe and q_pe parts are not rotated at all
 
     def shares_choice(self, layer: int) -> bool:
         return bool(self.index_shared and self.index_shared[layer])
@@ -157,10 +159,11 @@ class MLAConfig:
 
 @dataclass
 class LinearAttentionConfig:
-    """Gated DeltaNet (Qwen3-Next): the layers of layer type "linear_attention" keep, per
-    sequence, a state of fixed size instead of a KV cache: the short causal convolution's
-    last ``conv_kernel - 1`` inputs (``conv_dim`` channels each) and the delta rule's matrix
-    (key_head_dim x value_head_dim) per value head, float32."""
+    """Gated DeltaNet (Qwen3-Next) and Kimi Delta Attention (Kimi-Linear): the layers of
+    layer type "linear_attention" keep, per sequence, a state of fixed size instead of a KV
+    cache: the short causal convolution's last ``conv_kernel - 1`` inputs (``conv_dim``
+    channels each) and the delta rule's matrix (key_head_dim x value_head_dim) per value
+    head, float32."""
 
     key_heads: int
     value_heads: int
@@ -169,6 +172,9 @@ class LinearAttentionConfig:
     conv_kernel: int
     # Qwen3-Next projects q, k, v, z (and b, a) grouped by key head, Qwen3.5 each apart
     grouped: bool = True
+    # Kimi Delta Attention: the state decays per key channel (from a low-rank forget gate),
+    # not per head, and a low-rank gate (through a sigmoid) scales the output
+    per_channel: bool = False
 
     @property
     def conv_dim(self) -> int:
@@ -537,7 +543,8 @@ def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     mla = MLAConfig(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
                     qk_nope_head_dim=cfg["qk_nope_head_dim"],
                     qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
-                    rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
+                    rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+                    rotary=arch != "KimiLinearForCausalLM")
     if arch in INDEXED_ATTENTION:
         mla = replace(mla, **_indexer_from_hf(arch, cfg))
     return dict(moe=moe, mla=mla, head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
@@ -563,7 +570,8 @@ def _indexer_from_hf(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 # The mixtures of experts whose routers score with a sigmoid (and nothing else tiergen runs)
 SIGMOID_ROUTED = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Glm4MoeForCausalLM",
-                  "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "MiniMaxM2ForCausalLM")
+                  "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "MiniMaxM2ForCausalLM",
+                  "KimiLinearForCausalLM")
 INDEXED_ATTENTION = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                      "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM", "DeepseekV2ForCausalLM",
@@ -592,14 +600,50 @@ def _minimax_m2(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(qk_norm=norm, qk_norm_across_heads=norm)
 
 
-LINEAR_ATTENTION = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+LINEAR_ATTENTION = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                    "KimiLinearForCausalLM")
+
+# Kimi-Linear's config.json names DeepSeek-V3's fields its own way
+_KIMI_NAMES = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
+               "moe_renormalize": "norm_topk_prob", "num_expert_group": "n_group",
+               "num_shared_experts": "n_shared_experts",
+               "model_max_length": "max_position_embeddings"}
+
+
+def _kimi_linear(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Kimi-Linear's config.json in DeepSeek-V3's names, with its layer types (from
+    ``linear_attn_config`` as released: 1-based "full_attn_layers" and "kda_layers")."""
+    cfg = cfg | {v: cfg[k] for k, v in _KIMI_NAMES.items() if cfg.get(k) is not None}
+    if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise TiergenError("model config: Kimi-Linear with moe_router_activation_func "
+                           f"{cfg['moe_router_activation_func']!r} is not supported (only sigmoid)")
+    linear = cfg.get("linear_attn_config") or {}
+    layers = cfg["num_hidden_layers"]
+    if cfg.get("layer_types") is None:
+        full = set(linear.get("full_attn_layers") or
+                   [i + 1 for i in range(layers) if i and i % 4 == 0])
+        cfg["layer_types"] = ["full_attention" if i + 1 in full else "linear_attention"
+                              for i in range(layers)]
+    if cfg.get("mlp_layer_types") is None:
+        dense = int(cfg.get("first_k_dense_replace", 1))
+        cfg["mlp_layer_types"] = ["dense" if i < dense else "sparse" for i in range(layers)]
+    return cfg | {"linear_head_dim": linear.get("head_dim", cfg.get("linear_head_dim", 128)),
+                  "linear_num_heads": linear.get("num_heads", cfg.get("linear_num_heads", 32)),
+                  "linear_conv_kernel_dim": linear.get("short_conv_kernel_size",
+                                                       cfg.get("linear_conv_kernel_dim", 4))}
 
 
 def _qwen3_next(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-Next's and Qwen3.5's linear-attention layers and per-head q/k norms."""
+    """Qwen3-Next's and Qwen3.5's linear-attention layers and per-head q/k norms, and
+    Kimi-Linear's (whose attention layers are DeepSeek-V3's latent attention, not rotated)."""
     if cfg.get("attention_bias"):
-        raise TiergenError("model config: Qwen3-Next with attention_bias is not supported")
+        raise TiergenError(f"model config: {arch} with attention_bias is not supported")
     layers = cfg["num_hidden_layers"]
+    if arch == "KimiLinearForCausalLM":
+        heads, dim = int(cfg["linear_num_heads"]), int(cfg["linear_head_dim"])
+        linear = LinearAttentionConfig(heads, heads, dim, dim, int(cfg["linear_conv_kernel_dim"]),
+                                       grouped=False, per_channel=True)
+        return dict(layer_types=list(cfg["layer_types"]), linear=linear)
     kinds = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0
         else "linear_attention" for i in range(layers)]
@@ -639,6 +683,8 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
         raise TiergenError("config.json names no architecture ('architectures' is missing); "
                            "tiergen supports " + ", ".join(SUPPORTED_ARCHITECTURES))
     arch = archs[0]
+    if arch == "KimiLinearForCausalLM":
+        cfg = _kimi_linear(cfg)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise TiergenError(f"unsupported architecture {arch!r}; tiergen supports "
                            + ", ".join(SUPPORTED_ARCHITECTURES + tuple(TEXT_MODELS)))

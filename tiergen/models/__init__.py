@@ -4,6 +4,7 @@ from tiergen.config import ModelConfig
 from tiergen.models.base import ModelFamily
 from tiergen.models.deepseek_v2 import DeepseekV2
 from tiergen.models.gemma3 import Gemma3
+from tiergen.models.kimi_linear import KimiLinear
 from tiergen.models.llama import Llama
 from tiergen.models.qwen3_next import Qwen3Next
 
@@ -16,6 +17,7 @@ FAMILIES = {
     "Glm4MoeForCausalLM": Llama,
     "Glm4MoeLiteForCausalLM": DeepseekV2,  # V3's latent attention and routing, GLM's sizes
     "GptOssForCausalLM": Llama,
+    "KimiLinearForCausalLM": KimiLinear,
     "LlamaForCausalLM": Llama,
     "MiniMaxM2ForCausalLM": Llama,
     "MistralForCausalLM": Llama,

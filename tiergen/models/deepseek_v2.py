@@ -139,8 +139,11 @@ class DeepseekV2:
         return w | fuse_ffn(c, i, r)
 
     def prepare(self, meta: StepMeta, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (B, 1, T, rope/2) in float32, with YaRN's magnitude factor folded in."""
+        """cos/sin (B, 1, T, rope/2) in float32, with YaRN's magnitude factor folded in (no
+        rotation: angles of zero)."""
         freqs = meta.positions.float()[..., None] * self.inv_freq.to(meta.positions.device)
+        if not self.mla.rotary:
+            freqs = torch.zeros_like(freqs)
         return ((freqs.cos() * self.rope_factor)[:, None], (freqs.sin() * self.rope_factor)[:, None])
 
     def embed(self, w: Weights, ids: torch.Tensor) -> torch.Tensor:
@@ -238,6 +241,8 @@ class DeepseekV2:
         """Rotate RoPE dimensions laid out in adjacent pairs, or (``rope_interleave`` off) in
         halves: those are permuted into pairs first. Queries and keys are permuted alike, so
         their dot products are unchanged and the cache holds the permuted keys."""
+        if not self.mla.rotary:
+            return x
         if not self.mla.rope_interleave:
             x = x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
         return apply_rope_interleaved(x, cos, sin)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tiergen.cache.kv import KVView, StateView
 from tiergen.cache.step import StepMeta
-from tiergen.config import ModelConfig
+from tiergen.config import LinearAttentionConfig, ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, fuse_causal_lm_globals,
                                  no_reduce)
 from tiergen.models.layers import (apply_rope, cat_rows, embedding, gemma_rms_norm, linear,
@@ -158,23 +158,15 @@ class Qwen3Next:
         else:
             mixed, z, b, a = proj.split([m.conv_dim, VH * dv, VH, VH], dim=-1)
 
-        # (B, numel): the convolution's, then the delta rule's; a sequence starts from zeros
-        # (its cache's memory may have held another's: see offload.kv.Recycled)
-        state = cache.rows.to(x.device) if meta.start else x.new_zeros(cache.rows.shape,
-                                                                        dtype=torch.float32)
-        C = m.conv_dim
-        conv_state, S = state.split([C * (K - 1), VH * dk * dv], dim=-1)
-        seq = torch.cat([conv_state.view(B, C, K - 1), mixed.float().transpose(1, 2)], dim=-1)
-        conv = F.silu(F.conv1d(seq, w["conv"].float(), groups=C)).transpose(1, 2)  # (B, T, C)
+        conv, S = causal_conv(cache, meta, mixed, w["conv"], m)
         q, k, v = conv.split([KH * dk, KH * dk, VH * dv], dim=-1)
-        q, k = (_l2norm(t.reshape(B, T, KH, dk)).repeat_interleave(g, dim=2) for t in (q, k))
+        q, k = (l2norm(t.reshape(B, T, KH, dk)).repeat_interleave(g, dim=2) for t in (q, k))
         beta = torch.sigmoid(b.reshape(B, T, VH).float()) * valid[..., None]
         decay = (-w["A_log"].float().exp() * F.softplus(a.reshape(B, T, VH).float()
                                                          + w["dt_bias"].float())) * valid[..., None]
         out, S = delta_rule(q * dk**-0.5, k, v.reshape(B, T, VH, dv), decay, beta,
                             S.view(B, VH, dk, dv))
-        kept = seq[:, :, seq.shape[-1] - (K - 1):]  # the convolution's last K - 1 inputs
-        cache.rows.copy_(torch.cat([kept.reshape(B, -1), S.reshape(B, -1)], dim=-1))
+        cache.rows[:, m.conv_dim * (K - 1):].copy_(S.reshape(B, -1))
 
         normed = F.rms_norm(out, (dv,), None, self.cfg.rms_norm_eps)  # gated RMSNorm, float32
         y = normed * w["gated_norm"].float() * F.silu(z.reshape(B, T, VH, dv).float())
@@ -184,26 +176,48 @@ class Qwen3Next:
         return linear(gemma_rms_norm(h, w["norm"], self.cfg.rms_norm_eps), w["lm_head"])
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def causal_conv(cache: StateView, meta: StepMeta, mixed: torch.Tensor, weight: torch.Tensor,
+                m: LinearAttentionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer's short causal convolution and SiLU over its inputs mixed (B, T,
+    conv_dim), after the last K - 1 inputs its state kept, which it replaces with its own
+    last K - 1. Returns the output (B, T, conv_dim) and the delta rule's state (B, numel) as
+    the step found it, float32. A sequence starts from zeros (its cache's memory may have held
+    another's: see offload.kv.Recycled)."""
+    B, C, K = len(mixed), m.conv_dim, m.conv_kernel
+    state = (cache.rows.to(mixed.device) if meta.start else
+             mixed.new_zeros(cache.rows.shape, dtype=torch.float32))
+    kept, S = state.split([C * (K - 1), state.shape[-1] - C * (K - 1)], dim=-1)
+    seq = torch.cat([kept.view(B, C, K - 1), mixed.float().transpose(1, 2)], dim=-1)
+    conv = F.silu(F.conv1d(seq, weight.float(), groups=C)).transpose(1, 2)
+    cache.rows[:, :C * (K - 1)].copy_(seq[:, :, seq.shape[-1] - (K - 1):].reshape(B, -1))
+    return conv, S
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over T tokens: q, k (B, T, H, dk), v (B, T, H, dv), log decay g
-    and rate beta (B, T, H), state S (B, H, dk, dv), all float32; returns the outputs
-    (B, T, H, dv) and the state after the last token. One token: the recurrent step; more:
-    the chunked form (within a chunk, the tokens' updates as one triangular solve)."""
+    """The gated delta rule over T tokens: q, k (B, T, H, dk), v (B, T, H, dv), rate beta
+    (B, T, H), log decay g (B, T, H), or (B, T, H, dk) for a decay per key channel (Kimi),
+    state S (B, H, dk, dv), all float32; returns the outputs (B, T, H, dv) and the state after
+    the last token. One token: the recurrent step; more: the chunked form (within a chunk, the
+    tokens' updates as one triangular solve)."""
     q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))  # heads first
+    if g.dim() == 3:  # one decay per head: as a key channel's, broadcast
+        g = g[..., None]
     if q.shape[2] == 1:
-        S = S * g[..., 0, None, None].exp()
+        S = S * g[:, :, 0, :, None].exp()
         kv = (S * k[:, :, 0, :, None]).sum(-2)  # (B, H, dv): what S recalls for k
         S = S + k[:, :, 0, :, None] * ((v[:, :, 0] - kv) * beta[..., 0, None])[..., None, :]
         return (S * q[:, :, 0, :, None]).sum(-2)[:, None], S
+    if g.shape[-1] > 1:
+        return _per_channel_delta_rule(q, k, v, g, beta, S)
     B, H, T, dk = q.shape
     pad = -T % CHUNK
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
+    beta = F.pad(beta, (0, pad))
     n = (T + pad) // CHUNK
     q, k, v = (t.view(B, H, n, CHUNK, -1) for t in (q, k, v))
     beta = beta.view(B, H, n, CHUNK, 1)
@@ -226,3 +240,35 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         out[:, :, c] = q[:, :, c] @ S + inner[:, :, c] @ fresh
         S = S * total[:, :, c] + k[:, :, c].mT @ fresh
     return out.view(B, H, -1, v.shape[-1])[:, :, :T].transpose(1, 2), S
+
+
+CHANNEL_CHUNK = 16  # tokens of a chunk when the decay is per channel (its pairs are per channel)
+
+
+def _per_channel_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked rule of :func:`delta_rule` with a log decay per key channel, heads first
+    (q, k, g (B, H, T, dk), v (B, H, T, dv), beta (B, H, T)). A pair of tokens (s, r) of a
+    chunk decays by exp(G_s - G_r) channel by channel (G: the decay from the chunk's start),
+    so their products are made chunk by chunk, of CHANNEL_CHUNK tokens, never all at once."""
+    B, H, T, _ = q.shape
+    C = CHANNEL_CHUNK
+    later = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)
+    out = torch.empty_like(v)
+    for s in range(0, T, C):
+        qc, kc, vc, gc = (t[:, :, s:s + C] for t in (q, k, v, g))
+        n, bc = qc.shape[2], beta[:, :, s:s + C, None]
+        G = gc.cumsum(2)  # (B, H, n, dk)
+        pair = (G[:, :, :, None] - G[:, :, None]).masked_fill(later[:n, :n, None], float("-inf"))
+        pair = pair.exp()  # (B, H, n, n, dk): exp(G_s - G_r) for r <= s, else 0
+        kb = kc * bc
+        system = torch.einsum("bhsc,bhrc,bhsrc->bhsr", kb, kc, pair)
+        values = torch.linalg.solve_triangular(system, vc * bc, upper=False, unitriangular=True)
+        k_decayed = torch.linalg.solve_triangular(system, kb * G.exp(), upper=False,
+                                                  unitriangular=True)
+        inner = torch.einsum("bhsc,bhrc,bhsrc->bhsr", qc, kc, pair)
+        fresh = values - k_decayed @ S
+        out[:, :, s:s + n] = (qc * G.exp()) @ S + inner @ fresh
+        last = G[:, :, -1:]
+        S = S * last.mT.exp() + (kc * (last - G).exp()).mT @ fresh
+    return out.transpose(1, 2), S

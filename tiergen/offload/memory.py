@@ -12,7 +12,7 @@ from tiergen import kernels
 from tiergen._platform import cpu_has_fast_bfloat16
 from tiergen.cache.attention import SPARSE_PIECE_BYTES
 from tiergen.models.layers import UPCAST_ROWS, widened_rows
-from tiergen.models.qwen3_next import CHUNK
+from tiergen.models.qwen3_next import CHANNEL_CHUNK, CHUNK
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import TIERS, parse_size
@@ -109,19 +109,32 @@ def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: in
                     * (m.kv_lora_rank + m.qk_rope_head_dim) * 4)
     if cfg.mla is not None and cfg.mla.index_heads:  # sparse attention's pieces of queries
         expanded += 2 * SPARSE_PIECE_BYTES
-    if cfg.linear is not None:  # the delta rule's float32 chunks and states, the convolution's
-        m = cfg.linear
-        expanded += 4 * rows * (
-            -(-tokens // CHUNK) * CHUNK * m.value_heads * (4 * CHUNK + 6 * m.key_head_dim
-                                                     + 6 * m.value_head_dim)
-            + 3 * m.state_numel + 2 * tokens * m.conv_dim)
     if tokens == 1:
-        return rows * cfg.num_heads * keys * (2 * dt + 4) + expanded
-    need = rows * tokens * keys * (dt + 1) + 3 * rows * tokens * q * 4
-    need += 2 * rows * cfg.num_heads * keys * width * dt  # K/V repeated (GQA) or joined (ring)
-    if cfg.attention_sinks:
-        need += rows * cfg.num_heads * min(tokens, 256) * keys * (8 + dt)
-    return need + expanded
+        need = rows * cfg.num_heads * keys * (2 * dt + 4)
+    else:
+        need = rows * tokens * keys * (dt + 1) + 3 * rows * tokens * q * 4
+        need += 2 * rows * cfg.num_heads * keys * width * dt  # K/V repeated (GQA) or joined
+        if cfg.attention_sinks:
+            need += rows * cfg.num_heads * min(tokens, 256) * keys * (8 + dt)
+    return max(need + expanded, _delta_rule_bytes(cfg, rows, tokens))
+
+
+def _delta_rule_bytes(cfg: ModelConfig, rows: int, tokens: int) -> int:
+    """Bytes a linear-attention layer makes beside its projections: the delta rule's float32
+    chunks (a decode step's recurrent step: copies of the state) and the convolution's."""
+    if not cfg.keeps_states:
+        return 0
+    m = cfg.linear
+    if tokens == 1:
+        rule = 0
+    elif m.per_channel:  # each chunk's pairs of tokens, channel by channel, one at a time
+        C = min(CHANNEL_CHUNK, tokens)
+        rule = 2 * C * C * m.key_head_dim + tokens * (8 * m.key_head_dim + 6 * m.value_head_dim
+                                                      + 2 * C)
+    else:
+        rule = -(-tokens // CHUNK) * CHUNK * (4 * CHUNK + 6 * m.key_head_dim
+                                               + 6 * m.value_head_dim)
+    return 4 * rows * (m.value_heads * rule + 3 * m.state_numel + 2 * tokens * m.conv_dim)
 
 
 def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int, keys: int,

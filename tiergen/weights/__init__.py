@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from tiergen.config import TEXT_MODELS, ModelConfig, as_id_list, fp8_block_rows, from_hf_config
+from tiergen.config import ModelConfig, as_id_list, fp8_block_rows, from_hf_config
 from tiergen.errors import TiergenError
 from tiergen.paths import cache_dir, written_atomically
 from tiergen.tokenizer import Tokenizer
@@ -173,8 +173,7 @@ def _from_hf_dir(directory: Path, packed: bool = True) -> ModelFiles:
     if gen_path.exists():
         eos = as_id_list(read_json(gen_path).get("eos_token_id"))
         config.eos_token_ids = sorted(set(config.eos_token_ids) | set(eos))
-    wrapper = TEXT_MODELS.get((raw.get("architectures") or [None])[0])
-    source = SafetensorsSource(directory, wrapper[1] if wrapper else "model.")
+    source = SafetensorsSource(directory, (raw.get("architectures") or [None])[0])
     quant = raw.get("quantization_config")  # (from_hf_config refused what is not read here)
     if quant and quant.get("quant_method") == "mxfp4":
         from tiergen.weights.mxfp4 import MXFP4Source

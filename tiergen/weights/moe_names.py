@@ -32,6 +32,11 @@ for _arch in ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "DeepseekV32ForCau
     CHECKPOINT_NAMES[_arch] = CHECKPOINT_NAMES["DeepseekV3ForCausalLM"]
 CHECKPOINT_NAMES["MiniMaxM2ForCausalLM"] = CHECKPOINT_NAMES["MixtralForCausalLM"] | {
     "router_bias": "block_sparse_moe.e_score_correction_bias"}
+CHECKPOINT_NAMES["KimiLinearForCausalLM"] = CHECKPOINT_NAMES["MixtralForCausalLM"] | {
+    "router_bias": "block_sparse_moe.gate.e_score_correction_bias",
+    "shared_gate": "block_sparse_moe.shared_experts.gate_proj.weight",
+    "shared_up": "block_sparse_moe.shared_experts.up_proj.weight",
+    "shared_down": "block_sparse_moe.shared_experts.down_proj.weight"}
 # gpt-oss stores every expert in one tensor, transposed: gate_up (E, H, 2I) with gate and up
 # in alternate columns (kept alternating: see models.moe.expert_mlp), down (E, I, H);
 # "stacked" names it.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -17,6 +18,16 @@ from tiergen.errors import TiergenError
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
            "F64": torch.float64}
 
+
+# Checkpoints whose tensors tiergen reads under other names, by config.json's architecture:
+# (pattern, replacement) in turn. Qwen3.5 as released holds its text model under
+# model.language_model. (its vision tower, model.visual., is never read); Kimi-Linear's
+# dense MLPs are block_sparse_moe. where transformers writes them, mlp. in the releases.
+RENAMES: dict[str | None, list[tuple[str, str]]] = {
+    "Qwen3_5ForConditionalGeneration": [(r"^model\.language_model\.", "model.")],
+    "Qwen3_5MoeForConditionalGeneration": [(r"^model\.language_model\.", "model.")],
+    "KimiLinearForCausalLM": [(r"\.block_sparse_moe\.(?=(gate|up|down)_proj\.)", ".mlp.")],
+}
 
 _READ_CHUNK = 16 << 20  # bytes per read when cutting columns out of a matrix
 
@@ -31,10 +42,8 @@ def _pread(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
 class SafetensorsSource:
     """Reads tensors by name, lazily, from the shards of a checkpoint directory."""
 
-    def __init__(self, directory: Path, text_prefix: str = "model.") -> None:
-        """``text_prefix``: where the text model's tensors live in an image-and-text
-        checkpoint; they are read under "model." names, and the other "model." tensors (the
-        vision tower's) are not seen."""
+    def __init__(self, directory: Path, architecture: str | None = None) -> None:
+        """``architecture``: config.json's, whose tensors :data:`RENAMES` may rename."""
         index = directory / "model.safetensors.index.json"
         if index.exists():
             try:
@@ -68,10 +77,8 @@ class SafetensorsSource:
             if not weight_map:
                 weight_map.update({k: shard for k in self._files[shard].keys()})
         self._stored = {name: name for name in weight_map}  # name -> name in the checkpoint
-        if text_prefix != "model.":
-            self._stored = {name: name for name in weight_map if not name.startswith("model.")}
-            self._stored |= {"model." + name[len(text_prefix):]: name for name in weight_map
-                             if name.startswith(text_prefix)}
+        for pattern, name in RENAMES.get(architecture, ()):
+            self._stored = {re.sub(pattern, name, k): v for k, v in self._stored.items()}
         self._where = {name: weight_map[stored] for name, stored in self._stored.items()}
         self._paths = {shard: directory / shard for shard in shards}
         self._headers: dict[str, tuple[int, dict]] = {}
