@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from tiergen import LLM, Policy, SamplingParams
+from tiergen import LLM, Policy, SamplingParams, TiergenError
+from tiergen.config import from_hf_config
 from tiergen.models.qwen3_next import CHUNK, delta_rule
 from tiergen.offload.kv import TieredKV, cache_needs
 from tiny_models import BASE, CASES, build
@@ -111,3 +112,29 @@ def test_an_image_and_text_checkpoint_runs_its_text_model(tmp_path, case):
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
         assert tokens == out[0, len(prompt):].tolist()
+
+
+def test_kimi_linear_as_released_reads_its_own_config_names():
+    """Kimi-Linear-48B-A3B's config.json: its layer types in linear_attn_config (1-based),
+    DeepSeek-V3's fields under Kimi's names."""
+    full = [4, 8, 12, 16, 20, 24, 27]
+    cfg = from_hf_config({
+        "architectures": ["KimiLinearForCausalLM"], "vocab_size": 163840, "hidden_size": 2304,
+        "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "num_experts": 256, "num_experts_per_token": 8,
+        "num_shared_experts": 1, "moe_renormalize": True, "num_expert_group": 1,
+        "topk_group": 1, "routed_scaling_factor": 2.446, "first_k_dense_replace": 1,
+        "moe_router_activation_func": "sigmoid", "model_max_length": 1048576,
+        "linear_attn_config": {"full_attn_layers": full, "head_dim": 128, "num_heads": 32,
+                               "short_conv_kernel_size": 4,
+                               "kda_layers": [i for i in range(1, 28) if i not in full]}})
+    assert [j + 1 for j in range(27) if not cfg.keeps_state(j)] == full
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.shared_intermediate_size) == (256, 8, 1024)
+    assert cfg.moe.dense_layers == [0] and cfg.moe.scoring == "sigmoid"
+    assert cfg.max_position == 1048576 and not cfg.mla.rotary
+    assert cfg.linear.state_numel == 3 * 4096 * 3 + 32 * 128 * 128
+    with pytest.raises(TiergenError, match="moe_router_activation_func"):
+        from_hf_config({"architectures": ["KimiLinearForCausalLM"], "num_hidden_layers": 2,
+                        "moe_router_activation_func": "softmax"})
