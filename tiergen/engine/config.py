@@ -54,6 +54,8 @@ class EngineConfig:
     parallel_timeout: float = 60.0
     quantize: str | None = None
     share_prefixes: bool | None = None
+    speculative: str | None = None
+    draft_tokens: int = 4
     budgets: Budgets = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

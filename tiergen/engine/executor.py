@@ -62,6 +62,7 @@ class MicroBatch:
     # (b,) on a prompt step: the length of each row's whole prompt, which chooses its arithmetic
     # (kernels.amx_rows); None: the step's valid slots count them
     prompt_lengths: torch.Tensor | None = None
+    checks: bool = False  # a speculative step (engine.speculative): decode, of several tokens
 
     @property
     def is_prompt(self) -> bool:
@@ -88,6 +89,8 @@ class RunStats:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     shared_prompt_tokens: int = 0  # prompt tokens copied from a shared prefix, not computed
+    proposed_tokens: int = 0  # speculative decoding's proposals checked, and those kept
+    accepted_tokens: int = 0
     compute: list[float] = field(default_factory=list)
     wait_weights: list[float] = field(default_factory=list)
     wait_cache: list[float] = field(default_factory=list)
@@ -108,7 +111,9 @@ class RunStats:
         lines = [f"prefill: {rate(self.prefill_tokens, self.prefill_seconds)}; "
                  f"decode: {rate(self.decode_tokens, self.decode_seconds)}"
                  + (f"; {self.shared_prompt_tokens} prompt tokens from shared prefixes"
-                    if self.shared_prompt_tokens else ""),
+                    if self.shared_prompt_tokens else "")
+                 + (f"; {self.accepted_tokens} of {self.proposed_tokens} proposed tokens kept"
+                    if self.proposed_tokens else ""),
                  f"layer time: compute {compute:.2f}s, waiting for weights {ww:.2f}s, "
                  f"waiting for cache {wc:.2f}s",
                  "peak memory: " + ", ".join(f"{t} {fmt(b)}" for t, b in self.planned.items())
@@ -335,7 +340,7 @@ class Executor:
                     if mb.positions is not None and amx[k] is not None and not all_positions:
                         self._last_on_amx(h, logits[-1], mb.positions.rows, amx[k])
             seconds = clock() - started
-            is_prompt = [mb.is_prompt for mb in block]
+            is_prompt = [mb.is_prompt and not mb.checks for mb in block]
             t.prefill_tokens += sum(mb.ids.numel() for mb, p in zip(block, is_prompt) if p)
             t.decode_tokens += sum(mb.ids.shape[0] for mb, p in zip(block, is_prompt) if not p)
             if all(is_prompt):  # a block mixing both (continuous batching) counts as decode

@@ -13,6 +13,7 @@ import torch
 from tiergen.engine.constraints import Constraint
 from tiergen.engine.executor import Executor, MicroBatch, PositionLogits
 from tiergen.engine.sampler import PositionLogprobs, Sampler, SamplingParams, position_logprobs
+from tiergen.engine.speculative import lookup
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
@@ -64,6 +65,7 @@ class Sequence:
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     constraint: Constraint | None = None  # where its output stands in params' grammar
+    draft: int = 0  # tokens a speculative step may propose for it (engine.speculative); 0: none
 
     def __post_init__(self) -> None:
         if self.params.compiled_grammar is not None:
@@ -139,8 +141,11 @@ def make_sequences(prompts: list[list[int]], params: list[SamplingParams], eos_i
 
 
 def capacity(seqs: list[Sequence]) -> int:
-    """Cache slots a micro-batch needs: its longest prompt plus its largest max_tokens."""
-    return max(len(s.prompt_ids) for s in seqs) + max(s.params.max_tokens for s in seqs)
+    """Cache slots a micro-batch needs: its longest prompt plus its largest max_tokens, twice
+    that for speculative rows, whose proposals not kept leave up to as many holes (past them
+    the rows decode a token a step)."""
+    return max(len(s.prompt_ids) for s in seqs) + max(
+        s.params.max_tokens * (2 if s.draft else 1) for s in seqs)
 
 
 def _windows(cfg: ModelConfig) -> list[int]:
@@ -310,6 +315,9 @@ class MicroBatchState:
         self.ids = self.prompt[:, n:n + self.num_tokens]
         self.done = False
         self._logprobs: list[PositionLogprobs | None] | None = None  # of the tokens sampled last
+        # a speculative step's proposals per row, and the logits it takes at every position
+        self._drafts: list[list[int]] | None = None
+        self._draft_logits: torch.Tensor | None = None
 
     @property
     def decoding(self) -> bool:
@@ -357,6 +365,8 @@ class MicroBatchState:
 
     def work(self, chunk: int | None = None) -> MicroBatch:
         """The next step's input; ``chunk`` shortens a prefill step (the rest follows)."""
+        if self.decoding and (drafts := self._propose()):
+            return self._checking(drafts)
         if chunk is not None and not self.decoding and chunk < self.num_tokens:
             self.num_tokens = chunk
             self.ids = self.prompt[:, self.start:self.start + chunk]
@@ -433,7 +443,80 @@ class MicroBatchState:
 
     def advance(self, logits: torch.Tensor) -> Iterator[StepEvent]:
         """Sample this step's tokens, report them, and prepare the next step."""
+        if self._drafts is not None:
+            return self._keep_agreed()
         return self.apply(self.sample(logits) if self.samples else None)
+
+    def _propose(self) -> list[list[int]] | None:
+        """Each row's proposals for a speculative step (engine.speculative), or None for a
+        plain decode step: where no row proposes, or too few slots are left for a step of
+        proposals to leave holes (the rows must still be able to decode their rest)."""
+        live = [s for s in self.live if s.finish_reason is None]
+        if not live or not min(s.draft for s in self.live):
+            return None
+        owed = max(s.params.max_tokens - len(s.token_ids) for s in live)
+        k = min(min(s.draft for s in self.live), self.slots - self.start - owed)
+        if k < 1:
+            return None
+        drafts = [[] if s.finish_reason is not None else lookup(
+            s.prompt_ids + s.token_ids, min(k, s.params.max_tokens - len(s.token_ids) - 1))
+            for s in self.live]
+        return drafts if any(drafts) else None
+
+    def _checking(self, drafts: list[list[int]]) -> MicroBatch:
+        """A step that feeds each row its last token and its proposals (rows with fewer
+        repeat their last token; those slots are dropped after), taking every position's
+        logits."""
+        k = max(map(len, drafts))
+        ids = self.ids.expand(-1, 1 + k).clone()
+        for row, d in enumerate(drafts):
+            ids[row, 1:1 + len(d)] = torch.tensor(d)
+        self.valid[:, self.start + 1:self.start + 1 + k] = True
+        self._drafts = drafts
+        self._draft_logits = None
+        rows = torch.arange(len(self.live))
+
+        def take(logits: torch.Tensor, at: int) -> None:
+            if self._draft_logits is None:
+                self._draft_logits = logits.new_empty(len(rows), 1 + k, logits.shape[-1])
+            self._draft_logits[:, at:at + logits.shape[1]] = logits
+
+        return MicroBatch(ids, StepMeta.build(self.valid, self.start, 1 + k), self.cache,
+                          PositionLogits(rows, take), checks=True)
+
+    def _keep_agreed(self) -> Iterator[StepEvent]:
+        """Pick each row's tokens position by position from a speculative step's logits,
+        as long as they agree with its proposals (module engine.speculative); report them,
+        drop the slots of the inputs not kept, and prepare the next step."""
+        drafts, logits = self._drafts, self._draft_logits
+        self._drafts = self._draft_logits = None
+        k = logits.shape[1] - 1
+        kept = [0] * len(self.live)
+        last = self.ids[:, 0].clone()
+        going = [r for r, s in enumerate(self.live) if s.finish_reason is None]
+        for j in range(k + 1):
+            if not going:
+                break
+            at = logits[torch.tensor(going, device=logits.device), j]
+            tokens = self.sampler(at, going)
+            entries = self.sampler.logprobs(at, tokens, going) or [None] * len(going)
+            agreed = []
+            for r, token, entry in zip(going, tokens.tolist(), entries):
+                s = self.live[r]
+                s.append(token, entry)
+                yield StepEvent(s, token, s.take_delta(), entry)
+                kept[r], last[r] = kept[r] + 1, token
+                if s.finish_reason is None and j < len(drafts[r]) and token == drafts[r][j]:
+                    agreed.append(r)
+            going = agreed
+        for r, n in enumerate(kept):  # slots of inputs not kept: holes in the row's timeline
+            self.valid[r, self.start + max(n, 1):self.start + 1 + k] = False
+        stats = self.executor.stats
+        stats.proposed_tokens += sum(map(len, drafts))
+        stats.accepted_tokens += sum(max(n - 1, 0) for n in kept)
+        stats.decode_tokens += sum(kept) - len(self.live)  # (the step counted one a row)
+        self.start += 1 + k
+        self._next_step(last)
 
     def apply(self, tokens: torch.Tensor | None) -> Iterator[StepEvent]:
         """Report this step's sampled tokens (None for a prompt chunk that samples nothing)
@@ -452,6 +535,11 @@ class MicroBatchState:
                 s.append(token, entry)
                 yield StepEvent(s, token, s.take_delta(), entry)
         self.start += self.num_tokens
+        self._next_step(tokens)
+
+    def _next_step(self, tokens: torch.Tensor) -> None:
+        """After a step that sampled ``tokens`` (one per row) and moved ``start`` past its
+        slots: the next decode step, once finished rows have been dropped (when it pays)."""
         self.num_tokens = 1
         finished = [s.finish_reason is not None for s in self.live]
         if all(finished):

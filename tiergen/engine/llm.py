@@ -102,6 +102,12 @@ class LLM:
     load, once (cached), so that they run packed as a GGUF's would
     (:mod:`tiergen.weights.quantize`).
 
+    ``speculative="prompt-lookup"`` decodes speculatively: each step proposes up to
+    ``draft_tokens`` tokens per sequence, copied from where its last tokens occurred earlier
+    in its prompt or output, and checks them in one pass; the output is what the model alone
+    would give (:mod:`tiergen.engine.speculative`), in fewer passes over the weights where
+    the text repeats itself (extraction, rewriting, code edits).
+
     ``pipeline_parallel=P`` splits the layers into P consecutive spans, each run by its own
     process (rank); ``tensor_parallel=T`` splits every layer's heads, MLP columns and experts
     over T ranks (:mod:`tiergen.parallel.shard`); both together make P x T ranks. On one
@@ -135,7 +141,8 @@ class LLM:
                  activations: str = "auto", batch_invariant: bool = False,
                  pipeline_parallel: int = 1,
                  tensor_parallel: int = 1, parallel_timeout: float = 60.0,
-                 quantize: str | None = None, share_prefixes: bool | None = None) -> None:
+                 quantize: str | None = None, share_prefixes: bool | None = None,
+                 speculative: str | None = None, draft_tokens: int = 4) -> None:
         self.engine_config = EngineConfig(
             model=model, dtype=dtype, device=device, max_batch_size=max_batch_size,
             policy=policy, device_memory=device_memory, host_memory=host_memory,
@@ -143,7 +150,8 @@ class LLM:
             activations=activations, batch_invariant=batch_invariant,
             pipeline_parallel=pipeline_parallel,
             tensor_parallel=tensor_parallel, parallel_timeout=parallel_timeout,
-            quantize=quantize, share_prefixes=share_prefixes)
+            quantize=quantize, share_prefixes=share_prefixes, speculative=speculative,
+            draft_tokens=draft_tokens)
         files = self.engine_config.open()
         self.name, self.config, self.tokenizer = files.name, files.config, files.tokenizer
         self.runner = open_runner(self.engine_config, files)

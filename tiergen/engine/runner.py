@@ -23,6 +23,7 @@ from tiergen.engine.generate import (MicroBatchState, Sequence, StepEvent, chunk
 from tiergen.engine.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
                                      start_ranks, step_ranks)
 from tiergen.engine.sampler import SamplingParams
+from tiergen.engine.speculative import check_speculation
 from tiergen.errors import TiergenError
 from tiergen.models import ModelFamily, build_model
 from tiergen.models.layers import use_compiled_gemv
@@ -52,6 +53,9 @@ class Runner:
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.vocab_size = files.config.vocab_size
         self.last_stats: RunStats | None = None
+        check_speculation(files.config, config.speculative, config.draft_tokens,
+                          config.batch_invariant, config.parallel)
+        self.draft_tokens = config.draft_tokens if config.speculative else 0
 
     @property
     def block_size(self) -> int:
@@ -69,7 +73,10 @@ class Runner:
 
     def sequences(self, prompt_ids: list[list[int]], params: list[SamplingParams]
                   ) -> list[Sequence]:
-        return make_sequences(prompt_ids, params, self.eos_token_ids, self.tokenizer)
+        seqs = make_sequences(prompt_ids, params, self.eos_token_ids, self.tokenizer)
+        for s in seqs:
+            s.draft = self.draft_tokens
+        return seqs
 
     def blocks(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
         """Blocks of num_gpu_batches micro-batches, prompts of similar length together so

@@ -211,9 +211,10 @@ class Sampler:
         self.generators = self.generators + other.generators
         self.constraints = self.constraints + other.constraints
 
-    def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits (B, V) after each row's penalties and bias (a new tensor where any)."""
-        s = self.state
+    def adjusted(self, logits: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """The logits (B, V) after each row's penalties and bias (a new tensor where any);
+        ``rows``: the batch's rows that the logits are of (default: all, in order)."""
+        s = self.state if rows is None else {n: t[rows] for n, t in self.state.items()}
         if "repetition" in s:
             penalised = torch.where(logits > 0, logits / s["repetition"], logits * s["repetition"])
             logits = torch.where(s["seen"], penalised, logits)
@@ -223,40 +224,48 @@ class Sampler:
             logits = logits + s["bias"]
         return logits
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """Pick one token per row from float32 logits (B, V) (left unchanged)."""
+    def __call__(self, logits: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Pick one token per row from float32 logits (B, V) (left unchanged); ``rows``: the
+        batch's rows they are of (default: all, in order), whose state the picks update."""
         s = self.state
-        logits = self.adjusted(logits)
+        logits = self.adjusted(logits, rows)
+        rows = list(range(len(self.params))) if rows is None else rows
         tokens = kernels.argmax(logits)
-        constrained = [r for r, c in enumerate(self.constraints) if c is not None and not c.finished]
+        constrained = [i for i, r in enumerate(rows)
+                       if self.constraints[r] is not None and not self.constraints[r].finished]
         masked = dict(zip(constrained, masked_rows(
-            logits, constrained, [self.constraints[r] for r in constrained]))) if constrained else {}
-        for row, p in enumerate(self.params):
-            row_logits = masked.get(row, logits[row])
+            logits, constrained, [self.constraints[rows[i]] for i in constrained]))) \
+            if constrained else {}
+        for i, row in enumerate(rows):
+            p = self.params[row]
+            row_logits = masked.get(i, logits[i])
             if not p.greedy:
-                tokens[row] = self._sample_row(row_logits, p, self.generators[row])
-            elif row in masked:
-                tokens[row] = row_logits.argmax()
+                tokens[i] = self._sample_row(row_logits, p, self.generators[row])
+            elif i in masked:
+                tokens[i] = row_logits.argmax()
         if s:
-            rows = torch.arange(len(tokens), device=tokens.device)
+            index = torch.tensor(rows, device=tokens.device)
             if "seen" in s:
-                s["seen"][rows, tokens] = True
+                s["seen"][index, tokens] = True
             if "counts" in s:
-                s["counts"][rows, tokens] += 1
+                s["counts"][index, tokens] += 1
         return tokens
 
-    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> list[PositionLogprobs | None] | None:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int] | None = None
+                 ) -> list[PositionLogprobs | None] | None:
         """The log-probabilities of each row's chosen token and top alternatives, for the
-        rows that asked (None for the others; None for all when no row asked)."""
-        rows = [r for r, p in enumerate(self.params) if p.logprobs is not None]
-        if not rows:
+        rows that asked (None for the others; None for all when no row asked); ``rows`` as
+        for :meth:`__call__`."""
+        rows = list(range(len(self.params))) if rows is None else rows
+        asked = [i for i, r in enumerate(rows) if self.params[r].logprobs is not None]
+        if not asked:
             return None
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor(asked, device=logits.device)
         entries = position_logprobs(logits[index], tokens[index],
-                                    [self.params[r].logprobs for r in rows])
-        out: list[PositionLogprobs | None] = [None] * len(self.params)
-        for r, entry in zip(rows, entries):
-            out[r] = entry
+                                    [self.params[rows[i]].logprobs for i in asked])
+        out: list[PositionLogprobs | None] = [None] * len(rows)
+        for i, entry in zip(asked, entries):
+            out[i] = entry
         return out
 
     @staticmethod

@@ -1,0 +1,168 @@
+"""Speculative decoding (prompt lookup): the output is the model's own, greedy or sampled,
+through the policies and cache kinds, with the sampling options that change picks; what
+cannot drop rejected proposals is refused."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import tiergen.engine.generate as generate
+from tiergen import LLM, Policy, SamplingParams, TiergenError
+from tiergen.engine.scheduler import Scheduler
+from tiergen.engine.speculative import lookup
+from tiny_models import build
+
+
+def propose_from(monkeypatch, prompts, outputs, vocab=128):
+    """Make the proposals those of a guesser that knows each prompt's output: right, but
+    with every second step's third proposal wrong, so that rows keep all of some steps'
+    proposals and part of others' (a random model's own text rarely repeats its prompt)."""
+    known = {tuple(p): o for p, o in zip(prompts, outputs)}
+    steps = []
+
+    def guess(history, k):
+        for prompt, out in known.items():
+            if tuple(history[:len(prompt)]) == prompt and len(history) > len(prompt) - 1:
+                done = len(history) - len(prompt)
+                if history[len(prompt):] == out[:done]:
+                    steps.append(None)
+                    d = out[done:done + k]
+                    if len(steps) % 2 and len(d) >= 3:
+                        d[2] = (d[2] + 1) % vocab
+                    return d
+        return lookup(history, k)
+    monkeypatch.setattr(generate, "lookup", guess)
+
+# prompts that repeat themselves, so that lookup proposes (some kept, some not), of
+# different lengths (left padding)
+BASE = [3, 9, 17, 22, 40, 41, 42, 43, 9, 17, 22, 40, 5, 6, 7]
+PROMPTS = [BASE * 3, [12, 6, 90, 12, 6, 90, 12, 6], [7, 8, 9, 10, 7, 8] * 2]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=11, ignore_eos=True,
+                         logprobs=2)
+
+
+def test_lookup_copies_what_followed_the_latest_longest_match():
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3], 2) == [8, 5]  # latest of the 3-gram
+    assert lookup([4, 2, 3, 9, 7, 7, 2, 3], 3) == [9, 7, 7]  # the 2-gram when no 3-gram
+    assert lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert lookup([5, 6, 5], 4) == [6, 5]  # what follows runs to the end of the text
+    assert lookup([5, 6, 5], 0) == []
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    made = {}
+
+    def get(case):
+        if case not in made:
+            made[case] = tmp_path_factory.mktemp(case)
+            build(case, made[case])
+        return made[case]
+    return get
+
+
+POLICIES = {
+    "resident": dict(),
+    "cache-on-disk": dict(policy="disk"),
+    "micro-batches": dict(policy=Policy(gpu_batch_size=2, num_gpu_batches=2)),
+}
+
+
+@pytest.mark.parametrize("case", ["llama-gqa-tied", "deepseek-v3", "mixtral"])
+@pytest.mark.parametrize("where", sorted(POLICIES))
+def test_the_output_is_the_models_own(models, tmp_path, monkeypatch, case, where):
+    """Greedy and seeded sampled rows give the tokens (and log-probabilities) of plain
+    decoding, with proposals right, wrong and in between; the rows keep different numbers
+    of them."""
+    kwargs = POLICIES[where]
+    if kwargs.get("policy") == "disk":
+        kwargs = dict(policy=Policy(cache=(0, 0), offload_dir=tmp_path / "off"))
+    plain = LLM(models(case), dtype="float32", **kwargs)
+    spec = LLM(models(case), dtype="float32", speculative="prompt-lookup", draft_tokens=3,
+               **kwargs)
+    for params in (GREEDY, SAMPLED):
+        want = plain.generate(PROMPTS, params)
+        propose_from(monkeypatch, PROMPTS, [w.token_ids for w in want])
+        got = spec.generate(PROMPTS, params)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        stats = spec.last_stats
+        assert 0 < stats.accepted_tokens < stats.proposed_tokens
+        assert stats.decode_tokens == plain.last_stats.decode_tokens
+        if params.logprobs:
+            for w, g in zip(want, got):
+                for a, b, t in zip(w.logprobs, g.logprobs, w.token_ids):
+                    assert a.keys() == b.keys()
+                    assert abs(a[t].logprob - b[t].logprob) < 1e-4
+
+
+def test_penalties_bias_and_lengths_keep_their_meaning(models):
+    """Picks after penalties and a bias that depend on the tokens before them, rows of
+    different max_tokens (one ending inside a step of proposals), and a row that generates
+    nothing."""
+    path = models("llama-gqa-tied")
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                             frequency_penalty=0.7, presence_penalty=0.3),
+              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True,
+                             repetition_penalty=1.3, logit_bias={17: 4.0, 9: -3.0}),
+              SamplingParams(max_tokens=13, temperature=0.7, seed=5, ignore_eos=True,
+                             frequency_penalty=0.4)]
+    want = LLM(path, dtype="float32").generate(PROMPTS, params)
+    spec = LLM(path, dtype="float32", speculative="prompt-lookup")
+    got = spec.generate(PROMPTS, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [len(g.token_ids) for g in got] == [20, 7, 13]
+    assert spec.last_stats.proposed_tokens > 0
+
+
+def test_continuous_batching_gives_each_request_its_own_output(models):
+    path = models("llama-gqa-tied")
+    plain = LLM(path, dtype="float32")
+    expected = [plain.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    llm = LLM(path, dtype="float32", speculative="prompt-lookup",
+              policy=Policy(gpu_batch_size=4, num_gpu_batches=1))
+    sched = Scheduler(llm).start()
+    try:
+        requests = []
+        for p in PROMPTS:  # arrive while the others decode: their micro-batches merge
+            requests.append(sched.submit(p, GREEDY))
+            time.sleep(0.01)
+        for req, want in zip(requests, expected):
+            assert [e.token_id for e in req.events(timeout=60)] == want
+    finally:
+        sched.stop()
+
+
+@pytest.mark.slow
+def test_real_text_with_stops_and_a_grammar():
+    """A real model on text that repeats: stop strings cut where plain decoding cuts, and a
+    JSON schema constrains both the proposals' checks and the picks."""
+    plain = LLM("smollm2", dtype="float32", activations="float32")
+    spec = LLM("smollm2", dtype="float32", activations="float32", speculative="prompt-lookup")
+    text = ("Copy the list exactly.\nList: apples, pears, plums, apples, pears, plums, "
+            "apples, pears, plums.\nCopy: apples, pears,")
+    kept = 0
+    for params in (SamplingParams(max_tokens=40, temperature=0, stop=["\n"]),
+                   SamplingParams(max_tokens=40, temperature=0, json_schema={
+                       "type": "object", "properties": {"fruit": {"type": "string"}},
+                       "required": ["fruit"]})):
+        want, got = plain.generate([text], params)[0], spec.generate([text], params)[0]
+        assert (got.text, got.token_ids, got.finish_reason) == \
+            (want.text, want.token_ids, want.finish_reason)
+        kept += spec.last_stats.accepted_tokens
+    assert kept > 0
+
+
+@pytest.mark.parametrize("case, kwargs, why", [
+    ("mistral-window", {}, "sliding window"),
+    ("qwen3-next", {}, "linear-attention states"),
+    ("llama-gqa-tied", dict(batch_invariant=True), "batch invariance"),
+    ("llama-gqa-tied", dict(draft_tokens=0), "draft_tokens"),
+])
+def test_what_cannot_drop_proposals_is_refused(models, case, kwargs, why):
+    with pytest.raises(TiergenError, match=why):
+        LLM(models(case), dtype="float32", speculative="prompt-lookup", **kwargs)
+    with pytest.raises(TiergenError, match="speculative must be one of"):
+        LLM(models("llama-gqa-tied"), dtype="float32", speculative="medusa")
