@@ -170,8 +170,13 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
-    # Qwen3-Next projects q, k, v, z (and b, a) grouped by key head, Qwen3.5 each apart
+    # Qwen3-Next projects q, k, v, z (and b, a) grouped by key head, Qwen3.5 each apart;
+    # llama.cpp's qwen3next files q, k, v and z apart, b and a still grouped in one
     grouped: bool = True
+    ba_grouped: bool = True
+    # llama.cpp's Qwen3.5 files order value heads tiled (value head s reads key head
+    # s % key_heads), not grouped (s // (value_heads / key_heads))
+    tiled: bool = False
     # Kimi Delta Attention: the state decays per key channel (from a low-rank forget gate),
     # not per head, and a low-rank gate (through a sigmoid) scales the output
     per_channel: bool = False
@@ -642,7 +647,7 @@ def _qwen3_next(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch == "KimiLinearForCausalLM":
         heads, dim = int(cfg["linear_num_heads"]), int(cfg["linear_head_dim"])
         linear = LinearAttentionConfig(heads, heads, dim, dim, int(cfg["linear_conv_kernel_dim"]),
-                                       grouped=False, per_channel=True)
+                                       grouped=False, ba_grouped=False, per_channel=True)
         return dict(layer_types=list(cfg["layer_types"]), linear=linear)
     kinds = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0
@@ -652,7 +657,7 @@ def _qwen3_next(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         key_head_dim=int(cfg["linear_key_head_dim"]),
         value_head_dim=int(cfg["linear_value_head_dim"]),
         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        grouped=arch == "Qwen3NextForCausalLM")
+        grouped=arch == "Qwen3NextForCausalLM", ba_grouped=arch == "Qwen3NextForCausalLM")
     if linear.value_heads % linear.key_heads:
         raise TiergenError("model config: linear_num_value_heads must be a multiple of "
                            "linear_num_key_heads")

@@ -55,8 +55,9 @@ class Qwen3Next:
         keys, values = m.key_heads * m.key_head_dim, m.value_heads * m.value_head_dim
         if m.grouped:  # Qwen3-Next: q, k, v, z grouped by key head, then b, a likewise
             return [("qkvz", 2 * keys + 2 * values), ("ba", 2 * m.value_heads)]
-        return [("qkv", 2 * keys + values), ("z", values), ("b", m.value_heads),
-                ("a", m.value_heads)]
+        ba = [("ba", 2 * m.value_heads)] if m.ba_grouped else [("b", m.value_heads),
+                                                               ("a", m.value_heads)]
+        return [("qkv", 2 * keys + values), ("z", values), *ba]
 
     def layer_specs(self, i: int) -> dict[str, tuple[int, ...]]:
         c, m, p = self.cfg, self.linear, f"model.layers.{i}."
@@ -156,11 +157,15 @@ class Qwen3Next:
             mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)],
                               dim=-1)
         else:
-            mixed, z, b, a = proj.split([m.conv_dim, VH * dv, VH, VH], dim=-1)
+            mixed, z, ba = proj.split([m.conv_dim, VH * dv, 2 * VH], dim=-1)
+            b, a = (ba.view(B, T, KH, 2 * g) if m.ba_grouped else ba).split(
+                [g, g] if m.ba_grouped else [VH, VH], dim=-1)
 
         conv, S = causal_conv(cache, meta, mixed, w["conv"], m)
         q, k, v = conv.split([KH * dk, KH * dk, VH * dv], dim=-1)
-        q, k = (l2norm(t.reshape(B, T, KH, dk)).repeat_interleave(g, dim=2) for t in (q, k))
+        q, k = (l2norm(t.reshape(B, T, KH, dk)) for t in (q, k))
+        q, k = ((t.repeat(1, 1, g, 1) if m.tiled else t.repeat_interleave(g, dim=2))
+                for t in (q, k))
         beta = torch.sigmoid(b.reshape(B, T, VH).float()) * valid[..., None]
         decay = (-w["A_log"].float().exp() * F.softplus(a.reshape(B, T, VH).float()
                                                          + w["dt_bias"].float())) * valid[..., None]

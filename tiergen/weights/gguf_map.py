@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tiergen.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from tiergen.config import LinearAttentionConfig, MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from tiergen.errors import TiergenError
 from tiergen.weights.gguf import GGUFFile, GGUFTensorInfo
 from tiergen.weights.mapped import page_out_unused
@@ -36,6 +36,9 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
 }
 
 # llama.cpp's converter permuted these architectures' Q/K rows so that each head's rotary
@@ -108,12 +111,31 @@ MOE_NAMES = {
 }
 
 # llama.cpp always renormalises the chosen experts' weights for these (it has no key for it)
-NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": False}
+NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": False,
+             "qwen3next": True, "qwen35moe": True}
 
 # gpt-oss and GLM-4.5: the norm before the MLP; gpt-oss's attention sinks (a vector named
 # without .weight)
 GPT_OSS_LAYER_NAMES = LAYER_NAMES | {"post_attention_norm": "post_attention_layernorm"}
 UNSUFFIXED = {"attn_sinks": "self_attn.sinks"}
+
+# Qwen3-Next's and Qwen3.5's Gated DeltaNet layers, as llama.cpp's converter writes them:
+# q, k, v in one (attn_qkv) and z (attn_gate) apart; b and a grouped by key head in one
+# (ssm_ba, Qwen3-Next) or apart (Qwen3.5); A_log kept as -exp(A_log); the convolution
+# (channels, kernel); every (1 + w) norm but the gated one stored as 1 + w
+LINEAR_GGUF = ("qwen3next", "qwen35", "qwen35moe")
+LINEAR_LAYER_NAMES = LAYER_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+UNSUFFIXED |= {"ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias"}
 
 # Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP.
 GEMMA3_LAYER_NAMES = LAYER_NAMES | {
@@ -129,7 +151,7 @@ NORM_PLUS_ONE = {"gemma3"}
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+(?:\.\w+)?)\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+(?:\.\w+)?)\.(weight|bias)|blk\.(\d+)\.(\w+)")
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
@@ -139,9 +161,12 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
         return GLOBAL_NAMES[gguf_name]
     names = {"gemma3": GEMMA3_LAYER_NAMES, "deepseek2": DEEPSEEK2_LAYER_NAMES,
              "deepseek32": DSA_LAYER_NAMES, "glm-dsa": DSA_LAYER_NAMES,
-             "gpt-oss": GPT_OSS_LAYER_NAMES, "glm4moe": GPT_OSS_LAYER_NAMES
-             }.get(arch, LAYER_NAMES)
+             "gpt-oss": GPT_OSS_LAYER_NAMES, "glm4moe": GPT_OSS_LAYER_NAMES,
+             **dict.fromkeys(LINEAR_GGUF, LINEAR_LAYER_NAMES)}.get(arch, LAYER_NAMES)
     m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(4):  # a tensor named without .weight or .bias
+        return (f"model.layers.{m.group(4)}.{UNSUFFIXED[m.group(5)]}"
+                if m.group(5) in UNSUFFIXED else None)
     if m and m.group(2) in UNSUFFIXED:
         return f"model.layers.{m.group(1)}.{UNSUFFIXED[m.group(2)]}"
     if m and m.group(2) in names:
@@ -156,7 +181,7 @@ def hf_expert_names(gguf_name: str, names: dict[str, str], num_experts: int
     tensor (expert None: the whole tensor), and per half of a fused gate and up (half None:
     not fused)."""
     m = _LAYER_RE.fullmatch(gguf_name)
-    keys = MOE_NAMES.get(f"{m.group(2)}.{m.group(3)}", ()) if m else ()
+    keys = MOE_NAMES.get(f"{m.group(2)}.{m.group(3)}", ()) if m and m.group(1) else ()
     out: dict[str, tuple[int | None, int | None]] = {}
     for half, key in enumerate(keys):
         if key not in names:
@@ -223,6 +248,8 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         extra = _moe_from_gguf(meta, arch, layers, tensor_names)
         if arch == "llama":
             architecture = "MixtralForCausalLM"
+    if arch in LINEAR_GGUF:
+        extra |= _linear_from_gguf(meta, arch, layers, head_dim)
     if arch == "gpt-oss":
         # sliding and full layers alternate, the first sliding; its YaRN does not truncate
         extra |= dict(attention_sinks=True, layer_types=[
@@ -236,7 +263,10 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        # (Qwen3.5's mixtures of experts have no dense MLP, nor its size)
+        intermediate_size=int(meta.get(f"{arch}.feed_forward_length") or
+                              key("expert_feed_forward_length" if arch == "qwen35moe"
+                                  else "feed_forward_length")),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(kv_heads if not hasattr(kv_heads, "__len__") else kv_heads[0]),
@@ -247,7 +277,7 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         o_bias="blk.0.attn_output.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names or arch in LINEAR_GGUF,
         sliding_window=meta.get(f"{arch}.attention.sliding_window"),
         eos_token_ids=sorted(set(eos)),
         **gemma3,
@@ -334,6 +364,26 @@ def _moe_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[str]) -
                       if f"blk.{j}.ffn_gate_inp.weight" not in tensor_names]))
 
 
+def _linear_from_gguf(meta: dict, arch: str, layers: int, head_dim: int) -> dict:
+    """Qwen3-Next's and Qwen3.5's Gated DeltaNet layers (ssm.* keys) and their attention
+    layers' partial rotary: every ``full_attention_interval``-th layer attends."""
+    def get(name: str) -> int:
+        value = meta.get(f"{arch}.{name}")
+        if value is None:
+            raise TiergenError(f"GGUF metadata lacks {arch}.{name}; the file is incomplete")
+        return int(value)
+
+    value_heads, every = get("ssm.time_step_rank"), int(meta.get(f"{arch}.full_attention_interval", 4))
+    linear = LinearAttentionConfig(
+        key_heads=get("ssm.group_count"), value_heads=value_heads,
+        key_head_dim=get("ssm.state_size"), value_head_dim=get("ssm.inner_size") // value_heads,
+        conv_kernel=get("ssm.conv_kernel"), grouped=False, ba_grouped=arch == "qwen3next",
+        tiled=arch != "qwen3next")
+    return dict(linear=linear, rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
+                layer_types=["full_attention" if (j + 1) % every == 0 else "linear_attention"
+                             for j in range(layers)])
+
+
 def _gemma3_from_gguf(meta: dict, arch: str, layers: int, hidden: int, heads: int,
                       head_dim: int) -> dict:
     """Gemma 3 fields, with llama.cpp's defaults for what converters do not write."""
@@ -412,6 +462,8 @@ class GGUFSource:
             return (1, *shape)
         if name.endswith(("k_b_proj.weight", "v_b_proj.weight")):
             return (shape[0] * shape[1], shape[2])
+        if name.endswith("conv1d.weight") and len(shape) == 2:  # (channels, kernel)
+            return (shape[0], 1, shape[1])
         return shape
 
     def quantized_types(self) -> list[str]:
@@ -424,7 +476,8 @@ class GGUFSource:
 
     def _keeps_packed(self, name: str) -> bool:
         info, shape, _ = self._info(name)
-        return self.packed and len(shape) == 2 and info.ggml_type in PACKED_TYPES
+        return (self.packed and len(shape) == 2 and info.ggml_type in PACKED_TYPES
+                and self._change(name) is None)
 
     def meta(self, name: str) -> Packed | None:
         """The layout :meth:`get` gives a packed tensor, without its data (None if it is
@@ -439,6 +492,11 @@ class GGUFSource:
         when it gives them as they are."""
         if self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
             return lambda t: t - 1
+        if self._arch in LINEAR_GGUF:
+            if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                return lambda t: t - 1
+            if name.endswith("A_log"):  # stored as -exp(A_log)
+                return lambda t: (-t.float()).log()
         return None
 
     def locate(self, name: str) -> tuple[Path, int, torch.dtype | int, tuple[int, ...]] | None:
