@@ -31,6 +31,7 @@ from tiergen.models.layers import (apply_rope, cat_rows, embedding, gemma_rms_no
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
 
 CHUNK = 64  # tokens of the chunked delta rule's blocks
+FEW_TOKENS = 16  # a step's tokens up to which the convolution is a sum of K products
 
 
 class Qwen3Next:
@@ -197,7 +198,11 @@ def causal_conv(cache: StateView, meta: StepMeta, mixed: torch.Tensor, weight: t
              mixed.new_zeros(cache.rows.shape, dtype=torch.float32))
     kept, S = state.split([C * (K - 1), state.shape[-1] - C * (K - 1)], dim=-1)
     seq = torch.cat([kept.view(B, C, K - 1), mixed.float().transpose(1, 2)], dim=-1)
-    conv = F.silu(F.conv1d(seq, weight.float(), groups=C)).transpose(1, 2)
+    if seq.shape[-1] - (K - 1) <= FEW_TOKENS:  # (oneDNN's convolution: 2.6 ms for one step)
+        conv = (seq.unfold(-1, K, 1) * weight.float().view(C, 1, K)).sum(-1)
+    else:
+        conv = F.conv1d(seq, weight.float(), groups=C)
+    conv = F.silu(conv).transpose(1, 2)
     cache.rows[:, :C * (K - 1)].copy_(seq[:, :, seq.shape[-1] - (K - 1):].reshape(B, -1))
     return conv, S
 
@@ -212,11 +217,13 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))  # heads first
     if g.dim() == 3:  # one decay per head: as a key channel's, broadcast
         g = g[..., None]
-    if q.shape[2] == 1:
+    if q.shape[2] == 1:  # as products over the state, each reading it once
+        B, H, dk, dv = S.shape
         S = S * g[:, :, 0, :, None].exp()
-        kv = (S * k[:, :, 0, :, None]).sum(-2)  # (B, H, dv): what S recalls for k
-        S = S + k[:, :, 0, :, None] * ((v[:, :, 0] - kv) * beta[..., 0, None])[..., None, :]
-        return (S * q[:, :, 0, :, None]).sum(-2)[:, None], S
+        kv = k @ S  # (B, H, 1, dv): what S recalls for k
+        S.view(B * H, dk, dv).baddbmm_(k.reshape(B * H, dk, 1),
+                                       ((v - kv) * beta[..., None]).reshape(B * H, 1, dv))
+        return (q @ S).transpose(1, 2), S
     if g.shape[-1] > 1:
         return _per_channel_delta_rule(q, k, v, g, beta, S)
     B, H, T, dk = q.shape
