@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 LMEVAL := .peers/lmeval-venv
 LMEVAL_STAMP := $(LMEVAL)/.installed
 
-.PHONY: run test bench clean
+.PHONY: run test test-slow bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -36,8 +36,13 @@ run: $(STAMP)
 	$(BIN)/tiergen generate --model smollm2 --chat --max-tokens 64 \
 		"What is the capital of France?" "Write a haiku about the sea."
 
-test: $(STAMP) $(LMEVAL_STAMP)
-	$(BIN)/python -m pytest -q
+# The suite less its slow tests (real models at length, the sanitizer, lm-evaluation-harness);
+# test-slow runs those. CI (.ci/run) runs both.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: $(STAMP) $(LMEVAL_STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_generate.py

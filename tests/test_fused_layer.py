@@ -100,6 +100,7 @@ def token_by_token(llm: LLM) -> torch.Tensor:
     return llm.logits(TEXT)
 
 
+@pytest.mark.slow
 def test_packaged_models_fused_on_both_paths(packaged, calls):
     """The packaged models scored one token at a time (every step a decode layer): the fused
     layer equals the layer by operation on the float path, and on the integer path stays as
@@ -134,6 +135,7 @@ def test_rolling_window_decode(calls, monkeypatch):
     assert (token_by_token(full) - by_op).abs().max() > 1e-2  # the window did bite
 
 
+@pytest.mark.slow
 def test_weights_streamed_from_disk(calls, tmp_path):
     """Weights on disk come through reused buffers, one layer's matrices after another's, of
     other block types and sizes in a Q4_K_M file: every layer is still computed with its own,

@@ -31,10 +31,10 @@ TASKS = ROOT / "tests" / "data" / "lmeval"
 MODEL = "smollm2"
 TOL = 1e-3  # the server batches the harness's requests; float32 sums move by ~1e-5 with a batch
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not LM_EVAL.exists(),
     reason=f"lm-evaluation-harness is not installed in {LM_EVAL.parent.parent} "
-           "(`make .peers/lmeval-venv/.installed` builds it)")
+           "(`make .peers/lmeval-venv/.installed` builds it)")]
 
 
 def read_jsonl(name: str) -> list[dict]:
