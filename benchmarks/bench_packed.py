@@ -88,10 +88,11 @@ TIERGEN_RUNS = {"int8": ("tiergen packed, int8", []),  # (name, `tiergen bench` 
                 "float32": ("tiergen float32", ["--dequantize"])}
 
 
-def gguf_path(short: str) -> str:
+def gguf_path(model: str) -> str:
+    """A packaged model's GGUF by its short name, or a GGUF file's path."""
     from tiergen.weights import _packaged_file
 
-    return str(_packaged_file(short))
+    return model if model.endswith(".gguf") else str(_packaged_file(model))
 
 
 def run_tiergen(model: str, batch: int, extra: list[str]) -> dict:

@@ -182,6 +182,27 @@ def test_decode_attention_leaves_other_cases_to_torch():
     close(kernels.decode_attention(q[:, :, :1], k, k, None), want)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-head", "per-channel"])
+def test_delta_step_is_the_recurrent_rule_in_place(per_channel, torch_path):
+    """One token of the gated delta rule on states that are a view of wider rows (the state
+    cache's: the convolution's numbers first), against the torch step."""
+    from tiergen.models.qwen3_next import delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, dk, dv, pad = 3, 4, 16, 24, 40
+    q, k = (F.normalize(torch.randn(B, 1, H, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(B, 1, H, dv, generator=gen)
+    g = -torch.rand(B, 1, H, *((dk,) if per_channel else ()), generator=gen) * 2
+    beta = torch.rand(B, 1, H, generator=gen)
+    rows = torch.randn(B, pad + H * dk * dv, generator=gen)
+    S = rows[:, pad:].view(B, H, dk, dv)
+    want_out, want_S = torch_path(delta_rule, q, k, v, g, beta, S.clone())
+    out, got_S = delta_rule(q, k, v, g, beta, S)
+    assert got_S.data_ptr() == S.data_ptr()  # in place, in the rows
+    close(out, want_out)
+    close(S, want_S)
+
+
 def test_argmax_equals_torch_with_ties_nans_and_ragged_rows():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 1003, generator=g)  # not a multiple of the vector width
@@ -251,6 +272,8 @@ def test_every_instruction_set_build_does_the_decode_operations_as_torch(isa_lib
         for D in (64, 24):
             test_a_rows_decode_attention_does_not_depend_on_where_its_tokens_sit(D, kv_dtype)
     test_decode_attention_ignores_unwritten_slots_and_wide_score_ranges(torch_path)
+    for per_channel in (False, True):
+        test_delta_step_is_the_recurrent_rule_in_place(per_channel, torch_path)
     test_argmax_equals_torch_with_ties_nans_and_ragged_rows()
     for gelu in (False, True):
         test_glu_equals_torch(gelu)

@@ -737,6 +737,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = Fa
     return out
 
 
+def delta_step(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor | None:
+    """One token of the gated delta rule over states S (B, H, dk, dv), in place, in one call
+    for float32 CPU tensors (q, k (B, H, dk), v (B, H, dv), log decay g (B, H, 1) or (B, H,
+    dk), beta (B, H)): S <- S exp(g) + k ((v - (S exp(g))^T k) beta)^T; returns S^T q (B, H,
+    dv), or None where the library cannot take them (S then unchanged)."""
+    B, H, dk, dv = S.shape
+    if not _cpu_float32(S, q, k, v, g, beta) or S.stride(-1) != 1 or g.shape[-1] not in (1, dk):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    out = torch.empty(B, H, dv)
+    strides = (ctypes.c_int64 * 3)(*S.stride()[:3])
+    lib.tg_delta_step(S.data_ptr(), strides, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                      g.data_ptr(), g.shape[-1], beta.data_ptr(), B, H, dk, dv, out.data_ptr())
+    return out
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None) -> torch.Tensor | None:
     """Attention of one query token per row, q (B, H, 1, D), over k (B, KVH, S, D) and

@@ -86,6 +86,40 @@ void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T,
     }
 }
 
+/* One token of the gated delta rule for B x H (row, head) states S (dk x dv, float32) in
+ * place, row b's head h at S + b * ss[0] + h * ss[1], its rows ss[2] apart (q, k, v, g,
+ * beta and out contiguous, head after head): S <- S * exp(g); kv = S^T k;
+ * S += k ((v - kv) beta)^T; out = S^T q. g holds gw numbers per head: one (a decay per
+ * head) or dk (a decay per key channel). Two passes over each state, the second from cache. */
+void tg_delta_step(float *S, const int64_t *ss, const float *q, const float *k, const float *v,
+                   const float *g, int64_t gw, const float *beta, int64_t B, int64_t H,
+                   int64_t dk, int64_t dv, float *out) {
+#pragma omp parallel for schedule(static) if (B * H * dk * dv >= (1 << 16))
+    for (int64_t i = 0; i < B * H; i++) {
+        float *restrict st = S + i / H * ss[0] + i % H * ss[1];
+        const float *restrict qi = q + i * dk, *restrict ki = k + i * dk;
+        const float *restrict gi = g + i * gw;
+        float delta[dv], o[dv];
+        for (int64_t c = 0; c < dv; c++) delta[c] = 0.0f, o[c] = 0.0f;
+        for (int64_t r = 0; r < dk; r++) {
+            const float w = expf(gi[gw == 1 ? 0 : r]) * ki[r];
+            const float *restrict row = st + r * ss[2];
+            for (int64_t c = 0; c < dv; c++) delta[c] += row[c] * w;
+        }
+        for (int64_t c = 0; c < dv; c++) delta[c] = (v[i * dv + c] - delta[c]) * beta[i];
+        for (int64_t r = 0; r < dk; r++) {
+            const float d = expf(gi[gw == 1 ? 0 : r]), kr = ki[r], qr = qi[r];
+            float *restrict row = st + r * ss[2];
+            for (int64_t c = 0; c < dv; c++) {
+                const float x = row[c] * d + kr * delta[c];
+                row[c] = x;
+                o[c] += x * qr;
+            }
+        }
+        for (int64_t c = 0; c < dv; c++) out[i * dv + c] = o[c];
+    }
+}
+
 /* VW floats at a time: a 512-bit vector with AVX-512, 256 bits otherwise */
 #if defined(__AVX512F__)
 #define VW 16

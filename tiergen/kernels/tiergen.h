@@ -106,6 +106,9 @@ void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T,
 int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
                         int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
                         const int64_t *ks, const int64_t *vs, float scale, int kv, float *out);
+void tg_delta_step(float *S, const int64_t *ss, const float *q, const float *k, const float *v,
+                   const float *g, int64_t gw, const float *beta, int64_t B, int64_t H,
+                   int64_t dk, int64_t dv, float *out);
 void tg_to_half(const float *x, int64_t n, uint16_t *out);
 void tg_argmax(const float *x, int64_t rows, int64_t n, int64_t *out);
 void tg_glu(const float *gu, int64_t rows, int64_t I, int gelu, void *out, int bf16);

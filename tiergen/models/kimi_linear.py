@@ -22,7 +22,7 @@ from tiergen.models.base import Weights
 from tiergen.models.deepseek_v2 import DeepseekV2
 from tiergen.models.layers import cat_rows, linear, rms_norm
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
-from tiergen.models.qwen3_next import causal_conv, delta_rule, l2norm
+from tiergen.models.qwen3_next import causal_conv, delta_rule, keep_state, l2norm
 
 
 class KimiLinear(DeepseekV2):
@@ -97,7 +97,7 @@ class KimiLinear(DeepseekV2):
         decay = -w["A_log"].float().exp()[:, None] * F.softplus(g) * valid[..., None, None]
         beta = torch.sigmoid(b.float()) * valid[..., None]
         out, S = delta_rule(l2norm(q) * d**-0.5, l2norm(k), v, decay, beta, S.view(B, H, d, d))
-        cache.rows[:, m.conv_dim * (m.conv_kernel - 1):].copy_(S.reshape(B, -1))
+        keep_state(cache, m, S)
         normed = F.rms_norm(out, (d,), None, self.cfg.rms_norm_eps)  # gated RMSNorm, float32
         y = normed * w["gated_norm"].float() * torch.sigmoid(
             linear(gate, w["g_b"]).float().view(B, T, H, d))

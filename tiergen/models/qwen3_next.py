@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tiergen import kernels
 from tiergen.cache.kv import KVView, StateView
 from tiergen.cache.step import StepMeta
 from tiergen.config import LinearAttentionConfig, ModelConfig
@@ -172,7 +173,7 @@ class Qwen3Next:
                                                          + w["dt_bias"].float())) * valid[..., None]
         out, S = delta_rule(q * dk**-0.5, k, v.reshape(B, T, VH, dv), decay, beta,
                             S.view(B, VH, dk, dv))
-        cache.rows[:, m.conv_dim * (K - 1):].copy_(S.reshape(B, -1))
+        keep_state(cache, m, S)
 
         normed = F.rms_norm(out, (dv,), None, self.cfg.rms_norm_eps)  # gated RMSNorm, float32
         y = normed * w["gated_norm"].float() * F.silu(z.reshape(B, T, VH, dv).float())
@@ -184,6 +185,14 @@ class Qwen3Next:
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def keep_state(cache: StateView, m: LinearAttentionConfig, S: torch.Tensor) -> None:
+    """Put the delta rule's state after a step into the layer's state rows (where the step
+    updated them in place, they hold it already)."""
+    rows = cache.rows[:, m.conv_dim * (m.conv_kernel - 1):]
+    if S.data_ptr() != rows.data_ptr():
+        rows.copy_(S.reshape(len(rows), -1))
 
 
 def causal_conv(cache: StateView, meta: StepMeta, mixed: torch.Tensor, weight: torch.Tensor,
@@ -212,11 +221,15 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     """The gated delta rule over T tokens: q, k (B, T, H, dk), v (B, T, H, dv), rate beta
     (B, T, H), log decay g (B, T, H), or (B, T, H, dk) for a decay per key channel (Kimi),
     state S (B, H, dk, dv), all float32; returns the outputs (B, T, H, dv) and the state after
-    the last token. One token: the recurrent step; more: the chunked form (within a chunk, the
-    tokens' updates as one triangular solve)."""
+    the last token (one token on a CPU: S itself, updated in place). One token: the recurrent
+    step; more: the chunked form (within a chunk, the tokens' updates as one triangular
+    solve)."""
     q, k, v, g, beta = (t.transpose(1, 2).float() for t in (q, k, v, g, beta))  # heads first
     if g.dim() == 3:  # one decay per head: as a key channel's, broadcast
         g = g[..., None]
+    if q.shape[2] == 1 and (out := kernels.delta_step(
+            S, q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0])) is not None:
+        return out[:, None], S  # on a CPU: one call, S updated in place
     if q.shape[2] == 1:  # as products over the state, each reading it once
         B, H, dk, dv = S.shape
         S = S * g[:, :, 0, :, None].exp()
