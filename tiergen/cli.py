@@ -67,8 +67,8 @@ MODEL_OPTIONS = [
          help="decode speculatively: propose the tokens that followed the text's last "
               "tokens where they occurred before in the prompt or output, and check them in "
               "one pass (the output is the model's own; fewer passes where text repeats)"),
-    _opt("--draft-tokens", type=int, default=4,
-         help="most tokens proposed per sequence and step with --speculative (default: 4)"),
+    _opt("--draft-tokens", type=int, default=8,
+         help="most tokens proposed per sequence and step with --speculative (default: 8)"),
     _opt("--max-batch-size", type=int, default=64,
          help="most prompts run together in one batch when --gpu-batch-size is not "
               "given (default: 64)"),

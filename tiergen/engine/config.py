@@ -55,7 +55,7 @@ class EngineConfig:
     quantize: str | None = None
     share_prefixes: bool | None = None
     speculative: str | None = None
-    draft_tokens: int = 4
+    draft_tokens: int = 8
     budgets: Budgets = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

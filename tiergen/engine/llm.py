@@ -142,7 +142,7 @@ class LLM:
                  pipeline_parallel: int = 1,
                  tensor_parallel: int = 1, parallel_timeout: float = 60.0,
                  quantize: str | None = None, share_prefixes: bool | None = None,
-                 speculative: str | None = None, draft_tokens: int = 4) -> None:
+                 speculative: str | None = None, draft_tokens: int = 8) -> None:
         self.engine_config = EngineConfig(
             model=model, dtype=dtype, device=device, max_batch_size=max_batch_size,
             policy=policy, device_memory=device_memory, host_memory=host_memory,
