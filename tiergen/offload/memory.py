@@ -134,7 +134,10 @@ def _delta_rule_bytes(cfg: ModelConfig, rows: int, tokens: int) -> int:
     else:
         rule = -(-tokens // CHUNK) * CHUNK * (4 * CHUNK + 6 * m.key_head_dim
                                                + 6 * m.value_head_dim)
-    return 4 * rows * (m.value_heads * rule + 3 * m.state_numel + 2 * tokens * m.conv_dim)
+    # the state as the step found it and its update (a decode step's: in place on a CPU,
+    # decayed into a copy elsewhere), a prompt's chunked rule's too
+    states = 2 if tokens == 1 else 3
+    return 4 * rows * (m.value_heads * rule + states * m.state_numel + 2 * tokens * m.conv_dim)
 
 
 def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int, keys: int,
