@@ -47,3 +47,18 @@ def isa_library(request):
     lib = kernels.bind(ctypes.CDLL(str(path)))
     assert lib.tg_int8_isa() == level
     return lib
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny_models case's checkpoint directory by name, each built once per module."""
+    from tiny_models import build
+
+    made = {}
+
+    def get(case):
+        if case not in made:
+            made[case] = tmp_path_factory.mktemp(case)
+            build(case, made[case])
+        return made[case]
+    return get

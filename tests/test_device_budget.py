@@ -10,7 +10,6 @@ from tiergen.offload.memory import Budgets, largest_step, step_transient
 from tiergen.planner import search
 from tiergen.planner.cost import Workload
 from test_planner import GPU, SMOL, needs_of
-from tiny_models import build
 
 # predicted / measured peak of a forward step on a CPU: at least 1 (a budget is a promise),
 # at most this (measured 1.0-2.1 over the cases below)
@@ -32,18 +31,6 @@ def profiled_peak(fn) -> int:
         now += e.nbytes()
         peak = max(peak, now)
     return peak
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    made = {}
-
-    def get(case):
-        if case not in made:
-            made[case] = tmp_path_factory.mktemp(case)
-            build(case, made[case])
-        return made[case]
-    return get
 
 
 @pytest.mark.parametrize("case", CASES)

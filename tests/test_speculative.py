@@ -12,7 +12,6 @@ import tiergen.engine.generate as generate
 from tiergen import LLM, Policy, SamplingParams, TiergenError
 from tiergen.engine.scheduler import Scheduler
 from tiergen.engine.speculative import lookup
-from tiny_models import build
 
 
 def propose_from(monkeypatch, prompts, outputs, vocab=128):
@@ -50,18 +49,6 @@ def test_lookup_copies_what_followed_the_latest_longest_match():
     assert lookup([1, 2, 3, 4], 3) == []  # nothing repeats
     assert lookup([5, 6, 5], 4) == [6, 5]  # what follows runs to the end of the text
     assert lookup([5, 6, 5], 0) == []
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    made = {}
-
-    def get(case):
-        if case not in made:
-            made[case] = tmp_path_factory.mktemp(case)
-            build(case, made[case])
-        return made[case]
-    return get
 
 
 POLICIES = {

@@ -452,10 +452,11 @@ class MicroBatchState:
         plain decode step: where no row proposes, or too few slots are left for a step of
         proposals to leave holes (the rows must still be able to decode their rest)."""
         live = [s for s in self.live if s.finish_reason is None]
-        if not live or not min(s.draft for s in self.live):
+        draft = min(s.draft for s in self.live)
+        if not live or not draft:
             return None
         owed = max(s.params.max_tokens - len(s.token_ids) for s in live)
-        k = min(min(s.draft for s in self.live), self.slots - self.start - owed)
+        k = min(draft, self.slots - self.start - owed)
         if k < 1:
             return None
         drafts = [[] if s.finish_reason is not None else lookup(
