@@ -43,8 +43,8 @@ def main() -> None:
         return split(llm, ids, a.gen_len)
 
     spent = {"prefill": 0.0, "decode": 0.0, "fused": 0.0, "attention": 0.0, "glu": 0.0}
-    packed_linear, rounded_linear, decode_layer, amx_attention, amx_glu = (
-        K.packed_linear, K.rounded_linear, layers.decode_layer, K.amx_attention, K.amx_glu)
+    packed_linear, rounded_linear, run_steps, amx_attention, amx_glu = (
+        K.packed_linear, K.rounded_linear, layers.run_steps, K.amx_attention, K.amx_glu)
     inside = [False]  # (packed_linear calls rounded_linear: each product timed once)
 
     def product(call):
@@ -70,7 +70,7 @@ def main() -> None:
         return timed
 
     K.packed_linear, K.rounded_linear = product(packed_linear), product(rounded_linear)
-    layers.decode_layer = adding(decode_layer, "fused")
+    layers.run_steps = adding(run_steps, "fused")
     K.amx_attention = adding(amx_attention, "attention")
     K.amx_glu = adding(amx_glu, "glu")
     t = time.perf_counter()
@@ -87,7 +87,7 @@ def main() -> None:
               f"products {spent['decode'] / steps * 1e3:.1f} ms and whole layers in one call "
               f"(kernels/layer.c: their products included) {spent['fused'] / steps * 1e3:.1f} ms")
     K.packed_linear, K.rounded_linear = packed_linear, rounded_linear
-    layers.decode_layer, K.amx_attention, K.amx_glu = decode_layer, amx_attention, amx_glu
+    layers.run_steps, K.amx_attention, K.amx_glu = run_steps, amx_attention, amx_glu
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(ids, params)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))

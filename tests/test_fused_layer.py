@@ -33,7 +33,7 @@ def calls(monkeypatch):
         def on(self):
             self.native = True
 
-    c, real = Calls(), layers.decode_layer
+    c, real = Calls(), layers.decode_step
 
     def counted(*args, **kw):
         if not c.native:
@@ -42,7 +42,7 @@ def calls(monkeypatch):
         c.n += out is not None
         return out
 
-    monkeypatch.setattr(layers, "decode_layer", counted)
+    monkeypatch.setattr(layers, "decode_step", counted)
     return c
 
 
@@ -154,3 +154,41 @@ def test_weights_streamed_from_disk(calls, tmp_path):
     resident = LLM("gemma3-270m", device="cpu", activations="float32",
                    prefill_chunk_size=1).logits(text)
     assert torch.equal(fused, resident)
+
+
+@pytest.mark.parametrize("micro", [False, True])
+def test_a_decode_steps_layers_in_one_call_equal_them_one_by_one(micro, tmp_path, monkeypatch):
+    """Executor._chained runs a decode step's layers in one native call, each layer described
+    once and kept: the same numbers as the layers run one call each, bit for bit, with rows
+    finishing at different lengths (the cache shrinks; kept descriptions of the old cache
+    must not be used) and in micro-batches."""
+    import tiergen.engine.executor as executor
+    from tiergen import Policy, SamplingParams
+
+    hf = build("llama-gqa-tied", tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_model_gguf(hf, GGUF_ARCH["llama-gqa-tied"], path, gguf.GGMLQuantizationType.Q4_1)
+    kw = dict(policy=Policy(gpu_batch_size=2, num_gpu_batches=2)) if micro else {}
+    llm = LLM(path, dtype="float32", device="cpu", activations="int8", **kw)
+    prompts = [[5, 9, 14, 2, 7], [3, 4], [8, 1, 1, 6, 2, 9, 30], [11]]
+    params = [SamplingParams(max_tokens=n, temperature=0.8, seed=n, logprobs=3, ignore_eos=True)
+              for n in (12, 5, 9, 3)]
+    runs = {"chained": 0}
+    real_run = executor.run_steps
+
+    def counted(steps, h):
+        runs["chained"] += 1
+        return real_run(steps, h)
+
+    monkeypatch.setattr(executor, "run_steps", counted)
+    chained = llm.generate(prompts, params)
+    assert runs["chained"] >= 11  # every decode step of the longest row at least
+    real_chained = executor.Executor._chained
+    monkeypatch.setattr(executor.Executor, "_chained", lambda *a: False)
+    alone = llm.generate(prompts, params)
+    for a, b in zip(chained, alone):
+        assert a.token_ids == b.token_ids
+        assert [{t: p.logprob for t, p in x.items()} for x in a.logprobs] == \
+            [{t: p.logprob for t, p in x.items()} for x in b.logprobs]
+    monkeypatch.setattr(executor.Executor, "_chained", real_chained)
+    assert [c.token_ids for c in llm.generate(prompts, params)] == [c.token_ids for c in chained]

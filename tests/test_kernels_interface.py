@@ -26,7 +26,8 @@ PYTHON = [*(ROOT / "tiergen").rglob("*.py"), *(ROOT / "tests").glob("*.py"),
           *(ROOT / "benchmarks").glob("*.py")]
 DECLARED = header.prototypes()
 # the Structures of kernels/layer.py, by the header's name of the struct each mirrors
-STRUCTURES = {"tg_layer": klayer._Layer, "tg_mla": klayer._Mla, "tg_router": klayer._Router}
+STRUCTURES = {"tg_layer": klayer._Layer, "tg_step": klayer.Step, "tg_mla": klayer._Mla,
+              "tg_router": klayer._Router}
 
 
 def _code(path: Path) -> str:

@@ -14,6 +14,7 @@ block schedule::
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,9 @@ import torch
 
 from tiergen.cache.kv import KVView
 from tiergen.config import ModelConfig
+from tiergen import kernels
 from tiergen.kernels import activations_set, amx_rows, rows_on_amx
+from tiergen.kernels.layer import run_steps
 from tiergen.cache.step import StepMeta
 from tiergen.models.base import ModelFamily
 from tiergen.offload.hidden import HiddenStates
@@ -76,6 +79,26 @@ class MicroBatch:
             return None
         return amx_rows(self.meta.valid.sum(-1) if self.prompt_lengths is None
                         else self.prompt_lengths)
+
+
+@dataclass
+class _Chain:
+    """A micro-batch's decode layers as the native layers run them (Executor._chained), with
+    the weights and cache views they were described from, the views held weakly (a kept
+    chain must not keep a finished cache's memory)."""
+
+    weights: list[dict]
+    views: list[weakref.ref]
+    steps: list
+
+    def holds(self, j: int, w: dict, view: KVView) -> bool:
+        """Whether layer j's step was described from these very weights and cache view."""
+        return j < len(self.steps) and self.weights[j] is w and self.views[j]() is view
+
+    def add(self, w: dict, view: KVView, step) -> None:
+        self.weights.append(w)
+        self.views.append(weakref.ref(view))
+        self.steps.append(step)
 
 
 @dataclass
@@ -207,6 +230,7 @@ class Executor:
         self.weights = TieredWeights(model, source, dtype, device, self.policy, self.weight_plan,
                                      model_id, expert_rates=here.expert_rates)
         self.globals = self.weights.globals
+        self._chains: dict[tuple, _Chain] = {}  # see _chained
         if self.policy.keep_tiles and device.type == "cpu" and activations != "float32":
             host = self.budgets.host if self.budgets.host is not None else available_ram()
             self.weights.tile_allowance = self.weight_plan.host_left(host or 0) // 2
@@ -300,7 +324,8 @@ class Executor:
         self.weights.prefetch(0)
         stored: list[Future | None] = [None] * len(block)
         try:
-            for j in range(self.cfg.num_layers):
+            chained = self._chained(block, shared, acts)
+            for j in range(0 if chained else self.cfg.num_layers):
                 t0 = clock()
                 w = self.weights.take(j)
                 self.weights.prefetch(j + 1)
@@ -353,6 +378,49 @@ class Executor:
             raise
         finally:
             acts.close()
+
+    def _chained(self, block: list[MicroBatch], shared: list, acts: HiddenStates) -> bool:
+        """Run a decode step's layers natively, all of a micro-batch's in one call
+        (kernels.layer.run_steps), where the weights and caches all stay where they are
+        and every layer takes the native layer; False, having run nothing, where not. The
+        numbers are those of the layers run one by one: the same native layer computes
+        them, with the same arguments; only the Python between the layers (a third of a
+        small model's batch-1 step) is saved. A micro-batch's layers are described once
+        and kept (:class:`_Chain`) while its weights and cache views stay the same."""
+        decode_step = getattr(self.model, "decode_step", None)
+        if (decode_step is None or self.device.type != "cpu" or not self.weights.in_place()
+                or any(mb.is_prompt or mb.checks for mb in block)):
+            return False
+        n, start = self.cfg.num_layers, self._clock()
+        hs = [acts.take(k) for k in range(len(block))]
+        chains = []
+        for k, (mb, h, sh) in enumerate(zip(block, hs, shared)):
+            key = (k, h.shape[0], kernels.activations(), kernels.batch_invariant())
+            known = self._chains.get(key)
+            chain = _Chain([], [], [])
+            for j in range(n):
+                if mb.cache.moves(j):
+                    break
+                w, kv = self.weights.take(j), mb.cache.load(j, mb.meta.start)
+                same = known is not None and known.holds(j, w, kv)
+                step = decode_step(j, w, h, mb.meta, kv, sh, known.steps[j] if same else None)
+                if step is None:
+                    break
+                chain.add(w, kv, step)
+            if len(chain.steps) < n:
+                for k2, h2 in enumerate(hs):
+                    acts.put(k2, h2)
+                return False
+            if len(self._chains) > 16:
+                self._chains.clear()
+            self._chains[key] = chain
+            chains.append(chain)
+        for k, (h, chain) in enumerate(zip(hs, chains)):
+            acts.put(k, run_steps(chain.steps, h))
+        spent = (self._clock() - start) / n
+        for j in range(n):
+            self.stats.compute[j] += spent
+        return True
 
     def _position_logits(self, hidden: torch.Tensor, want: PositionLogits) -> None:
         rows = hidden[want.rows.to(hidden.device)]

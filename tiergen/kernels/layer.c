@@ -124,6 +124,18 @@ done:
     return err;
 }
 
+/* The n layers of a decode step, in order, on h in place (a step's Python then crosses into C
+ * once, not once a layer). */
+int tg_decode_layers(const tg_step *steps, int64_t n, float *h, int64_t B) {
+    for (int64_t i = 0; i < n; i++) {
+        const tg_step *s = steps + i;
+        int err = tg_decode_layer(s->layer, h, B, s->cos, s->sin, s->kc, s->vc, s->strides,
+                                  s->strides + 3, s->slot, s->slots, s->mask, s->kv16);
+        if (err) return err;
+    }
+    return 0;
+}
+
 /* One token's experts in one call: out (hidden) = the sum over e < E, in order, of
  * mix[e] * down_e(act(gate_up_e(x))) for the row x (hidden), with the products and the GLU of
  * the layer above (L gives hidden, gelu, qa and wide; mats holds gate_up_0, down_0,

@@ -1,7 +1,8 @@
-"""A whole decode layer of packed weights in one call to ``layer.c``.
+"""Decode layers of packed weights in one call to ``layer.c``: a whole layer, or all of a
+step's layers one after another (:func:`run_steps`).
 
 A model family describes its layer once (:class:`LayerKind`) and hands each decode step's
-tensors to :func:`decode_layer` under the names of :data:`NORMS`, :data:`BIASES` and
+tensors to :func:`decode_step` under the names of :data:`NORMS`, :data:`BIASES` and
 :data:`MATRICES`; where anything is outside what the C layer takes (a GPU, float weights,
 on the float path too many rows, a cache it does not know), it returns None and the family
 runs its layer operation by operation, which computes the same numbers within rounding.
@@ -123,21 +124,43 @@ def _too_many(rows: int, fmt: tuple | None) -> bool:
     return fmt is None and rows > kernels.ROW_THRESHOLD
 
 
-def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
-                 mask: torch.Tensor) -> torch.Tensor | None:
-    """h (B, 1, hidden) after the layer, the new token's K/V written to the cache k, v
-    (B, KVH, S, D; float32 or float16) at ``slot``, attention over the slots ``mask`` (B, 1, 1, S) allows;
-    cos, sin (B, 1, 1, rotary). None where the C layer cannot run it (see the module docstring)."""
+class Step(ctypes.Structure):
+    """tiergen.h's tg_step: one layer of a decode step, as tg_decode_layers runs it."""
+
+    _fields_ = [("layer", _ptr), ("cos", _ptr), ("sin", _ptr), ("kc", _ptr), ("vc", _ptr),
+                ("strides", _ptr), ("mask", _ptr), ("slot", ctypes.c_int64),
+                ("slots", ctypes.c_int64), ("kv16", ctypes.c_int32)]
+
+
+def _inputs_usable(cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    return (_usable(cos) and _usable(sin) and mask is not None and mask.is_contiguous()
+            and mask.dtype == torch.bool and mask.device.type == "cpu")
+
+
+def decode_step(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
+                mask: torch.Tensor, known: Step | None = None) -> Step | None:
+    """A decode layer for :func:`run_steps`: h (B, 1, hidden) through it, the new token's K/V
+    written to the cache k, v (B, KVH, S, D; float32 or float16) at ``slot``, attention over
+    the slots ``mask`` (B, 1, 1, S) allows; cos, sin (B, 1, 1, rotary). None where the C
+    layer cannot run it (see the module docstring). The tensors must outlive the run.
+
+    ``known``: this layer's step of an earlier decode step of as many rows, with the same
+    weights, cache tensors and activations (the caller's promise): only what changes from
+    step to step (cos, sin, slot, mask) is set in it anew."""
+    if known is not None:
+        if not _inputs_usable(cos, sin, mask):
+            return None
+        known.cos, known.sin, known.mask = cos.data_ptr(), sin.data_ptr(), mask.data_ptr()
+        known.slot = slot
+        return known
     B = h.shape[0]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
     kv16 = kernels.kv_format(k, v)  # (the layer writes float32 and float16 caches)
-    if (_too_many(B, fmt) or not _usable(h) or not _usable(cos) or not _usable(sin)
-            or kv16 not in (0, 1) or k.stride(-1) != 1 or v.stride(-1) != 1 or mask is None
-            or not mask.is_contiguous() or mask.dtype != torch.bool or mask.device.type != "cpu"):
+    if (_too_many(B, fmt) or not _usable(h) or not _inputs_usable(cos, sin, mask)
+            or kv16 not in (0, 1) or k.stride(-1) != 1 or v.stride(-1) != 1):
         return None
-    lib = kernels.library()
-    if lib is None:
+    if kernels.library() is None:
         return None
     if fmt is not None and B >= kernels.TILE_ROWS:
         for n in MATRICES:
@@ -146,12 +169,19 @@ def decode_layer(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     layer = _layer(kind, fmt, w)
     if layer is None:
         return None
-    out = h.clone()
     strides = (ctypes.c_int64 * 6)(*k.stride()[:3], *v.stride()[:3])
-    err = lib.tg_decode_layer(ctypes.byref(layer), out.data_ptr(), B, cos.data_ptr(),
-                              sin.data_ptr(), k.data_ptr(), v.data_ptr(), strides,
-                              ctypes.byref(strides, 24), slot, k.shape[2], mask.data_ptr(),
-                              kv16)
+    step = Step(ctypes.addressof(layer), cos.data_ptr(), sin.data_ptr(), k.data_ptr(),
+                v.data_ptr(), ctypes.addressof(strides), mask.data_ptr(), slot, k.shape[2], kv16)
+    step.keep = strides, layer  # what it points to lives as long as it does
+    return step
+
+
+def run_steps(steps: list[Step], h: torch.Tensor) -> torch.Tensor:
+    """h (B, 1, hidden) through the layers ``steps`` describe, in order, in one native call:
+    a decode step's Python then costs the layers once, not once a layer."""
+    out = h.clone()
+    err = kernels.library().tg_decode_layers((Step * len(steps))(*steps), len(steps),
+                                             out.data_ptr(), h.shape[0])
     if err:
         raise MemoryError("decode layer: out of memory for its buffers")
     return out
@@ -347,7 +377,7 @@ def mla_attention(kind: MlaKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
     "kv_norm", "k_b", "v_b", "o". None where the C kernels cannot run it."""
     B = h.shape[0]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
-    kv16 = kernels.kv_format(rows, rows)  # (float32 and float16 caches, as decode_layer)
+    kv16 = kernels.kv_format(rows, rows)  # (float32 and float16 caches, as decode_step)
     if (_too_many(B, fmt) or not _usable(h) or not _usable(cos) or not _usable(sin)
             or kv16 not in (0, 1) or rows.stride(-1) != 1 or mask is None or not mask.is_contiguous()
             or mask.dtype != torch.bool or mask.device.type != "cpu"

@@ -30,6 +30,18 @@ typedef struct {
     tg_matrix qkv, o, gate_up, down;
 } tg_layer;
 
+/* One layer of a decode step (tg_decode_layers; kernels/layer.py's Step): tg_decode_layer's
+ * arguments but h and B. strides: k's (B, KVH, S) strides, then v's. */
+typedef struct {
+    const tg_layer *layer;
+    const float *cos, *sin;
+    void *kc, *vc;
+    const int64_t *strides;
+    const uint8_t *mask;
+    int64_t slot, slots;
+    int32_t kv16;
+} tg_step;
+
 /* DeepSeek's latent attention (layer.c's tg_mla_attention; kernels/layer.py's _Mla). */
 typedef struct {
     int64_t hidden, heads, q_rank, kv_rank, nope, rope, v_dim;
@@ -119,6 +131,7 @@ void tg_glu_row(const float *gate, const float *up, int64_t I, int gelu, void *o
 int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, const float *sin,
                     void *kc, void *vc, const int64_t *ks, const int64_t *vs, int64_t slot,
                     int64_t S, const uint8_t *mask, int kv16);
+int tg_decode_layers(const tg_step *steps, int64_t n, float *h, int64_t B);
 int tg_experts_row(const tg_layer *L, const int64_t *const *mats, int64_t E, const float *mix,
                    const float *x, float *out);
 int tg_route(const float *x, int64_t N, int64_t H, const float *W, int64_t E, const float *bias,

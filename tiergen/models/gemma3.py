@@ -20,9 +20,9 @@ from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
-from tiergen.models.layers import (LayerKind, apply_rope, cat_rows, embedding, fused_decode,
+from tiergen.models.layers import (LayerKind, Step, apply_rope, cat_rows, embedding, fused_step,
                                    gelu_tanh_mlp, gemma_rms_norm, linear, rope_cos_sin,
-                                   rope_inv_freq)
+                                   rope_inv_freq, run_steps)
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 # the names of tiergen.kernels.layer -> this family's (see fuse_layer)
@@ -107,15 +107,23 @@ class Gemma3:
         e = embedding(w["embed"], ids, w["norm"].dtype)
         return (e * torch.tensor(self.cfg.hidden_size**0.5, dtype=e.dtype)).float()
 
+    def decode_step(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
+                    shared: dict[bool, CosSin],
+                    known: Step | None = None) -> Step | None:
+        """Layer i of a decode step as the native layer runs it, or None (see fused_step)."""
+        if h.shape[1] != 1 or self.reduce is not no_reduce:
+            return None
+        return fused_step(self.kind, FUSED_NAMES, w, h, meta, cache,
+                          shared[bool(self.cfg.window(i))], known)
+
     def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
               shared: dict[bool, CosSin]) -> torch.Tensor:
+        if (step := self.decode_step(i, w, h, meta, cache, shared)) is not None:
+            return run_steps([step], h)
         c = self.cfg
         eps = c.rms_norm_eps
         B, T, _ = h.shape
         cos, sin = shared[bool(c.window(i))]
-        if T == 1 and self.reduce is no_reduce and (out := fused_decode(
-                self.kind, FUSED_NAMES, w, h, meta, cache, (cos, sin))) is not None:
-            return out
         x = gemma_rms_norm(h, w["input_norm"], eps)
         q, k, v = linear(x, w["qkv"]).split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                                               c.num_kv_heads * c.head_dim], dim=-1)

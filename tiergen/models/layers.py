@@ -14,7 +14,7 @@ from tiergen import kernels
 from tiergen._platform import cpu_has_fast_bfloat16
 from tiergen.cache.kv import KVView
 from tiergen.cache.step import StepMeta
-from tiergen.kernels.layer import LayerKind, decode_layer
+from tiergen.kernels.layer import LayerKind, Step, decode_step, run_steps
 from tiergen.config import RopeConfig
 from tiergen.weights.packed import Packed, cat_rows  # noqa: F401  (cat_rows: for the families)
 
@@ -141,18 +141,19 @@ def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return y if out is None or y.data_ptr() == out.data_ptr() else out.copy_(y.reshape(out.shape))
 
 
-def fused_decode(kind: LayerKind, names: dict[str, str], w: dict, h: torch.Tensor,
-                 meta: StepMeta, cache: KVView, cos_sin: tuple[torch.Tensor, torch.Tensor]
-                 ) -> torch.Tensor | None:
-    """A decode step's layer in one native call, or None where that cannot run it. ``names``
-    maps the names of :mod:`tiergen.kernels.layer` to the family's own in ``w``."""
+def fused_step(kind: LayerKind, names: dict[str, str], w: dict, h: torch.Tensor,
+               meta: StepMeta, cache: KVView, cos_sin: tuple[torch.Tensor, torch.Tensor],
+               known: Step | None = None) -> Step | None:
+    """A decode step's layer as the native layer runs it (:func:`run_steps`), or None where
+    that cannot run it. ``names`` maps the names of :mod:`tiergen.kernels.layer` to the
+    family's own in ``w``; ``known``: as :func:`tiergen.kernels.layer.decode_step` takes it."""
     if h.shape[1] != 1 or h.device.type != "cpu" or cache.k.device.type != "cpu":
         return None  # a CPU kernel: activations and cache both in host RAM
     slots = cache.decode_slots(meta)
     if slots is None:
         return None
-    named = {native: w.get(own) for native, own in names.items()}
-    return decode_layer(kind, named, h, *cos_sin, cache.k, cache.v, *slots)
+    named = None if known is not None else {native: w.get(own) for native, own in names.items()}
+    return decode_step(kind, named, h, *cos_sin, cache.k, cache.v, *slots, known=known)
 
 
 def embedding(weight: torch.Tensor | Packed, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,8 +17,8 @@ from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.models.base import (Weights, causal_lm_global_specs, no_reduce,
                                  fuse_causal_lm_globals)
-from tiergen.models.layers import (LayerKind, apply_rope, cat_rows, embedding, fused_decode,
-                                   linear, rms_norm, rope_attention_factor, rope_cos_sin,
+from tiergen.models.layers import (LayerKind, Step, apply_rope, cat_rows, embedding, fused_step,
+                                   linear, run_steps, rms_norm, rope_attention_factor, rope_cos_sin,
                                    rope_inv_freq)
 from tiergen.models.moe import ffn, ffn_checkpoint_specs, ffn_fused_specs, fuse_ffn
 
@@ -119,14 +119,22 @@ class Llama:
         # the residual stream is float32 (see rms_norm); the norm weights hold the compute dtype
         return embedding(w["embed"], ids, w["norm"].dtype).float()
 
+    def decode_step(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
+                    shared: tuple[torch.Tensor, torch.Tensor],
+                    known: Step | None = None) -> Step | None:
+        """Layer i of a decode step as the native layer runs it, or None (see fused_step)."""
+        c = self.cfg
+        if (h.shape[1] != 1 or self.reduce is not no_reduce or c.is_moe_layer(i)
+                or c.attention_sinks or c.qk_norm_across_heads):
+            return None
+        return fused_step(self.kind, FUSED_NAMES, w, h, meta, cache, shared, known)
+
     def layer(self, i: int, w: Weights, h: torch.Tensor, meta: StepMeta, cache: KVView,
               shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if (step := self.decode_step(i, w, h, meta, cache, shared)) is not None:
+            return run_steps([step], h)
         B, T, _ = h.shape
         c = self.cfg
-        if T == 1 and self.reduce is no_reduce and not c.is_moe_layer(i) \
-                and not (c.attention_sinks or c.qk_norm_across_heads) and (out := fused_decode(
-                self.kind, FUSED_NAMES, w, h, meta, cache, shared)) is not None:
-            return out
         x = rms_norm(h, w["input_norm"], c.rms_norm_eps)
         qkv = linear(x, w["qkv"], w.get("qkv_bias"))
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,

@@ -306,6 +306,11 @@ class TieredWeights:
                                  t.pin_memory() if pin else t) for n, t in layer.items()})
         return resident
 
+    def in_place(self) -> bool:
+        """Whether every layer is read where it lives, the same tensors each step (nothing
+        streamed, nothing decompressed into shared buffers)."""
+        return self.plan.compress is None and all(self._in_place)
+
     # -- the schedule's interface --------------------------------------------------------
     def prefetch(self, j: int) -> None:
         if j >= self.num_layers or j in self._pending:
