@@ -131,6 +131,22 @@ def test_decode_attention(H, KVH, D, Dv, masked, kv_dtype, torch_path):
     close(torch_path(attention, q, k, v, mask), want)  # torch converts the cache
 
 
+@pytest.mark.parametrize("H", [4, 3])
+def test_a_rows_heads_split_over_threads_give_the_numbers_of_a_batch(H, torch_path):
+    """One row of a model with one K/V head has fewer groups than threads: its heads are
+    split over them, and each head's numbers are those it gets in a batch (no split)."""
+    g = torch.Generator().manual_seed(5)
+    B, S, D = 3, 200, 256
+    q = torch.randn(B, 1, H, D, generator=g).transpose(1, 2)
+    k, v = torch.randn(2, B, 1, S, D, generator=g)
+    mask = torch.rand(B, 1, 1, S, generator=g) > 0.3
+    batch = kernels.decode_attention(q, k, v, mask)
+    for b in range(B):
+        alone = kernels.decode_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask[b:b + 1])
+        assert torch.equal(alone, batch[b:b + 1])
+    close(batch, torch_path(attention, q, k, v, mask))
+
+
 def test_decode_attention_ignores_unwritten_slots_and_wide_score_ranges(torch_path):
     """Slots the mask hides may hold anything (a cache's unwritten rows); scores may span
     more than float32's exponentials (the kernel's vector exp clamps below -87)."""

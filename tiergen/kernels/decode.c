@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "blocks.h"
 #include "tiergen.h"
@@ -293,20 +294,27 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv, const int64_t *ks,
        const int64_t *vs, float scale, float *out) {
     const int64_t G = H / KVH;
+    /* fewer groups than threads (one row of a model with one K/V head): each group's heads
+     * split over tasks; a head's numbers are the same in any of them */
+    const int64_t threads = omp_get_max_threads(), groups = B * KVH;
+    const int64_t parts = groups >= threads ? 1 : (threads / groups < G ? threads / groups : G);
+    const int64_t per = (G + parts - 1) / parts;  /* heads of a task */
     int failed = 0;
 #pragma omp parallel for schedule(static) if (B * H * S * (D + Dv) >= (1 << 18))
-    for (int64_t task = 0; task < B * KVH; task++) {
-        const int64_t b = task / KVH, g = task % KVH;
+    for (int64_t task = 0; task < groups * parts; task++) {
+        const int64_t b = task / parts / KVH, g = task / parts % KVH, h0 = task % parts * per;
+        const int64_t GL = G - h0 < per ? G - h0 : per;
+        if (GL <= 0) continue;
         const int64_t kb = b * ks[0] + g * ks[1], vb = b * vs[0] + g * vs[1];  /* (numbers) */
-        const float *qg = q + (b * H + g * G) * D;
-        float *og = out + (b * H + g * G) * Dv;
+        const float *qg = q + (b * H + g * G + h0) * D;
+        float *og = out + (b * H + g * G + h0) * Dv;
         const uint8_t *mb = mask ? mask + b * S : NULL;
-        const int64_t next = task + 1, size = KV == KV_F32 ? 4 : 2;
+        const int64_t next = task / parts + 1, size = KV == KV_F32 ? 4 : 2;
         const int64_t next_k = next / KVH * ks[0] + next % KVH * ks[1];
         int64_t o = 0;  /* the row's first allowed slot: p[j * SP + i] is slot o + i's */
         while (mb && o < S && !mb[o]) o++;
         const int64_t SP = (S - o + VW - 1) / VW * VW;
-        float *p = malloc(sizeof(float) * (G * SP + 1));
+        float *p = malloc(sizeof(float) * (GL * SP + 1));
         if (p == NULL) {
             failed = 1;
             continue;
@@ -316,13 +324,13 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
         for (int64_t s0 = o; D % VW == 0 && s0 < S; s0 += VW) {
             const int n = S - s0 < VW ? (int)(S - s0) : VW;  /* slots of this group */
             if (mb && n == VW && hidden(mb + s0)) {  /* (slots past a row's tokens: not read) */
-                for (int64_t j = 0; j < G; j++) memcpy(p + j * SP + s0 - o, &none, sizeof none);
+                for (int64_t j = 0; j < GL; j++) memcpy(p + j * SP + s0 - o, &none, sizeof none);
                 continue;
             }
             vi seen = mb && n == VW ? seen_lanes(mb + s0) : (vi){0} - (n == VW);
             if (n < VW)
                 for (int u = 0; u < n; u++) seen[u] = !mb || mb[s0 + u] ? -1 : 0;
-            for (int64_t j = 0; j < G; j++) {
+            for (int64_t j = 0; j < GL; j++) {
                 vf acc[VW] = {{0}};
                 const float *qj = qg + j * D;
                 if (n == VW)
@@ -343,13 +351,13 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
             }
         }
         for (int64_t s0 = o; D % VW != 0 && s0 < o + SP; s0++)
-            for (int64_t j = 0; j < G; j++)
+            for (int64_t j = 0; j < GL; j++)
                 p[j * SP + s0 - o] = s0 < S && (!mb || mb[s0])
                                          ? dot_kv(KV, qg + j * D, k, kb + s0 * ks[2], D) * scale
                                          : -INFINITY;
         /* their exponentials (0 where -inf) against the largest, and their sum */
-        float total[G];
-        for (int64_t j = 0; j < G; j++) {
+        float total[GL];
+        for (int64_t j = 0; j < GL; j++) {
             float *pj = p + j * SP;
             vf top = none, sum = {0};
             for (int64_t i = 0; i < SP; i += VW) {
@@ -367,14 +375,14 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
         }
         /* out = sum_s p[s] v[s] / total, in registers: 4 VW outputs of up to VHEADS heads at
          * a time, so that a V row is read once per VHEADS heads */
-        for (int64_t j0 = 0; j0 < G; j0 += VHEADS) {
-            const int64_t n = G - j0 < VHEADS ? G - j0 : VHEADS;
+        for (int64_t j0 = 0; j0 < GL; j0 += VHEADS) {
+            const int64_t n = GL - j0 < VHEADS ? GL - j0 : VHEADS;
             int64_t c = 0;
             for (; c + 4 * VW <= Dv; c += 4 * VW) {
                 vf acc[VHEADS][4] = {{{0}}};
                 /* the next task's K rows as this one's V rows go by (once): a batch's cache
                  * lies past L2, and the hardware's prefetchers start late on a new row */
-                const int ahead = c == 0 && j0 == 0 && next < B * KVH;
+                const int ahead = c == 0 && j0 == 0 && h0 == 0 && next < groups;
                 for (int64_t s = o; s < S; s++) {
                     prefetch_row(v, (vb + (s + 8) * vs[2] + c) * size, 4 * VW * size);
                     if (ahead) prefetch_row(k, (next_k + s * ks[2]) * size, D * size);
