@@ -110,6 +110,25 @@ def test_chunked_prefill_peak_memory_is_far_lower(tmp_path):
     assert grown["512"] * 3 < grown["none"]
 
 
+def test_a_decode_steps_metadata_is_the_general_rule():
+    """StepMeta.build's decode step (one token after the first) gives the positions and mask
+    of the general rule: each row counts its valid slots, sees its valid slots up to the new
+    one, and always the new one (padding rows stay finite), whatever lies after it (holes,
+    unwritten capacity)."""
+    from tiergen.cache.step import StepMeta
+
+    g = torch.Generator().manual_seed(3)
+    for start in (1, 9, 30):
+        valid = torch.rand(4, 40, generator=g) > 0.4
+        valid[0] = False  # a row that is all padding
+        meta = StepMeta.build(valid, start, 1)
+        slots = torch.arange(40)
+        want_mask = ((slots <= start) & valid) | (slots == start)
+        assert torch.equal(meta.mask, want_mask[:, None, None])
+        want_pos = (valid[:, :start + 1].cumsum(-1) - 1).clamp(min=0)[:, start:]
+        assert torch.equal(meta.positions, want_pos) and meta.start == start
+
+
 @pytest.mark.parametrize("start,num_tokens", [(7, 7), (14, 7), (28, 7), (35, 5)])
 def test_chunk_attention_equals_the_masked_path(start, num_tokens):
     """A chunk's two-pass attention (earlier slots, then itself, merged by log-sum-exp) against

@@ -49,8 +49,14 @@ class StepMeta:
     def build(valid: torch.Tensor, start: int, num_tokens: int) -> StepMeta:
         """Metadata for tokens at slots [start, start+num_tokens) given slot validity (B, capacity)."""
         end = start + num_tokens
+        if num_tokens == 1 and start > 0:  # a decode step (the same as below, in fewer steps)
+            positions = (valid[:, :end].sum(-1, keepdim=True) - 1).clamp(min=0)
+            mask = valid.clone()
+            mask[:, end:] = False
+            mask[:, start] = True
+            return StepMeta(start, positions, mask[:, None, None], valid)
         positions = (valid[:, :end].cumsum(-1) - 1).clamp(min=0)[:, start:end]
-        keys = valid if num_tokens == 1 and start > 0 else valid[:, :end]
+        keys = valid[:, :end]
         if start == 0 and bool(keys.all()):
             return StepMeta(start, positions, None, valid)
         q_slots = torch.arange(start, end, device=valid.device)[:, None]

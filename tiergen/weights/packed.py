@@ -113,6 +113,10 @@ class Packed:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` (any shape) dequantised: an embedding lookup, ids.shape + (in,)."""
         flat = ids.reshape(-1)
+        if len(self.parts) == 1:  # (one block type: no search for each type's rows)
+            (ggml_type, row, rows, raw), = self.segments()
+            return dequantize(raw.view(rows, -1)[flat].reshape(-1), ggml_type,
+                              (flat.numel(), self.shape[1]), dtype).view(*ids.shape, -1)
         out = torch.empty(flat.numel(), self.shape[1], dtype=dtype, device=self.device)
         for ggml_type, row, rows, raw in self.segments():
             hit = ((flat >= row) & (flat < row + rows)).nonzero().squeeze(1)
