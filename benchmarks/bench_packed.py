@@ -15,7 +15,8 @@ median run (this machine's speed drifts within minutes).
 --tiergen names the tiergen runs to make (default: all three). With --repeat, each tiergen run's
 ratio to the faster peer is also taken turn by turn (the peers of its own turn), and the median
 of those ratios printed beside the turns': on a machine whose speed swings within minutes, the
-ratio of medians can pair a fast turn with a slow one.
+ratio of medians can pair a fast turn with a slow one. Decode is also taken against llama.cpp's
+decode turn by turn.
 
 With --transformers, transformers ``generate`` runs on the same files too (dequantised at
 load, the faster of float32 and native bfloat16), and the table gives each tiergen run's
@@ -171,6 +172,11 @@ def main() -> None:
                     print(f"{model} batch {batch}, {name} against the faster peer of its turn: "
                           f"median {statistics.median(turns):.2f}x, turns "
                           + ", ".join(f"{r:.2f}x" for r in turns), flush=True)
+                    decode = [r["decode_tok_s"] / peer["decode_tok_s"]
+                              for r, peer in zip(t, tries["llama.cpp"])]
+                    print(f"{model} batch {batch}, {name} decode against llama.cpp's of its "
+                          f"turn: median {statistics.median(decode):.2f}x, turns "
+                          + ", ".join(f"{r:.2f}x" for r in decode), flush=True)
     print(f"\nCPU: {cpu}\n")
     print("| model | batch | engine | decode tok/s | total tok/s | peak RSS | vs llama.cpp "
           "(decode / total) | total vs the faster peer |")
