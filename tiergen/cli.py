@@ -684,24 +684,44 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from tiergen.bench import cpu_description, run
+    import torch
 
-    if min(args.batch + [args.prompt_len, args.gen_len]) < 1:
-        raise TiergenError("--batch, --prompt-len and --gen-len must be positive integers")
+    from tiergen import bench
+
+    if min(args.batch + [args.prompt_len, args.gen_len, args.turns]) < 1:
+        raise TiergenError("--batch, --prompt-len, --gen-len and --turns must be positive integers")
+    peers = [p.strip() for p in args.against.split(",") if p.strip()] if args.against else []
+    for peer in peers:
+        if peer not in bench.PEERS:
+            raise TiergenError(f"--against: unknown peer {peer!r}; choose from "
+                               + ", ".join(bench.PEERS))
     started = time.perf_counter()
     llm = _load(args)
     load_seconds = time.perf_counter() - started
-    info = {**cpu_description(), "model": llm.name, "dtype": str(llm.dtype).removeprefix("torch."),
-            "activations": llm.activations,
+    threads = torch.get_num_threads()
+    info = {**bench.cpu_description(), "threads": threads, "model": llm.name,
+            "dtype": str(llm.dtype).removeprefix("torch."), "activations": llm.activations,
             "device": str(llm.device), "load_seconds": load_seconds, "runs": []}
-    run(llm, 1, min(8, args.prompt_len), 2)  # warm-up: kernels built, caches touched
-    for batch in args.batch:
-        info["runs"].append(run(llm, batch, args.prompt_len, args.gen_len))
+    bench.run(llm, 1, min(8, args.prompt_len), 2)  # warm-up: kernels built, caches touched
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    if peers:
+        results = bench.against(llm, args.model, peers, args.batch, args.prompt_len,
+                                args.gen_len, args.turns, threads, say)
+        info["runs"] = [bench.median_run(r["tiergen"]) for r in results.values()]
+        info["against"] = {str(b): {p: runs for p, runs in r.items() if p != "tiergen"}
+                           for b, r in results.items()}
+        info["turns"] = {str(b): r["tiergen"] for b, r in results.items()}
+    else:
+        for batch in args.batch:
+            info["runs"].append(bench.run(llm, batch, args.prompt_len, args.gen_len))
     if args.json:
         print(json.dumps(info))
         return
     print(f"{info['model']} on {info['device']} ({info['dtype']}); CPU: {info['cpu']} "
-          f"[{' '.join(info['simd'])}]; loaded in {load_seconds:.2f}s")
+          f"[{' '.join(info['simd'])}], {threads} threads; loaded in {load_seconds:.2f}s")
+    if peers:
+        print(bench.table(results, args.prompt_len, args.gen_len))
+        return
     print(f"{'batch':>5} {'prompt':>6} {'gen':>4} {'decode tok/s':>12} {'total tok/s':>11} "
           f"{'peak RSS':>9}")
     for r in info["runs"]:
@@ -714,11 +734,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from tiergen import bench
 
     p = sub.add_parser("bench", help="measure throughput on this machine, batch size by batch size",
-                       description=bench.__doc__.split("\n\n")[1].replace("\n", " "))
+                       description=" ".join(bench.__doc__.split("\n\n")[1:3]).replace("\n", " "))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32],
                    help="batch sizes to run (default: 1 32)")
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (default: 128)")
     p.add_argument("--gen-len", type=int, default=64, help="new tokens per prompt (default: 64)")
+    p.add_argument("--against", default=None, metavar="PEERS",
+                   help="also run these peers on the same workload, comma-separated: "
+                        + ", ".join(bench.PEERS))
+    p.add_argument("--turns", type=int, default=3,
+                   help="with --against: turns of every engine; ratios are each turn's, "
+                        "their median reported (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     _add_model_options(p)
     p.set_defaults(func=cmd_bench)
