@@ -28,6 +28,7 @@ GGUF_ARCHITECTURES = {
     "glm-dsa": "GlmMoeDsaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "glm4moe": "Glm4MoeForCausalLM",
+    "kimi-linear": "KimiLinearForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",  # MixtralForCausalLM when it has experts
     "minimax-m2": "MiniMaxM2ForCausalLM",
@@ -86,7 +87,8 @@ DSA_LAYER_NAMES = DEEPSEEK2_LAYER_NAMES | {
     "indexer.k_norm": "self_attn.indexer.k_norm",
     "indexer.proj": "self_attn.indexer.weights_proj",
 }
-LATENT_ARCHITECTURES = ("deepseek2", "deepseek32", "glm-dsa")
+LATENT_ARCHITECTURES = ("deepseek2", "deepseek32", "glm-dsa", "kimi-linear")
+SPARSE_ATTENTION = ("deepseek32", "glm-dsa")
 
 # A MoE layer's tensors (GGUF name less "blk.N."), by the keys of their checkpoint names in
 # tiergen.weights.moe_names (checkpoint_names); *_exps tensors stack the routed experts
@@ -137,6 +139,21 @@ LINEAR_LAYER_NAMES = LAYER_NAMES | {
 }
 UNSUFFIXED |= {"ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias"}
 
+# Kimi-Linear: DeepSeek's latent attention layers, and Kimi Delta Attention layers whose q, k
+# and v each have a convolution (1, channels, 1, kernel) and whose low-rank forget and output
+# gates are f_a, f_b and g_a, g_b; A_log kept as -exp(A_log). One key per layer of
+# head_count_kv says which kind it is: 1 latent attention, 0 KDA.
+KIMI_LAYER_NAMES = DEEPSEEK2_LAYER_NAMES | {
+    "ssm_conv1d_q": "self_attn.q_conv1d", "ssm_conv1d_k": "self_attn.k_conv1d",
+    "ssm_conv1d_v": "self_attn.v_conv1d", "ssm_f_a": "self_attn.f_a_proj",
+    "ssm_f_b": "self_attn.f_b_proj", "ssm_g_a": "self_attn.g_a_proj",
+    "ssm_g_b": "self_attn.g_b_proj", "ssm_beta": "self_attn.b_proj",
+    "ssm_norm": "self_attn.o_norm",
+}
+KIMI_UNSUFFIXED = UNSUFFIXED | {"ssm_a": "self_attn.A_log", "ssm_dt": "self_attn.dt_bias"}
+# the architectures whose ssm_a holds -exp(A_log)
+NEGATED_A = (*LINEAR_GGUF, "kimi-linear")
+
 # Gemma 3 has four norms per layer; its ffn_norm is the one before the MLP.
 GEMMA3_LAYER_NAMES = LAYER_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
@@ -162,13 +179,15 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     names = {"gemma3": GEMMA3_LAYER_NAMES, "deepseek2": DEEPSEEK2_LAYER_NAMES,
              "deepseek32": DSA_LAYER_NAMES, "glm-dsa": DSA_LAYER_NAMES,
              "gpt-oss": GPT_OSS_LAYER_NAMES, "glm4moe": GPT_OSS_LAYER_NAMES,
+             "kimi-linear": KIMI_LAYER_NAMES,
              **dict.fromkeys(LINEAR_GGUF, LINEAR_LAYER_NAMES)}.get(arch, LAYER_NAMES)
+    unsuffixed = KIMI_UNSUFFIXED if arch == "kimi-linear" else UNSUFFIXED
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(4):  # a tensor named without .weight or .bias
-        return (f"model.layers.{m.group(4)}.{UNSUFFIXED[m.group(5)]}"
-                if m.group(5) in UNSUFFIXED else None)
-    if m and m.group(2) in UNSUFFIXED:
-        return f"model.layers.{m.group(1)}.{UNSUFFIXED[m.group(2)]}"
+        return (f"model.layers.{m.group(4)}.{unsuffixed[m.group(5)]}"
+                if m.group(5) in unsuffixed else None)
+    if m and m.group(2) in unsuffixed:
+        return f"model.layers.{m.group(1)}.{unsuffixed[m.group(2)]}"
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
@@ -244,6 +263,8 @@ def config_from_gguf(meta: dict, tensor_names: set[str]) -> ModelConfig:
         kv_heads = heads  # llama.cpp writes one latent KV head
         if extra["moe"].scoring == "sigmoid" and arch == "deepseek2":
             architecture = "DeepseekV3ForCausalLM"
+        if arch == "kimi-linear":
+            extra |= _kimi_linear_from_gguf(meta, arch, layers, heads)
     elif meta.get(f"{arch}.expert_count"):
         extra = _moe_from_gguf(meta, arch, layers, tensor_names)
         if arch == "llama":
@@ -298,8 +319,9 @@ def _deepseek2_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[s
                     qk_nope_head_dim=qk_dim - rope_dim, qk_rope_head_dim=rope_dim,
                     v_head_dim=int(get("attention.value_length_mla")
                                    or get("attention.value_length")),
-                    kv_b_split="blk.0.attn_k_b.weight" in tensor_names)
-    if arch != "deepseek2":  # sparse attention: a layer without an indexer reuses a choice
+                    kv_b_split=any(n.endswith("attn_k_b.weight") for n in tensor_names),
+                    rotary=arch != "kimi-linear")  # (Kimi-Linear's attention turns nothing)
+    if arch in SPARSE_ATTENTION:  # a layer without an indexer reuses a choice
         shared = [f"blk.{j}.indexer.proj.weight" not in tensor_names for j in range(layers)]
         mla = replace(mla, index_heads=int(get("attention.indexer.head_count")),
                       index_head_dim=int(get("attention.indexer.key_length")),
@@ -315,14 +337,14 @@ def _deepseek_moe(meta: dict, arch: str, layers: int) -> MoEConfig:
     def get(name: str, default: object = None) -> object:
         return meta.get(f"{arch}.{name}", default)
 
-    v3 = int(get("expert_gating_func", 1)) == 2
+    v3 = int(get("expert_gating_func", 2 if arch == "kimi-linear" else 1)) == 2
     groups = int(get("expert_group_count", 1) or 1)
     size = int(get("expert_feed_forward_length"))
     return MoEConfig(
         num_experts=int(get("expert_count")), top_k=int(get("expert_used_count")),
         intermediate_size=size,
-        # llama.cpp always renormalises MiniMax-M2's chosen weights
-        norm_topk_prob=bool(get("expert_weights_norm", arch == "minimax-m2")),
+        # llama.cpp always renormalises MiniMax-M2's and Kimi-Linear's chosen weights
+        norm_topk_prob=bool(get("expert_weights_norm", arch in ("minimax-m2", "kimi-linear"))),
         shared_intermediate_size=size * int(get("expert_shared_count", 0)),
         dense_layers=list(range(min(int(get("leading_dense_block_count", 0)), layers))),
         router_float32=True, scoring="sigmoid" if v3 else "softmax", router_bias=v3,
@@ -382,6 +404,23 @@ def _linear_from_gguf(meta: dict, arch: str, layers: int, head_dim: int) -> dict
     return dict(linear=linear, rotary_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
                 layer_types=["full_attention" if (j + 1) % every == 0 else "linear_attention"
                              for j in range(layers)])
+
+
+def _kimi_linear_from_gguf(meta: dict, arch: str, layers: int, heads: int) -> dict:
+    """Kimi-Linear's layer kinds (head_count_kv per layer: 1 latent attention, 0 KDA) and its
+    KDA layers, which llama.cpp gives as many heads as the attention's."""
+    kinds = meta.get(f"{arch}.attention.head_count_kv")
+    if not hasattr(kinds, "__len__") or len(kinds) < layers:
+        raise TiergenError(f"GGUF {arch}.attention.head_count_kv must give each layer's kind "
+                           "(1 attention, 0 linear attention); the file is incomplete")
+    dim, kernel = meta.get(f"{arch}.kda.head_dim"), meta.get(f"{arch}.ssm.conv_kernel")
+    if dim is None or kernel is None:
+        raise TiergenError(f"GGUF metadata lacks {arch}.kda.head_dim or {arch}.ssm.conv_kernel; "
+                           "the file is incomplete")
+    linear = LinearAttentionConfig(heads, heads, int(dim), int(dim), int(kernel), grouped=False,
+                                   ba_grouped=False, per_channel=True)
+    return dict(linear=linear, layer_types=["full_attention" if int(k) else "linear_attention"
+                                            for k in list(kinds)[:layers]])
 
 
 def _gemma3_from_gguf(meta: dict, arch: str, layers: int, hidden: int, heads: int,
@@ -464,6 +503,8 @@ class GGUFSource:
             return (shape[0] * shape[1], shape[2])
         if name.endswith("conv1d.weight") and len(shape) == 2:  # (channels, kernel)
             return (shape[0], 1, shape[1])
+        if name.endswith("conv1d.weight") and len(shape) == 4:  # Kimi's (1, channels, 1, kernel)
+            return (shape[1], 1, shape[3])
         return shape
 
     def quantized_types(self) -> list[str]:
@@ -492,11 +533,11 @@ class GGUFSource:
         when it gives them as they are."""
         if self._arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
             return lambda t: t - 1
-        if self._arch in LINEAR_GGUF:
-            if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-                return lambda t: t - 1
-            if name.endswith("A_log"):  # stored as -exp(A_log)
-                return lambda t: (-t.float()).log()
+        if (self._arch in LINEAR_GGUF and name.endswith("norm.weight")
+                and not name.endswith("linear_attn.norm.weight")):
+            return lambda t: t - 1
+        if self._arch in NEGATED_A and name.endswith("A_log"):  # stored as -exp(A_log)
+            return lambda t: (-t.float()).log()
         return None
 
     def locate(self, name: str) -> tuple[Path, int, torch.dtype | int, tuple[int, ...]] | None:
