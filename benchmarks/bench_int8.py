@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,8 +46,17 @@ from tiergen.bench import cpu_description
 from tiergen.weights.packed import Packed
 from tiergen.weights.quant import GGMLType, ggml_type_sizes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_widen import best_ms  # noqa: E402
+
+def best_ms(fn, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` calls of fn after a warm-up, in milliseconds."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
 
 FORMATS = {"int8/4": (4, False), "int8/8": (8, False), "int8/16": (16, False),
            "int16": (16, True)}

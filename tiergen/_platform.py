@@ -182,7 +182,7 @@ def keep_freed_buffers() -> bool:
     glibc maps an allocation above its threshold afresh (where no free block of its heap is
     large enough) and unmaps it when it is freed, so the kernel faults in and zeroes each of
     its pages again at every product: about 350,000 page faults for a prefill of 32 prompts of
-    128 tokens (benchmarks/bench_prefill_buffers.py). The threshold cannot be raised past
+    128 tokens (docs/BENCHMARKS-HISTORY.md). The threshold cannot be raised past
     32 MB, and SmolLM2's MLP alone makes a 50 MB buffer a layer at that batch, so glibc maps
     nothing apart (M_MMAP_MAX 0; it still maps what its heap cannot hold), and the heap is
     trimmed only once 256 MB lie free at its top. A process that tunes malloc itself
@@ -221,7 +221,7 @@ def on_short_lived_thread(fn: Callable[[], T]) -> T:
     Each thread that runs a parallel torch kernel keeps an OpenMP worker pool for as long as
     it lives, and OpenMP throttles every pool's waiting once the pools hold more threads than
     the CPU has cores, which can slow the scheduler's thread when the model was loaded on the
-    main thread (benchmarks/bench_load_thread.py compares). Loading here leaves the
+    main thread (docs/BENCHMARKS-HISTORY.md). Loading here leaves the
     scheduler's pool alone.
     """
     box: dict[str, Any] = {}

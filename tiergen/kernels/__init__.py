@@ -56,7 +56,7 @@ SOURCES = [Path(__file__).with_name(n) for n in ("packed.c", "amx.c", "decode.c"
 HEADERS = sorted(Path(__file__).parent.glob("**/*.h"))
 ROW_THRESHOLD = 32  # more rows than this: decode the matrix, then the BLAS (crossover 32-64
 # rows for a layer's matrices with 1 or 2 threads, ~128 for a large LM head, on an AVX2 EPYC:
-# benchmarks/bench_threshold.py)
+# docs/BENCHMARKS-HISTORY.md)
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable
 _lock = threading.Lock()
 _scratch: dict[tuple, torch.Tensor] = {}  # reused decode buffers, by (dtype, device, inference mode)

@@ -66,7 +66,7 @@ def use_compiled_gemv(enabled: bool) -> None:
 # A CPU without native bfloat16 multiplies bfloat16 matrices at about a GEMV per row. From
 # UPCAST_ROWS rows on, widening the weights to float32 a slice at a time into one reused
 # buffer (UPCAST_SCRATCH floats, 16 MiB) and multiplying in float32 is faster: on an AVX2 EPYC
-# 2.5-2.9x at 32 rows, 6.4-7.1x at 512, even at 8 (benchmarks/bench_widen.py; a fresh float32
+# 2.5-2.9x at 32 rows, 6.4-7.1x at 512, even at 8 (docs/BENCHMARKS-HISTORY.md; a fresh float32
 # copy of the whole matrix would cost more in page faults than the multiply). The result can
 # differ from the bfloat16 kernel's in the last bit of an element.
 UPCAST_ROWS = 8

@@ -45,7 +45,8 @@ from tiergen.planner.calibrate import link_line
 from tiergen.planner.cost import Estimate, PlacedWeights, Workload, blocks, estimate
 from tiergen.planner.search import SearchRequest, fmt, nothing_fits, policy_flags, search
 
-# the link where it was never measured: gloo over loopback on a 2-core VM (bench_link.py)
+# the link where it was never measured: gloo over loopback on a 2-core VM
+# (docs/BENCHMARKS-HISTORY.md)
 DEFAULT_LINK = dict(latency=3e-4, bandwidth=1.5e9, reduce_latency=1e-3, reduce_bandwidth=1.5e9)
 
 
