@@ -106,6 +106,7 @@ def _layer(kind: LayerKind, fmt: tuple[int, bool] | None, w: dict) -> _Layer | N
                    qa, int(wide), int(kind.pairs),
                    *(None if v is None else v.data_ptr() for v in vecs),
                    *(ctypes.addressof(a) for a in arrays))
+    layer.arrays = arrays  # (whoever keeps the description keeps what it points to)
     _remember(key, layer, arrays)
     return layer
 
