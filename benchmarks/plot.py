@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def throughput_plot(path: str, xs: list[int], series: dict[str, tuple[list[float], str]],
-                    xlabel: str, title: str, hline: tuple[float, str] | None = None) -> None:
+                    xlabel: str, title: str, hline: tuple[float, str] | None = None,
+                    ylabel: str = "generated tokens/s (prefill included)") -> None:
     """``series`` maps a label to (tokens/s per x, line style); ``hline`` is (value, label)."""
     import matplotlib
 
@@ -18,7 +19,7 @@ def throughput_plot(path: str, xs: list[int], series: dict[str, tuple[list[float
         ax.axhline(hline[0], color="gray", linestyle="--", label=hline[1])
     ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("generated tokens/s (prefill included)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
