@@ -320,7 +320,7 @@ def _deepseek2_from_gguf(meta: dict, arch: str, layers: int, tensor_names: set[s
                     v_head_dim=int(get("attention.value_length_mla")
                                    or get("attention.value_length")),
                     kv_b_split=any(n.endswith("attn_k_b.weight") for n in tensor_names),
-                    rotary=arch != "kimi-linear")  # (Kimi-Linear's attention turns nothing)
+                    rotary=arch != "kimi-linear")  # (Kimi-Linear's attention rotates nothing)
     if arch in SPARSE_ATTENTION:  # a layer without an indexer reuses a choice
         shared = [f"blk.{j}.indexer.proj.weight" not in tensor_names for j in range(layers)]
         mla = replace(mla, index_heads=int(get("attention.indexer.head_count")),
