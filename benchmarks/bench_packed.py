@@ -32,57 +32,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tiergen.bench import LLAMA_CPP_HELP, llama_cpp_python, peer_runner, prompt_ids
+from tiergen.weights.gguf import GGUFFile
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-LLAMA_PYTHON = ROOT / ".peers" / "llamacpp-venv" / "bin" / "python"
 PROMPT_LEN, NEW_TOKENS = 128, 64
-
-LLAMA_CPP = r'''
-import ctypes, json, resource, sys, time
-import numpy as np
-import llama_cpp as L
-
-path, batch, P, G = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-L.llama_backend_init()
-t0 = time.perf_counter()
-model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
-cp = L.llama_context_default_params()
-cp.n_ctx, cp.n_batch, cp.n_ubatch = batch * (P + G) + 64, 512, 512
-cp.n_seq_max, cp.n_threads, cp.n_threads_batch = batch, 2, 2
-cp.kv_unified = False  # each sequence attends over its own cells, not all of the batch's
-ctx = L.llama_init_from_model(model, cp)
-vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-load = time.perf_counter() - t0
-b = L.llama_batch_init(512, 0, batch)
-
-def decode(items):  # items: (token, pos, seq, wants_logits); returns {seq: next token}
-    out = {}
-    for start in range(0, len(items), 512):
-        chunk = items[start:start + 512]
-        b.n_tokens = len(chunk)
-        for i, (tok, pos, seq, want) in enumerate(chunk):
-            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
-            b.seq_id[i][0], b.logits[i] = seq, want
-        if L.llama_decode(ctx, b) != 0:
-            raise RuntimeError("llama_decode failed")
-        for i, (tok, pos, seq, want) in enumerate(chunk):
-            if want:
-                logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(vocab,))
-                out[seq] = int(logits.argmax())
-    return out
-
-prompts = [[(17 + 31 * s + 7 * t) % (vocab - 1) + 1 for t in range(P)] for s in range(batch)]
-t0 = time.perf_counter()
-nxt = decode([(tok, t, s, t == P - 1) for s, p in enumerate(prompts) for t, tok in enumerate(p)])
-t1 = time.perf_counter()
-for step in range(G - 1):
-    nxt = decode([(nxt[s], P + step, s, True) for s in range(batch)])
-t2 = time.perf_counter()
-print(json.dumps({"total_tok_s": batch * G / (t2 - t0), "decode_tok_s": batch * (G - 1) / (t2 - t1),
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "load_seconds": load}))
-'''
-
 
 TIERGEN_RUNS = {"int8": ("tiergen packed, int8", []),  # (name, `tiergen bench` flags)
                 "exact": ("tiergen packed, --exact", ["--exact"]),
@@ -105,11 +60,16 @@ def run_tiergen(model: str, batch: int, extra: list[str]) -> dict:
     return {**info["runs"][0], "cpu": info["cpu"], "simd": info["simd"]}
 
 
-def run_llama_cpp(model: str, batch: int) -> dict:
-    out = subprocess.run([str(LLAMA_PYTHON), "-c", LLAMA_CPP, gguf_path(model), str(batch),
-                          str(PROMPT_LEN), str(NEW_TOKENS)], check=True, capture_output=True,
-                         text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+def run_llama_cpp(model: str, batch: int, prompt_len: int = PROMPT_LEN,
+                  gen_len: int = NEW_TOKENS) -> dict:
+    """llama.cpp on the prompts `tiergen bench` gives tiergen (``tiergen bench --against``'s
+    peer), 2 threads."""
+    path = gguf_path(model)
+    runner = peer_runner("llama.cpp", path)
+    if isinstance(runner, str):
+        sys.exit(runner)
+    vocab = len(GGUFFile(Path(path)).metadata["tokenizer.ggml.tokens"])
+    return runner(prompt_ids(batch, prompt_len, vocab), gen_len, 2)
 
 
 def run_transformers(model: str, batch: int) -> dict:
@@ -141,9 +101,8 @@ def main() -> None:
     ap.add_argument("--tiergen", nargs="+", choices=list(TIERGEN_RUNS), default=list(TIERGEN_RUNS),
                     help="which tiergen runs to make")
     args = ap.parse_args()
-    if not LLAMA_PYTHON.exists():
-        sys.exit(f"{LLAMA_PYTHON} not found: build llama.cpp's binding with "
-                 "../shared/peers/build_llamacpp.sh first")
+    if llama_cpp_python() is None:
+        sys.exit(LLAMA_CPP_HELP)
     rows, cpu = [], None
     for model in args.models:
         for batch in args.batches:

@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 import tiergen  # noqa: F401  (first: the CPU guard must precede torch's first bfloat16 matmul)
+from tiergen.bench import LLAMA_CPP_HELP, llama_cpp_python
 from tiergen.offload.memory import resident_set, reset_peak_resident_set
 
-from bench_packed import LLAMA_CPP, LLAMA_PYTHON
+from bench_packed import run_llama_cpp
 
 
 LENGTHS = {"smollm2": [1024, 4096, 8000], "gemma3-270m": [4096, 8192, 16384, 32000]}
@@ -92,10 +93,9 @@ def main() -> None:
     dtype = "bfloat16" if cpu_has_fast_bfloat16() else "float32"
     cpu = cpu_description()
     print(f"CPU: {cpu['cpu']} ({' '.join(cpu['simd'])}); dtype {dtype}", flush=True)
-    peers = ["transformers"] + (["llama.cpp"] if LLAMA_PYTHON.exists() else [])
+    peers = ["transformers"] + (["llama.cpp"] if llama_cpp_python() else [])
     if len(peers) == 1:
-        print(f"({LLAMA_PYTHON} not found: llama.cpp left out; ../shared/peers/build_llamacpp.sh "
-              "builds it)")
+        print(f"(llama.cpp left out: {LLAMA_CPP_HELP})")
     table = ["| model | prompt tokens | tiergen tok/s | " + " | ".join(f"{e} tok/s" for e in peers)
              + " | vs the faster peer | tiergen peak growth MB | transformers peak growth MB |",
              "|---" * (6 + len(peers)) + "|"]
@@ -106,16 +106,15 @@ def main() -> None:
             for turn in range(args.repeat):  # engines take turns, so they see the same drift
                 for engine in ("tiergen", *peers):
                     if engine == "llama.cpp":  # one prompt, fed 512 tokens per llama_decode
-                        cmd = [str(LLAMA_PYTHON), "-c", LLAMA_CPP, gguf, "1", str(length), "1"]
+                        r = run_llama_cpp(gguf, 1, length, 1)
+                        r["tok_s"] = length * r["total_tok_s"]  # (prompt and its new token)
                     else:
-                        cmd = [sys.executable, __file__, "--child", engine, str(length),
-                               str(args.chunk), gguf, dtype]
-                    out = subprocess.run(cmd, capture_output=True, text=True)
-                    if out.returncode:
-                        sys.exit(f"{engine} {model} {length} failed:\n{out.stderr[-3000:]}")
-                    r = json.loads(out.stdout.strip().splitlines()[-1])
-                    if engine == "llama.cpp":  # prompt and its one new token, as the others
-                        r["tok_s"] = length * r["total_tok_s"]
+                        out = subprocess.run([sys.executable, __file__, "--child", engine,
+                                              str(length), str(args.chunk), gguf, dtype],
+                                             capture_output=True, text=True)
+                        if out.returncode:
+                            sys.exit(f"{engine} {model} {length} failed:\n{out.stderr[-3000:]}")
+                        r = json.loads(out.stdout.strip().splitlines()[-1])
                     runs.setdefault(engine, []).append(r)
                     print(engine, model, length, r, flush=True)
             # each engine's median run by tokens/s
