@@ -43,7 +43,8 @@ G, path = int(sys.argv[4]), sys.argv[5]
 out = []
 if engine == "tiergen":
     from tiergen import LLM, SamplingParams
-    llm = LLM("smollm2", speculative="prompt-lookup" if draft else None, draft_tokens=max(draft, 1))
+    spec = {"method": "ngram", "num_speculative_tokens": draft} if draft else None
+    llm = LLM("smollm2", speculative_config=spec)
     params = SamplingParams(max_tokens=G, temperature=0)
     llm.generate([ids[0]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     for p in ids:

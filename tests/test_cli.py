@@ -19,7 +19,7 @@ PARIS = "What is the capital of France?"
 
 COMMON_OPTIONS = ["--model", "--dtype", "--device", "--compile", "--dequantize", "--quantize",
                   "--activations", "--exact", "--batch-invariant", "--prefill-chunk-size",
-                  "--no-share-prefixes", "--speculative", "--draft-tokens",
+                  "--no-share-prefixes", "--speculative-config",
                   "--max-batch-size", "--percent",
                   "--gpu-batch-size", "--num-gpu-batches", "--no-pin-memory", "--no-keep-tiles",
                   "--cpu-attention",

@@ -1,6 +1,7 @@
-"""Speculative decoding (prompt lookup): the output is the model's own, greedy or sampled,
-through the policies and cache kinds, with the sampling options that change picks; what
-cannot drop rejected proposals is refused."""
+"""Speculative decoding (prompt lookup and draft models): the output is the model's own,
+greedy or sampled, through the policies and cache kinds, with the sampling options that
+change picks; what cannot drop rejected proposals, or a draft of another vocabulary, is
+refused."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 import tiergen.engine.generate as generate
 from tiergen import LLM, Policy, SamplingParams, TiergenError
 from tiergen.engine.scheduler import Scheduler
-from tiergen.engine.speculative import lookup
+from tiergen.engine.speculative import SpeculativeConfig, lookup
+from tiny_models import build
+
+NGRAM = {"method": "ngram"}
+
+
+def ngram(k: int = 8) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k}
 
 
 def propose_from(monkeypatch, prompts, outputs, vocab=128):
@@ -21,7 +29,7 @@ def propose_from(monkeypatch, prompts, outputs, vocab=128):
     known = {tuple(p): o for p, o in zip(prompts, outputs)}
     steps = []
 
-    def guess(history, k):
+    def guess(history, k, max_ngram=3):
         for prompt, out in known.items():
             if tuple(history[:len(prompt)]) == prompt and len(history) > len(prompt) - 1:
                 done = len(history) - len(prompt)
@@ -68,8 +76,7 @@ def test_the_output_is_the_models_own(models, tmp_path, monkeypatch, case, where
     if kwargs.get("policy") == "disk":
         kwargs = dict(policy=Policy(cache=(0, 0), offload_dir=tmp_path / "off"))
     plain = LLM(models(case), dtype="float32", **kwargs)
-    spec = LLM(models(case), dtype="float32", speculative="prompt-lookup", draft_tokens=3,
-               **kwargs)
+    spec = LLM(models(case), dtype="float32", speculative_config=ngram(3), **kwargs)
     for params in (GREEDY, SAMPLED):
         want = plain.generate(PROMPTS, params)
         propose_from(monkeypatch, PROMPTS, [w.token_ids for w in want])
@@ -97,18 +104,24 @@ def test_penalties_bias_and_lengths_keep_their_meaning(models):
               SamplingParams(max_tokens=13, temperature=0.7, seed=5, ignore_eos=True,
                              frequency_penalty=0.4)]
     want = LLM(path, dtype="float32").generate(PROMPTS, params)
-    spec = LLM(path, dtype="float32", speculative="prompt-lookup")
+    spec = LLM(path, dtype="float32", speculative_config=NGRAM)
     got = spec.generate(PROMPTS, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert [len(g.token_ids) for g in got] == [20, 7, 13]
     assert spec.last_stats.proposed_tokens > 0
 
 
-def test_continuous_batching_gives_each_request_its_own_output(models):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_continuous_batching_gives_each_request_its_own_output(models, method):
+    """Requests arrive while others decode, so that micro-batches merge (a draft model's
+    cache starts again from the merged timeline)."""
     path = models("llama-gqa-tied")
     plain = LLM(path, dtype="float32")
     expected = [plain.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-    llm = LLM(path, dtype="float32", speculative="prompt-lookup",
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(models("qwen2"))
+    llm = LLM(path, dtype="float32", speculative_config=spec,
               policy=Policy(gpu_batch_size=4, num_gpu_batches=1))
     sched = Scheduler(llm).start()
     try:
@@ -127,7 +140,7 @@ def test_real_text_with_stops_and_a_grammar():
     """A real model on text that repeats: stop strings cut where plain decoding cuts, and a
     JSON schema constrains both the proposals' checks and the picks."""
     plain = LLM("smollm2", dtype="float32", activations="float32")
-    spec = LLM("smollm2", dtype="float32", activations="float32", speculative="prompt-lookup")
+    spec = LLM("smollm2", dtype="float32", activations="float32", speculative_config=NGRAM)
     text = ("Copy the list exactly.\nList: apples, pears, plums, apples, pears, plums, "
             "apples, pears, plums.\nCopy: apples, pears,")
     kept = 0
@@ -146,10 +159,107 @@ def test_real_text_with_stops_and_a_grammar():
     ("mistral-window", {}, "sliding window"),
     ("qwen3-next", {}, "linear-attention states"),
     ("llama-gqa-tied", dict(batch_invariant=True), "batch invariance"),
-    ("llama-gqa-tied", dict(draft_tokens=0), "draft_tokens"),
 ])
 def test_what_cannot_drop_proposals_is_refused(models, case, kwargs, why):
     with pytest.raises(TiergenError, match=why):
-        LLM(models(case), dtype="float32", speculative="prompt-lookup", **kwargs)
-    with pytest.raises(TiergenError, match="speculative must be one of"):
-        LLM(models("llama-gqa-tied"), dtype="float32", speculative="medusa")
+        LLM(models(case), dtype="float32", speculative_config=NGRAM, **kwargs)
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"method": "medusa"}, "method must be one of"),
+    ({"num_speculative_tokens": 4}, "needs a method"),
+    (ngram(0), "num_speculative_tokens must be an integer from 1 to 64"),
+    (ngram(1000), "num_speculative_tokens must be an integer from 1 to 64"),
+    ({"method": "draft_model"}, "model names the draft model"),
+    ({"method": "ngram", "model": "x"}, "model names the draft model"),
+    ({"method": "ngram", "draft": 3}, "unknown keys draft"),
+    ('{"method": "ngram",', "is not JSON"),
+    ([1, 2], "must be an object"),
+])
+def test_a_bad_config_says_what_is_wrong(config, why):
+    with pytest.raises(TiergenError, match=why):
+        SpeculativeConfig.parse(config)
+
+
+def test_the_config_reads_as_json():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5}') == \
+        SpeculativeConfig("ngram", 5)
+
+
+# ----------------------------------------------------------------------------- draft models
+
+def draft_model(path, k: int = 4) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("case, drafter", [
+    ("llama-gqa-tied", "itself"),  # its proposals are mostly right: steps keep them all
+    ("llama-gqa-tied", "qwen2"),  # a random model of its vocabulary: mostly wrong
+    ("deepseek-v3", "itself"),  # a latent cache, drafted by one
+    ("mixtral", "llama-gqa-tied"),
+])
+@pytest.mark.parametrize("where", sorted(POLICIES))
+def test_a_draft_models_proposals_give_the_models_own_output(models, tmp_path, case, drafter,
+                                                             where):
+    """Greedy and seeded sampled rows of different prompt lengths and max_tokens give the
+    tokens and log-probabilities of plain decoding: the draft's cache, which follows the
+    target's timeline with its holes, stays right through steps that keep all, some or
+    none of the proposals, and through rows that finish early and leave."""
+    kwargs = POLICIES[where]
+    if kwargs.get("policy") == "disk":
+        kwargs = dict(policy=Policy(cache=(0, 0), offload_dir=tmp_path / "off"))
+    draft = models(case if drafter == "itself" else drafter)
+    plain = LLM(models(case), dtype="float32", **kwargs)
+    spec = LLM(models(case), dtype="float32", speculative_config=draft_model(draft, 3), **kwargs)
+    lengths = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    for params in (GREEDY, SAMPLED, [GREEDY, lengths, SAMPLED]):
+        want = plain.generate(PROMPTS, params)
+        got = spec.generate(PROMPTS, params)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        stats = spec.last_stats
+        assert stats.proposed_tokens > 0
+        assert stats.decode_tokens == plain.last_stats.decode_tokens
+        for w, g in zip(want, got):
+            for a, b, t in zip(w.logprobs or [], g.logprobs or [], w.token_ids):
+                assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    if drafter == "itself":  # (greedy rows of its own model: a proposal is rarely wrong)
+        assert spec.last_stats.accepted_tokens > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(models, tmp_path):
+    other = tmp_path / "other"
+    build("llama-gqa-tied", other, vocab_size=256)
+    with pytest.raises(TiergenError, match="another vocabulary"):
+        LLM(models("llama-gqa-tied"), dtype="float32", speculative_config=draft_model(other))
+
+
+def test_a_draft_model_that_cannot_drop_proposals_is_refused(models):
+    with pytest.raises(TiergenError, match="the draft model .*sliding window"):
+        LLM(models("llama-gqa-tied"), dtype="float32",
+            speculative_config=draft_model(models("mistral-window")))
+
+
+def test_the_draft_models_weights_come_out_of_the_budget(models):
+    """What the target may hold is the budget less the draft's weights: a budget that fits
+    the target alone with a little room does not fit both."""
+    path = models("llama-gqa-tied")
+    alone = LLM(path, dtype="float32")
+    needs = alone.executor.weight_plan.needs()
+    budget = needs["device"] + needs["device"] // 4
+    LLM(path, dtype="float32", device_memory=budget)
+    with pytest.raises(TiergenError, match="budget"):
+        LLM(path, dtype="float32", device_memory=budget, speculative_config=draft_model(path))
+
+
+@pytest.mark.slow
+def test_a_quantised_copy_drafts_the_float_model():
+    """The packaged SmolLM2 GGUF drafting its own float (dequantised) self: the output is the
+    float model's, and most proposals are kept."""
+    plain = LLM("smollm2", dtype="float32", activations="float32", packed=False)
+    spec = LLM("smollm2", dtype="float32", activations="float32", packed=False,
+               speculative_config=draft_model("smollm2"))
+    prompts = ["The capital of France is", "Write a list of three fruits:"]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.last_stats.accepted_tokens * 2 > spec.last_stats.proposed_tokens

@@ -63,12 +63,12 @@ MODEL_OPTIONS = [
     _opt("--no-share-prefixes", action="store_false", dest="share_prefixes", default=None,
          help="compute every prompt whole, even the prefix the prompts of a batch "
               "share (default: once, but not with --batch-invariant)"),
-    _opt("--speculative", choices=["prompt-lookup"], default=None,
-         help="decode speculatively: propose the tokens that followed the text's last "
-              "tokens where they occurred before in the prompt or output, and check them in "
-              "one pass (the output is the model's own; fewer passes where text repeats)"),
-    _opt("--draft-tokens", type=int, default=8,
-         help="most tokens proposed per sequence and step with --speculative (default: 8)"),
+    _opt("--speculative-config", default=None, metavar="JSON",
+         help='decode speculatively, checking each step\'s proposals in one pass (the output '
+              'is the model\'s own): {"method": "ngram", "num_speculative_tokens": 8} copies '
+              'what followed the text\'s last tokens earlier in it; {"method": "draft_model", '
+              '"model": PATH, "num_speculative_tokens": 4} runs a smaller model of the same '
+              'vocabulary ahead'),
     _opt("--max-batch-size", type=int, default=64,
          help="most prompts run together in one batch when --gpu-batch-size is not "
               "given (default: 64)"),
@@ -274,8 +274,8 @@ def _load(args: argparse.Namespace, prompts: list[str] | None = None):
                    max_batch_size=args.max_batch_size, policy=policy,
                    device_memory=args.device_memory, host_memory=args.host_memory,
                    compile=args.compile, prefill_chunk_size=chunk,
-                   share_prefixes=args.share_prefixes, speculative=args.speculative,
-                   draft_tokens=args.draft_tokens, activations=args.activations, batch_invariant=args.batch_invariant,
+                   share_prefixes=args.share_prefixes, speculative_config=args.speculative_config,
+                   activations=args.activations, batch_invariant=args.batch_invariant,
                    pipeline_parallel=getattr(args, "pipeline_parallel", 1),
                    tensor_parallel=getattr(args, "tensor_parallel", 1),
                    parallel_timeout=getattr(args, "parallel_timeout", 60.0))

@@ -10,6 +10,7 @@ import torch
 
 from tiergen.devices import resolve_activations, resolve_device
 from tiergen.engine.generate import default_prefill_chunk
+from tiergen.engine.speculative import SpeculativeConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.memory import Budgets
 from tiergen.offload.policy import Policy
@@ -54,8 +55,7 @@ class EngineConfig:
     parallel_timeout: float = 60.0
     quantize: str | None = None
     share_prefixes: bool | None = None
-    speculative: str | None = None
-    draft_tokens: int = 8
+    speculative_config: SpeculativeConfig | dict | str | None = None
     budgets: Budgets = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +73,7 @@ class EngineConfig:
             raise TiergenError("prefill_chunk_size must be a positive integer (or None for the "
                                f"whole prompt at once), got {chunk!r}")
         self.budgets = Budgets.parse(self.device_memory, self.host_memory)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         resolve_activations(self.activations, device)
         if isinstance(self.policy, (list, tuple)):
             if not self.parallel:

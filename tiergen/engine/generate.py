@@ -13,7 +13,7 @@ import torch
 from tiergen.engine.constraints import Constraint
 from tiergen.engine.executor import Executor, MicroBatch, PositionLogits
 from tiergen.engine.sampler import PositionLogprobs, Sampler, SamplingParams, position_logprobs
-from tiergen.engine.speculative import lookup
+from tiergen.engine.speculative import DraftCache, Guesser, lookup
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
@@ -65,7 +65,7 @@ class Sequence:
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     constraint: Constraint | None = None  # where its output stands in params' grammar
-    draft: int = 0  # tokens a speculative step may propose for it (engine.speculative); 0: none
+    guesser: Guesser | None = None  # what proposes its tokens (engine.speculative), if any
 
     def __post_init__(self) -> None:
         if self.params.compiled_grammar is not None:
@@ -145,7 +145,7 @@ def capacity(seqs: list[Sequence]) -> int:
     that for speculative rows, whose proposals not kept leave up to as many holes (past them
     the rows decode a token a step)."""
     return max(len(s.prompt_ids) for s in seqs) + max(
-        s.params.max_tokens * (2 if s.draft else 1) for s in seqs)
+        s.params.max_tokens * (2 if s.guesser else 1) for s in seqs)
 
 
 def _windows(cfg: ModelConfig) -> list[int]:
@@ -299,6 +299,9 @@ class MicroBatchState:
             valid[row, longest - own:longest] = True
         self.executor = executor
         self.prompt, self.valid = ids.to(device), valid.to(device)
+        # every slot's input token (the prompts, then each step's): what a draft model feeds
+        self.timeline = torch.zeros(len(seqs), slots, dtype=torch.long, device=device)
+        self.timeline[:, :longest] = self.prompt
         self.chunk = prefill_chunk(chunk_size, longest)
         self.cache = executor.new_cache(len(seqs), slots)
         if shared is not None:
@@ -318,6 +321,17 @@ class MicroBatchState:
         # a speculative step's proposals per row, and the logits it takes at every position
         self._drafts: list[list[int]] | None = None
         self._draft_logits: torch.Tensor | None = None
+        self._draft_cache: DraftCache | None = None  # a draft model's, once it proposes
+
+    def close(self) -> None:
+        """Free its cache (and a draft model's)."""
+        self.cache.close()
+        self._drop_draft()
+
+    def _drop_draft(self) -> None:
+        if self._draft_cache is not None:
+            self._draft_cache.cache.close()
+            self._draft_cache = None
 
     @property
     def decoding(self) -> bool:
@@ -350,10 +364,14 @@ class MicroBatchState:
         valid = torch.zeros(rows, slots, dtype=torch.bool, device=self.valid.device)
         valid[:len(self.live), shifts[0]:shifts[0] + self.slots] = self.valid
         valid[len(self.live):, shifts[1]:shifts[1] + other.slots] = other.valid
-        self.cache.close()
-        other.cache.close()
+        timeline = torch.zeros(rows, slots, dtype=torch.long, device=self.valid.device)
+        timeline[:len(self.live), shifts[0]:shifts[0] + self.slots] = self.timeline
+        timeline[len(self.live):, shifts[1]:shifts[1] + other.slots] = other.timeline
+        self.close()  # a draft model's cache starts again from the merged timeline
+        other.close()
         other.done = True
         self.cache, self.valid, self.slots, self.start = cache, valid, slots, end
+        self.timeline = timeline
         self.ids = torch.cat([self.ids, other.ids])
         self.live = self.live + other.live
         self.sampler.extend(other.sampler)
@@ -365,8 +383,10 @@ class MicroBatchState:
 
     def work(self, chunk: int | None = None) -> MicroBatch:
         """The next step's input; ``chunk`` shortens a prefill step (the rest follows)."""
-        if self.decoding and (drafts := self._propose()):
-            return self._checking(drafts)
+        if self.decoding:
+            self.timeline[:, self.start] = self.ids[:, 0]
+            if drafts := self._propose():
+                return self._checking(drafts)
         if chunk is not None and not self.decoding and chunk < self.num_tokens:
             self.num_tokens = chunk
             self.ids = self.prompt[:, self.start:self.start + chunk]
@@ -451,17 +471,25 @@ class MicroBatchState:
         """Each row's proposals for a speculative step (engine.speculative), or None for a
         plain decode step: where no row proposes, or too few slots are left for a step of
         proposals to leave holes (the rows must still be able to decode their rest)."""
-        live = [s for s in self.live if s.finish_reason is None]
-        draft = min(s.draft for s in self.live)
-        if not live or not draft:
+        live = [s for s in self.live if s.finish_reason is None and s.guesser]
+        if not live:
             return None
-        owed = max(s.params.max_tokens - len(s.token_ids) for s in live)
-        k = min(draft, self.slots - self.start - owed)
+        owed = max(s.params.max_tokens - len(s.token_ids) for s in self.live
+                   if s.finish_reason is None)
+        k = min(max(s.guesser.k for s in live), self.slots - self.start - owed)
         if k < 1:
             return None
-        drafts = [[] if s.finish_reason is not None else lookup(
-            s.prompt_ids + s.token_ids, min(k, s.params.max_tokens - len(s.token_ids) - 1))
-            for s in self.live]
+        ks = [0 if s.finish_reason is not None or not s.guesser else
+              min(k, s.guesser.k, s.params.max_tokens - len(s.token_ids) - 1) for s in self.live]
+        drafted = None
+        drafter = next((s.guesser.draft for s in live if s.guesser.draft), None)
+        if drafter is not None and max(ks) > 0:
+            if self._draft_cache is None:
+                self._draft_cache = drafter.new_cache(len(self.live), self.slots, self.chunk)
+            drafted = drafter.propose(self, self._draft_cache, max(ks))
+        drafts = [[] if not n else drafted[r][:n] if s.guesser.draft else lookup(
+            s.prompt_ids + s.token_ids, n, s.guesser.config.prompt_lookup_max)
+            for r, (s, n) in enumerate(zip(self.live, ks))]
         return drafts if any(drafts) else None
 
     def _checking(self, drafts: list[list[int]]) -> MicroBatch:
@@ -472,6 +500,7 @@ class MicroBatchState:
         ids = self.ids.expand(-1, 1 + k).clone()
         for row, d in enumerate(drafts):
             ids[row, 1:1 + len(d)] = torch.tensor(d)
+        self.timeline[:, self.start:self.start + 1 + k] = ids
         self.valid[:, self.start + 1:self.start + 1 + k] = True
         self._drafts = drafts
         self._draft_logits = None
@@ -545,7 +574,7 @@ class MicroBatchState:
         finished = [s.finish_reason is not None for s in self.live]
         if all(finished):
             self.done = True
-            self.cache.close()
+            self.close()
             return
         self.valid[:, self.start] = True
         if sum(finished) * 4 >= len(self.live):  # drop finished rows once it pays
@@ -553,8 +582,11 @@ class MicroBatchState:
             rows_t = torch.tensor(rows, device=self.valid.device)
             self.live = [self.live[r] for r in rows]
             self.cache.keep_rows(rows_t)
+            if self._draft_cache is not None:
+                self._draft_cache.cache.keep_rows(rows_t)
             self.sampler.keep_rows(rows)
             self.valid, tokens = self.valid[rows_t], tokens[rows_t]
+            self.timeline = self.timeline[rows_t]
         self.ids = tokens[:, None]
 
 
@@ -583,7 +615,7 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
             states.append(MicroBatchState(executor, g, chunk_size, shared=shared))
     except BaseException:
         for s in states:
-            s.cache.close()
+            s.close()
         raise
     finally:
         if shared is not None:
@@ -596,4 +628,4 @@ def run_block(executor: Executor, seqs: list[Sequence], micro_batch: int,
             states = [s for s in states if not s.done]
     finally:
         for s in states:
-            s.cache.close()
+            s.close()

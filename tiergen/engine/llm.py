@@ -15,6 +15,7 @@ from tiergen.engine.config import EngineConfig
 from tiergen.engine.generate import Sequence
 from tiergen.engine.runner import open_runner
 from tiergen.engine.sampler import PositionLogprobs, SamplingParams
+from tiergen.engine.speculative import SpeculativeConfig
 from tiergen.errors import TiergenError
 from tiergen.offload.policy import Policy
 from tiergen.weights import ModelFiles
@@ -102,11 +103,13 @@ class LLM:
     load, once (cached), so that they run packed as a GGUF's would
     (:mod:`tiergen.weights.quantize`).
 
-    ``speculative="prompt-lookup"`` decodes speculatively: each step proposes up to
-    ``draft_tokens`` tokens per sequence, copied from where its last tokens occurred earlier
-    in its prompt or output, and checks them in one pass; the output is what the model alone
-    would give (:mod:`tiergen.engine.speculative`), in fewer passes over the weights where
-    the text repeats itself (extraction, rewriting, code edits).
+    ``speculative_config`` decodes speculatively (:class:`SpeculativeConfig`, or its dict
+    or JSON): each step proposes up to ``num_speculative_tokens`` tokens per sequence and
+    checks them in one pass; the output is what the model alone would give
+    (:mod:`tiergen.engine.speculative`), in fewer passes over the weights. Method "ngram"
+    copies the tokens that followed the text's last ones earlier in its prompt or output
+    (for text that repeats itself: extraction, rewriting, code edits); "draft_model" runs a
+    smaller model of the same vocabulary (``"model": path``) ahead.
 
     ``pipeline_parallel=P`` splits the layers into P consecutive spans, each run by its own
     process (rank); ``tensor_parallel=T`` splits every layer's heads, MLP columns and experts
@@ -142,7 +145,7 @@ class LLM:
                  pipeline_parallel: int = 1,
                  tensor_parallel: int = 1, parallel_timeout: float = 60.0,
                  quantize: str | None = None, share_prefixes: bool | None = None,
-                 speculative: str | None = None, draft_tokens: int = 8) -> None:
+                 speculative_config: SpeculativeConfig | dict | str | None = None) -> None:
         self.engine_config = EngineConfig(
             model=model, dtype=dtype, device=device, max_batch_size=max_batch_size,
             policy=policy, device_memory=device_memory, host_memory=host_memory,
@@ -150,8 +153,8 @@ class LLM:
             activations=activations, batch_invariant=batch_invariant,
             pipeline_parallel=pipeline_parallel,
             tensor_parallel=tensor_parallel, parallel_timeout=parallel_timeout,
-            quantize=quantize, share_prefixes=share_prefixes, speculative=speculative,
-            draft_tokens=draft_tokens)
+            quantize=quantize, share_prefixes=share_prefixes,
+            speculative_config=speculative_config)
         files = self.engine_config.open()
         self.name, self.config, self.tokenizer = files.name, files.config, files.tokenizer
         self.runner = open_runner(self.engine_config, files)

@@ -130,7 +130,7 @@ def run_pipelined(executor: Executor, group: Group, seqs: list[Sequence], micro_
     finally:
         for s in states:
             if not s.done:
-                s.cache.close()
+                s.close()
 
 
 def step_ranks(executor: Executor, group: Group, states: list[MicroBatchState],

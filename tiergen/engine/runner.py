@@ -23,7 +23,7 @@ from tiergen.engine.generate import (MicroBatchState, Sequence, StepEvent, chunk
 from tiergen.engine.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
                                      start_ranks, step_ranks)
 from tiergen.engine.sampler import SamplingParams
-from tiergen.engine.speculative import check_speculation
+from tiergen.engine.speculative import DraftModel, Guesser, check_speculation, check_vocabularies
 from tiergen.errors import TiergenError
 from tiergen.models import ModelFamily, build_model
 from tiergen.models.layers import use_compiled_gemv
@@ -42,7 +42,8 @@ class Runner:
 
     group: Group | None = None
 
-    def __init__(self, executor: Executor, config: EngineConfig, files: ModelFiles) -> None:
+    def __init__(self, executor: Executor, config: EngineConfig, files: ModelFiles,
+                 draft: DraftModel | None = None) -> None:
         self.executor = executor
         self.policy: Policy = executor.policy
         self.micro_batch = self.policy.gpu_batch_size or config.max_batch_size
@@ -53,9 +54,9 @@ class Runner:
                                     set(self.tokenizer.eos_token_ids if self.tokenizer else []))
         self.vocab_size = files.config.vocab_size
         self.last_stats: RunStats | None = None
-        check_speculation(files.config, config.speculative, config.draft_tokens,
-                          config.batch_invariant, config.parallel)
-        self.draft_tokens = config.draft_tokens if config.speculative else 0
+        spec = config.speculative_config
+        check_speculation(files.config, spec, config.batch_invariant, config.parallel)
+        self.guesser = spec and Guesser(spec, draft)  # every sequence's, unless it says
 
     @property
     def block_size(self) -> int:
@@ -75,7 +76,7 @@ class Runner:
                   ) -> list[Sequence]:
         seqs = make_sequences(prompt_ids, params, self.eos_token_ids, self.tokenizer)
         for s in seqs:
-            s.draft = self.draft_tokens
+            s.guesser = self.guesser
         return seqs
 
     def blocks(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
@@ -268,7 +269,10 @@ def open_runner(config: EngineConfig, files: ModelFiles, group: Group | None = N
     if config.compile:  # process-wide, like torch's own backend switches
         use_compiled_gemv(True)
     if group is None and not config.parallel:
-        runner = LocalRunner(_executor(config, files, family), config, files)
+        draft = _open_draft(config, files)
+        if draft is not None:  # its weights are held out of the target's budgets
+            config.budgets = config.budgets.less(draft.executor.weight_plan.needs())
+        runner = LocalRunner(_executor(config, files, family), config, files, draft)
         release_freed_memory()
         return runner
     group = group or start_ranks(files, config, serve_rank)
@@ -299,6 +303,23 @@ def _executor(config: EngineConfig, files: ModelFiles, family: ModelFamily,
     rank, ranks = (group.rank, group.size) if group else (0, 1)
     family, source, model_id = _rank_share(family, files, group)
     return Executor(family, source, config.policy_for(rank, ranks), model_id, here)
+
+
+def _open_draft(config: EngineConfig, files: ModelFiles) -> DraftModel | None:
+    """The draft model of ``config``'s speculative_config (None without one): loaded as the
+    target is, on its device, with every weight there, within the target's budgets; in its
+    own dtype and activations (its numbers only choose proposals, never the output)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    check_speculation(files.config, spec, config.batch_invariant, config.parallel)
+    own = EngineConfig(model=spec.model, device=config.device,
+                       max_batch_size=config.max_batch_size, device_memory=config.device_memory,
+                       host_memory=config.host_memory, prefill_chunk_size=config.prefill_chunk_size)
+    draft = own.open()
+    check_vocabularies(files, draft)
+    check_speculation(draft.config, spec, False, False, f"the draft model {draft.name}")
+    return DraftModel(_executor(own, draft, build_model(draft.config)), files.config.vocab_size)
 
 
 def _resolve(config: EngineConfig, files: ModelFiles) -> Resolved:

@@ -7,21 +7,95 @@ bias, grammar, temperature and random draw, after the tokens before it), and the
 to position j + 1 only while the pick equals d(j+1); it keeps the picks, the last of which is
 either the correction of a wrong proposal or, when all k agree, a token of its own. So each
 row's output is exactly what the model alone picks, greedy or sampled (for proposals that do
-not depend on chance, as these do not, picking and keeping the equal ones is the rejection
-rule of speculative sampling), and a seeded row draws the same numbers as without
+not depend on chance, as both guessers' do not, picking and keeping the equal ones is the
+rejection rule of speculative sampling), and a seeded row draws the same numbers as without
 speculation. The cache slots of proposals that were not kept are marked invalid: the row's
 timeline has a hole there, which positions and attention skip as they skip padding.
+
+Two guessers: prompt lookup ("ngram", :func:`lookup`) copies what followed the text's last
+tokens earlier in it; a draft model ("draft_model", :class:`DraftModel`), a smaller model of
+the same vocabulary, proposes its own greedy continuation from a cache that follows the
+micro-batch's timeline slot for slot, holes included.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
+from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
 from tiergen.errors import TiergenError
 
-GUESSERS = ("prompt-lookup",)
+if TYPE_CHECKING:
+    from tiergen.engine.executor import Executor
+    from tiergen.engine.generate import MicroBatchState
+    from tiergen.offload.kv import TieredKV
+
+METHODS = ("ngram", "draft_model")
 MAX_NGRAM = 3  # longest tail of the text that prompt lookup looks for earlier in it
+MAX_SPECULATIVE_TOKENS = 64  # more proposals a step than any guesser gets right in a row
+
+
+@dataclass
+class SpeculativeConfig:
+    """How to decode speculatively, spelled as vLLM's ``speculative_config``:
+    ``{"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": ...}``.
+
+    ``num_speculative_tokens``: most tokens proposed per sequence and step.
+    ``model`` (draft_model): the draft's checkpoint, GGUF or short name, of the target's
+    vocabulary; it loads on the target's device with every weight there, in its own dtype
+    and activations, within the target's budgets (what it holds is taken from the target's
+    share). ``prompt_lookup_max`` (ngram): the longest tail of the text looked for.
+    """
+
+    method: str
+    num_speculative_tokens: int = 8
+    model: str | Path | None = None
+    prompt_lookup_max: int = MAX_NGRAM
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise TiergenError(f"speculative_config's method must be one of {', '.join(METHODS)}, "
+                               f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise TiergenError("speculative_config's num_speculative_tokens must be an integer "
+                               f"from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise TiergenError("speculative_config's model names the draft model: give it with "
+                               "method draft_model, and only then")
+        n = self.prompt_lookup_max
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise TiergenError("speculative_config's prompt_lookup_max must be a positive "
+                               f"integer, got {n!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """A config from what a user gives: one already made, a dict, or its JSON text."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise TiergenError(f"speculative_config is not JSON ({e}); give an object such as "
+                                   '{"method": "ngram", "num_speculative_tokens": 4}') from None
+        if not isinstance(value, dict):
+            raise TiergenError("speculative_config must be an object (dict) with a method, got "
+                               f"{type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise TiergenError(f"speculative_config has unknown keys {', '.join(unknown)}; it "
+                               f"takes {', '.join(cls.__dataclass_fields__)}")
+        if "method" not in value:
+            raise TiergenError(f"speculative_config needs a method ({', '.join(METHODS)})")
+        return cls(**value)
 
 
 def lookup(history: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -40,16 +114,91 @@ def lookup(history: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
     return []
 
 
-def check_speculation(cfg: ModelConfig, guesser: str | None, draft_tokens: int,
-                      batch_invariant: bool, parallel: bool) -> None:
-    """Refuse, naming why, speculation that cannot keep its promise for this model."""
-    if guesser is None:
+@dataclass
+class Guesser:
+    """What proposes a sequence's tokens: the config, and the draft model for draft_model."""
+
+    config: SpeculativeConfig
+    draft: DraftModel | None = None
+
+    @property
+    def k(self) -> int:
+        return self.config.num_speculative_tokens
+
+
+class DraftCache:
+    """A draft model's cache for one micro-batch: the same rows and slots as the
+    micro-batch's own, computed up to (not including) slot ``filled``."""
+
+    def __init__(self, cache: TieredKV) -> None:
+        self.cache, self.filled = cache, 0
+
+
+class DraftModel:
+    """A smaller model proposing its greedy continuation.
+
+    Its cache follows the micro-batch's timeline slot for slot and takes the micro-batch's
+    valid slots as its own, so that a row's positions and what it attends to are the
+    target's. To propose from slot ``start`` (where the micro-batch's next input goes), it
+    first feeds the slots it has not computed (the prompt, the last proposal of a step that
+    kept them all, the input at ``start``), then its own picks one slot at a time. A slot it
+    computed from its own proposal holds the token the target fed there, or is a hole.
+    """
+
+    def __init__(self, executor: Executor, vocab_size: int) -> None:
+        self.executor = executor
+        self.vocab_size = vocab_size  # the target's: a draft's extra (padding) rows never win
+
+    def new_cache(self, rows: int, slots: int, chunk: int) -> DraftCache:
+        self.executor.check_block([(rows, slots)], chunk, "the draft model's cache")
+        return DraftCache(self.executor.new_cache(rows, slots))
+
+    def propose(self, state: MicroBatchState, draft: DraftCache, k: int) -> list[list[int]]:
+        """k greedy tokens for every row of ``state``, whose input at ``state.start`` is in
+        its timeline."""
+        ex, start = self.executor, state.start
+        valid = state.valid.clone()
+        valid[:, start:start + k] = True  # the draft's own inputs, while it proposes
+        logits = None
+        while draft.filled <= start:  # what it has not seen, in prefill chunks
+            end = min(start + 1, draft.filled + state.chunk)
+            logits = self._step(state.timeline[:, draft.filled:end], valid, draft, end)
+        picks = [logits.argmax(-1)]
+        for j in range(1, k):
+            logits = self._step(picks[-1][:, None], valid, draft, start + j + 1)
+            picks.append(logits.argmax(-1))
+        return torch.stack(picks, 1).tolist()
+
+    def _step(self, ids: torch.Tensor, valid: torch.Tensor, draft: DraftCache, end: int
+              ) -> torch.Tensor:
+        from tiergen.engine.executor import MicroBatch
+        ex, T = self.executor, ids.shape[1]
+        meta = StepMeta.build(valid.to(ex.device), end - T, T)
+        logits = ex.forward_block([MicroBatch(ids.to(ex.device), meta, draft.cache)])[0]
+        draft.filled = end
+        return logits[:, :self.vocab_size]
+
+
+def check_vocabularies(target, draft) -> None:
+    """Refuse a draft model whose token ids do not mean the target's (ModelFiles both)."""
+    a, b = target.tokenizer, draft.tokenizer
+    if a is not None and b is not None:
+        same = a.backend.get_vocab(with_added_tokens=True) == \
+            b.backend.get_vocab(with_added_tokens=True)
+    else:
+        same = target.config.vocab_size == draft.config.vocab_size
+    if not same:
+        raise TiergenError(f"the draft model {draft.name} has another vocabulary than "
+                           f"{target.name}: its token ids mean other tokens, so its proposals "
+                           "would be wrong; give a draft of the same tokenizer (a smaller model "
+                           "of the same family, or a quantised copy)")
+
+
+def check_speculation(cfg: ModelConfig, spec: SpeculativeConfig | None, batch_invariant: bool,
+                      parallel: bool, what: str = "this model") -> None:
+    """Refuse, naming why, speculation that cannot keep its promise for ``cfg``'s model."""
+    if spec is None:
         return
-    if guesser not in GUESSERS:
-        raise TiergenError(f"speculative must be one of {', '.join(GUESSERS)} (or None), "
-                           f"got {guesser!r}")
-    if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1:
-        raise TiergenError(f"draft_tokens must be a positive integer, got {draft_tokens!r}")
     why = None
     if cfg.keeps_states:
         why = "its linear-attention states cannot drop the proposals that are not kept"
@@ -61,5 +210,5 @@ def check_speculation(cfg: ModelConfig, guesser: str | None, draft_tokens: int,
     elif parallel:
         why = "it runs in one process only (not over pipeline or tensor ranks)"
     if why:
-        raise TiergenError(f"speculative decoding is not available for this model or setting: "
-                           f"{why}; run without speculative")
+        raise TiergenError(f"speculative decoding is not available for {what} or setting: "
+                           f"{why}; run without speculative_config")

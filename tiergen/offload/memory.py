@@ -52,6 +52,11 @@ class Budgets:
             return Budgets(self.device, self.host)
         return Budgets(max(0, self.device - GPU_WORKSPACE), self.host)
 
+    def less(self, held: Bytes) -> Budgets:
+        """What is left of these budgets beside ``held`` (a draft model's weights, say)."""
+        return Budgets(*(None if getattr(self, t) is None else
+                         max(0, getattr(self, t) - held.get(t, 0)) for t in ("device", "host")))
+
     def over(self, needs: Bytes) -> list[str]:
         """The tiers whose needs exceed their budgets."""
         return [t for t in ("device", "host")
