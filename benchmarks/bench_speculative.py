@@ -7,7 +7,13 @@ in turns with --repeat; reported are decode tokens/s (generated tokens over the 
 the first token), tiergen's proposals kept, and whether each engine's speculative answers
 equal its plain ones.
 
-    python benchmarks/bench_speculative.py [--draft-tokens 2 4 8] [--repeat 3] [--no-llamacpp]
+    python benchmarks/bench_speculative.py [--draft-tokens 2 4 8 auto] [--repeat 3] [--no-llamacpp]
+
+With --offloaded the target is SmolLM2 as a float32 checkpoint (its GGUF dequantised) with
+every weight on disk, streamed each step, and the proposals come from a draft model, its
+own Q4_1 GGUF, resident (no llama.cpp peer: it has no weights on disk to stream).
+
+    python benchmarks/bench_speculative.py --offloaded [--draft-tokens 4 8 16 auto]
 """
 
 from __future__ import annotations
@@ -38,13 +44,21 @@ ASKS = ["Rewrite the text below exactly as it is, but in the past tense where it
 
 CHILD = r'''
 import json, sys, time
-engine, draft, ids = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-G, path = int(sys.argv[4]), sys.argv[5]
+engine, draft, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+draft = draft if draft == "auto" else int(draft)
+G, path, offloaded = int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1"
 out = []
 if engine == "tiergen":
-    from tiergen import LLM, SamplingParams
-    spec = {"method": "ngram", "num_speculative_tokens": draft} if draft else None
-    llm = LLM("smollm2", speculative_config=spec)
+    import tempfile
+    from tiergen import LLM, Policy, SamplingParams
+    if offloaded:
+        spec = {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": draft}
+        disk = Policy(weights=(0, 0), offload_dir=tempfile.mkdtemp(prefix="bench-spec-"))
+        llm = LLM("smollm2", packed=False, dtype="float32", policy=disk,
+                  speculative_config=spec if draft else None)
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": draft}
+        llm = LLM("smollm2", speculative_config=spec if draft else None)
     params = SamplingParams(max_tokens=G, temperature=0)
     llm.generate([ids[0]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     for p in ids:
@@ -80,12 +94,12 @@ def prompts() -> list[list[int]]:
             for ask, text in zip(ASKS, TEXTS)]
 
 
-def run(engine: str, draft: int, ids: list[list[int]]) -> list[dict]:
+def run(engine: str, draft: int, ids: list[list[int]], offloaded: bool) -> list[dict]:
     python = sys.executable if engine == "tiergen" else str(LLAMA_PYTHON)
     from tiergen.weights import _packaged_file
 
     out = subprocess.run([python, "-c", CHILD, engine, str(draft), json.dumps(ids), str(MAX_TOKENS),
-                          str(_packaged_file("smollm2"))],
+                          str(_packaged_file("smollm2")), str(int(offloaded))],
                          check=True, capture_output=True, text=True, cwd=ROOT,
                          env=os.environ | {"PYTHONPATH": str(ROOT)}).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -93,17 +107,22 @@ def run(engine: str, draft: int, ids: list[list[int]]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft-tokens", nargs="+", type=int, default=[4])
+    ap.add_argument("--draft-tokens", nargs="+", type=lambda v: v if v == "auto" else int(v),
+                    default=[4], help='proposals a step, each a run ("auto": tiergen chooses)')
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--offloaded", action="store_true",
+                    help="a float target with its weights on disk, drafted by its Q4_1 GGUF")
     args = ap.parse_args()
     ids = prompts()
-    engines = ["tiergen"] + ([] if args.no_llamacpp or not LLAMA_PYTHON.exists() else ["llama.cpp"])
-    configs = [(e, d) for e in engines for d in [0, *args.draft_tokens]]
+    engines = ["tiergen"] + ([] if args.no_llamacpp or args.offloaded or not LLAMA_PYTHON.exists()
+                             else ["llama.cpp"])
+    configs = [(e, d) for e in engines for d in [0, *args.draft_tokens]
+               if e == "tiergen" or d != "auto"]
     results: dict[tuple[str, int], list[list[dict]]] = {c: [] for c in configs}
     for _ in range(args.repeat):
         for c in configs:
-            results[c].append(run(*c, ids))
+            results[c].append(run(*c, ids, args.offloaded))
     print("| engine | draft tokens | decode tok/s (median) | vs its plain decode | proposals kept "
           "| same answers as plain |\n|---|---|---|---|---|---|")
     rate = {}

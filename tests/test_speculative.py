@@ -5,6 +5,8 @@ refused."""
 
 from __future__ import annotations
 
+import random
+import statistics
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 import tiergen.engine.generate as generate
 from tiergen import LLM, Policy, SamplingParams, TiergenError
 from tiergen.engine.scheduler import Scheduler
-from tiergen.engine.speculative import SpeculativeConfig, lookup
+from tiergen.engine.speculative import AutoLength, SpeculativeConfig, lookup
 from tiny_models import build
 
 NGRAM = {"method": "ngram"}
@@ -210,7 +212,9 @@ def test_a_draft_models_proposals_give_the_models_own_output(models, tmp_path, c
         kwargs = dict(policy=Policy(cache=(0, 0), offload_dir=tmp_path / "off"))
     draft = models(case if drafter == "itself" else drafter)
     plain = LLM(models(case), dtype="float32", **kwargs)
-    spec = LLM(models(case), dtype="float32", speculative_config=draft_model(draft, 3), **kwargs)
+    # (fixed lengths, and "auto", whose lengths change from step to step)
+    k = "auto" if where == "micro-batches" else 3
+    spec = LLM(models(case), dtype="float32", speculative_config=draft_model(draft, k), **kwargs)
     lengths = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     for params in (GREEDY, SAMPLED, [GREEDY, lengths, SAMPLED]):
         want = plain.generate(PROMPTS, params)
@@ -263,3 +267,41 @@ def test_a_quantised_copy_drafts_the_float_model():
     want, got = plain.generate(prompts, params), spec.generate(prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert spec.last_stats.accepted_tokens * 2 > spec.last_stats.proposed_tokens
+
+
+# ----------------------------------------------------------------------------- "auto" length
+
+def drive(auto: AutoLength, cost, accept: float, steps: int = 200) -> list[int]:
+    """The lengths ``auto`` chooses over ``steps`` steps that cost ``cost(k)`` seconds and keep
+    each proposal (after kept ones) with chance ``accept``, drawn from a fixed seed."""
+    rng = random.Random(0)
+    chosen = []
+    for _ in range(steps):
+        k = auto.choose()
+        chosen.append(k)
+        auto.timed(k, cost(k))
+        if k:
+            kept = next((j for j in range(k) if rng.random() > accept), k)
+            auto.counted(k, kept)
+    return chosen
+
+
+def test_auto_takes_long_steps_where_checking_costs_what_a_step_costs():
+    """An offloaded target: a step streams the weights whatever its length."""
+    chosen = drive(AutoLength(16), lambda k: 0.2 + 0.001 * k, accept=0.9)
+    assert chosen[:2] == [1, 8]  # the probes
+    assert min(chosen[20:]) >= 12
+
+
+def test_auto_stops_proposing_where_it_does_not_pay_and_tries_again():
+    """Checking costs as much per token as decoding and proposals are mostly wrong: plain
+    decoding, with a probe of one proposal now and then."""
+    chosen = drive(AutoLength(16), lambda k: 0.01 * (1 + k), accept=0.2)
+    late = chosen[50:]
+    assert late.count(0) > 0.8 * len(late)
+    assert 1 in late  # tried again after a pause
+
+
+def test_auto_picks_a_length_between_where_cost_grows():
+    chosen = drive(AutoLength(16), lambda k: 0.01 * (1 + 0.25 * k), accept=0.7)
+    assert 2 <= statistics.median(chosen[50:]) <= 6

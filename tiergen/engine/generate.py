@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -322,6 +323,8 @@ class MicroBatchState:
         self._drafts: list[list[int]] | None = None
         self._draft_logits: torch.Tensor | None = None
         self._draft_cache: DraftCache | None = None  # a draft model's, once it proposes
+        # the last decode step: its proposals a row, when it began, and the guesser timing it
+        self._last: tuple[int, float, Guesser] | None = None
 
     def close(self) -> None:
         """Free its cache (and a draft model's)."""
@@ -474,6 +477,10 @@ class MicroBatchState:
         live = [s for s in self.live if s.finish_reason is None and s.guesser]
         if not live:
             return None
+        now = time.perf_counter()
+        if self._last is not None and self._last[2].auto is not None:
+            self._last[2].auto.timed(self._last[0], now - self._last[1])
+        self._last = (0, now, live[0].guesser)
         owed = max(s.params.max_tokens - len(s.token_ids) for s in self.live
                    if s.finish_reason is None)
         k = min(max(s.guesser.k for s in live), self.slots - self.start - owed)
@@ -490,7 +497,10 @@ class MicroBatchState:
         drafts = [[] if not n else drafted[r][:n] if s.guesser.draft else lookup(
             s.prompt_ids + s.token_ids, n, s.guesser.config.prompt_lookup_max)
             for r, (s, n) in enumerate(zip(self.live, ks))]
-        return drafts if any(drafts) else None
+        if not any(drafts):
+            return None
+        self._last = (max(map(len, drafts)), now, live[0].guesser)
+        return drafts
 
     def _checking(self, drafts: list[list[int]]) -> MicroBatch:
         """A step that feeds each row its last token and its proposals (rows with fewer
@@ -541,6 +551,8 @@ class MicroBatchState:
             going = agreed
         for r, n in enumerate(kept):  # slots of inputs not kept: holes in the row's timeline
             self.valid[r, self.start + max(n, 1):self.start + 1 + k] = False
+            if drafts[r] and (auto := self.live[r].guesser.auto) is not None:
+                auto.counted(len(drafts[r]), max(n - 1, 0))
         stats = self.executor.stats
         stats.proposed_tokens += sum(map(len, drafts))
         stats.accepted_tokens += sum(max(n - 1, 0) for n in kept)

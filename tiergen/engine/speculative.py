@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 METHODS = ("ngram", "draft_model")
 MAX_NGRAM = 3  # longest tail of the text that prompt lookup looks for earlier in it
 MAX_SPECULATIVE_TOKENS = 64  # more proposals a step than any guesser gets right in a row
+AUTO_MOST = 16  # most proposals a step under num_speculative_tokens "auto"
 
 
 @dataclass
@@ -47,7 +48,9 @@ class SpeculativeConfig:
     """How to decode speculatively, spelled as vLLM's ``speculative_config``:
     ``{"method": "ngram" | "draft_model", "num_speculative_tokens": k, "model": ...}``.
 
-    ``num_speculative_tokens``: most tokens proposed per sequence and step.
+    ``num_speculative_tokens``: most tokens proposed per sequence and step, or "auto" (the
+    default): as many as maximise the kept tokens per second that the run measures
+    (:class:`AutoLength`), up to 16.
     ``model`` (draft_model): the draft's checkpoint, GGUF or short name, of the target's
     vocabulary; it loads on the target's device with every weight there, in its own dtype
     and activations, within the target's budgets (what it holds is taken from the target's
@@ -55,7 +58,7 @@ class SpeculativeConfig:
     """
 
     method: str
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int | str = "auto"
     model: str | Path | None = None
     prompt_lookup_max: int = MAX_NGRAM
 
@@ -64,9 +67,10 @@ class SpeculativeConfig:
             raise TiergenError(f"speculative_config's method must be one of {', '.join(METHODS)}, "
                                f"got {self.method!r}")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)
+                            or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise TiergenError("speculative_config's num_speculative_tokens must be an integer "
-                               f"from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+                               f"from 1 to {MAX_SPECULATIVE_TOKENS} or \"auto\", got {k!r}")
         if (self.method == "draft_model") != (self.model is not None):
             raise TiergenError("speculative_config's model names the draft model: give it with "
                                "method draft_model, and only then")
@@ -114,16 +118,85 @@ def lookup(history: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
     return []
 
 
+class AutoLength:
+    """The number of proposals a step that maximises the tokens a sequence keeps per second.
+
+    With a chance ``a`` that a proposal is kept once those before it were, a step of k
+    proposals keeps (1 - a^(k+1)) / (1 - a) tokens on average; it costs t(k), a step's time
+    from one proposal to the next (the draft model's steps, the checking pass, and what else
+    the block does), which is flat while streaming the weights binds and grows with k when
+    computing does. ``a`` is counted from the rows' steps, more recent ones weighing more;
+    t(k) is a line through the mean times of the lengths tried. It first tries 1 and 8
+    proposals, then takes the best length of its estimates; where no length beats plain
+    decoding (k = 0), it decodes plainly for a while, then tries one proposal again.
+    """
+
+    PROBES = (1, 8)
+    PAUSE = 16  # plain steps before trying again, where speculation does not pay
+    DECAY = 0.97  # the weight of a step's counts against the next's
+
+    def __init__(self, most: int = AUTO_MOST) -> None:
+        self.most = most
+        self.times: dict[int, float] = {}  # proposals a step -> mean seconds of such steps
+        self.kept = self.missed = 0.0  # proposals kept, and rows' first proposals not kept
+        self.paused = 0
+
+    def choose(self) -> int:
+        """The next step's length (the same until something is observed)."""
+        if self.paused:
+            return 0
+        for k in self.PROBES:
+            if min(k, self.most) not in self.times:
+                return min(k, self.most)
+        a = (self.kept + 1) / (self.kept + self.missed + 2)
+        intercept, slope = self._line()
+        rates = [(1 - a ** (k + 1)) / (1 - a) / max(intercept + slope * k, 1e-9)
+                 for k in range(self.most + 1)]
+        return max(range(self.most + 1), key=rates.__getitem__)
+
+    def timed(self, k: int, seconds: float) -> None:
+        """A step of ``k`` proposals (0: a plain decode step) took ``seconds``."""
+        old = self.times.get(k)
+        self.times[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if self.paused:
+            self.paused -= 1
+            if not self.paused:  # try again from one proposal
+                self.times.pop(1, None)
+        elif k == 0 and self.choose() == 0:
+            self.paused = self.PAUSE
+
+    def counted(self, proposed: int, kept: int) -> None:
+        """A row's step kept ``kept`` of its ``proposed`` proposals."""
+        self.kept = self.kept * self.DECAY + kept
+        self.missed = self.missed * self.DECAY + (kept < proposed)
+
+    def _line(self) -> tuple[float, float]:
+        """t(k) = intercept + slope * k, least squares over the lengths tried (one length:
+        flat)."""
+        ks = np.array(list(self.times), dtype=float)
+        ts = np.array(list(self.times.values()))
+        if len(ks) < 2:
+            return float(ts.mean()), 0.0
+        slope, intercept = np.polyfit(ks, ts, 1)
+        return float(intercept), max(float(slope), 0.0)
+
+
 @dataclass
 class Guesser:
-    """What proposes a sequence's tokens: the config, and the draft model for draft_model."""
+    """What proposes a sequence's tokens: the config, the draft model for draft_model, and
+    the length controller for "auto"."""
 
     config: SpeculativeConfig
     draft: DraftModel | None = None
 
+    def __post_init__(self) -> None:
+        auto = self.config.num_speculative_tokens == "auto"
+        self.auto = AutoLength() if auto else None
+
     @property
     def k(self) -> int:
-        return self.config.num_speculative_tokens
+        """Most proposals for the next step."""
+        return self.auto.choose() if self.auto else self.config.num_speculative_tokens
 
 
 class DraftCache:
