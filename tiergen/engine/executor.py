@@ -114,6 +114,7 @@ class RunStats:
     shared_prompt_tokens: int = 0  # prompt tokens copied from a shared prefix, not computed
     proposed_tokens: int = 0  # speculative decoding's proposals checked, and those kept
     accepted_tokens: int = 0
+    checking_steps: int = 0  # rows' speculative steps (each keeps its kept proposals + 1)
     compute: list[float] = field(default_factory=list)
     wait_weights: list[float] = field(default_factory=list)
     wait_cache: list[float] = field(default_factory=list)
@@ -135,8 +136,9 @@ class RunStats:
                  f"decode: {rate(self.decode_tokens, self.decode_seconds)}"
                  + (f"; {self.shared_prompt_tokens} prompt tokens from shared prefixes"
                     if self.shared_prompt_tokens else "")
-                 + (f"; {self.accepted_tokens} of {self.proposed_tokens} proposed tokens kept"
-                    if self.proposed_tokens else ""),
+                 + (f"; {self.accepted_tokens} of {self.proposed_tokens} proposed tokens kept, "
+                    f"{1 + self.accepted_tokens / self.checking_steps:.2f} tokens a checking step"
+                    if self.checking_steps else ""),
                  f"layer time: compute {compute:.2f}s, waiting for weights {ww:.2f}s, "
                  f"waiting for cache {wc:.2f}s",
                  "peak memory: " + ", ".join(f"{t} {fmt(b)}" for t, b in self.planned.items())

@@ -556,6 +556,7 @@ class MicroBatchState:
         stats = self.executor.stats
         stats.proposed_tokens += sum(map(len, drafts))
         stats.accepted_tokens += sum(max(n - 1, 0) for n in kept)
+        stats.checking_steps += sum(map(bool, drafts))
         stats.decode_tokens += sum(kept) - len(self.live)  # (the step counted one a row)
         self.start += 1 + k
         self._next_step(last)

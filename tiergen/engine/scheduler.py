@@ -129,6 +129,9 @@ class SchedulerMetrics:
     prefix_cache_disk_bytes: int = 0  # what it holds in spill files
     steps: int = 0
     merges: int = 0  # micro-batches merged into another
+    proposed_tokens: int = 0  # speculative decoding's (RunStats')
+    accepted_tokens: int = 0
+    checking_steps: int = 0
     batch_sizes: Counter[int] = field(default_factory=Counter)  # sequences per step -> steps
     queue_depth: int = 0
     running: int = 0
@@ -368,11 +371,17 @@ class Scheduler:
                 works = [s.work(chunk) for s in states]
                 prompt_tokens = sum(s.prompt_tokens for s in states)
                 rows = sum(len(s.live) for s in states)
+                run = self.runner.executor.stats
+                before = run.proposed_tokens, run.accepted_tokens, run.checking_steps
                 events = self._step(states, works, chunk)
                 self._pacer.observe(time.perf_counter() - start, prompt_tokens, decoding)
                 with self._lock:
                     self.metrics.steps += 1
                     self.metrics.batch_sizes[rows] += 1
+                    m = self.metrics
+                    m.proposed_tokens += run.proposed_tokens - before[0]
+                    m.accepted_tokens += run.accepted_tokens - before[1]
+                    m.checking_steps += run.checking_steps - before[2]
                 for ev in events:
                     self._deliver(ev)
         except BaseException as e:  # the engine broke: fail every request, refuse new ones

@@ -126,12 +126,12 @@ class AutoLength:
     from one proposal to the next (the draft model's steps, the checking pass, and what else
     the block does), which is flat while streaming the weights binds and grows with k when
     computing does. ``a`` is counted from the rows' steps, more recent ones weighing more;
-    t(k) is a line through the mean times of the lengths tried. It first tries 1 and 8
+    t(k) is a line through the mean times of the lengths tried. It first tries 4 and 16
     proposals, then takes the best length of its estimates; where no length beats plain
     decoding (k = 0), it decodes plainly for a while, then tries one proposal again.
     """
 
-    PROBES = (1, 8)
+    PROBES = (4, 16)  # long enough that a step that streams the weights pays for itself
     PAUSE = 16  # plain steps before trying again, where speculation does not pay
     DECAY = 0.97  # the weight of a step's counts against the next's
 
@@ -140,11 +140,14 @@ class AutoLength:
         self.times: dict[int, float] = {}  # proposals a step -> mean seconds of such steps
         self.kept = self.missed = 0.0  # proposals kept, and rows' first proposals not kept
         self.paused = 0
+        self.retry = False  # after a pause: one proposal, to count its chance again
 
     def choose(self) -> int:
         """The next step's length (the same until something is observed)."""
         if self.paused:
             return 0
+        if self.retry:
+            return 1
         for k in self.PROBES:
             if min(k, self.most) not in self.times:
                 return min(k, self.most)
@@ -160,10 +163,11 @@ class AutoLength:
         self.times[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if self.paused:
             self.paused -= 1
-            if not self.paused:  # try again from one proposal
-                self.times.pop(1, None)
+            self.retry = not self.paused
         elif k == 0 and self.choose() == 0:
             self.paused = self.PAUSE
+        elif k == 1:
+            self.retry = False
 
     def counted(self, proposed: int, kept: int) -> None:
         """A row's step kept ``kept`` of its ``proposed`` proposals."""

@@ -44,6 +44,12 @@ class _SchedulerCollector(Collector):
                                      "of computed.", m.shared_prompt_tokens),
             ("steps", "Engine steps run.", m.steps),
             ("merges", "Micro-batches merged into another once their prompts were in.", m.merges),
+            ("speculative_proposed_tokens", "Tokens proposed by speculative decoding and checked.",
+             m.proposed_tokens),
+            ("speculative_accepted_tokens", "Proposed tokens kept (the model picked them too).",
+             m.accepted_tokens),
+            ("speculative_checking_steps", "Sequences' speculative steps; each keeps its accepted "
+                                           "tokens and one of the model's own.", m.checking_steps),
         ]:
             yield CounterMetricFamily(f"tiergen_{name}", help, value=value)
         yield GaugeMetricFamily("tiergen_prefix_cache_bytes", "Bytes the prefix cache holds "
