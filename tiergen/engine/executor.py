@@ -74,8 +74,9 @@ class MicroBatch:
 
     def amx_rows(self) -> torch.Tensor | None:
         """The rows whose products and attention run on AMX tiles at this step (on this
-        thread's activations); None for none."""
-        if not self.is_prompt:
+        thread's activations); None for none. A speculative step's checks take the decode
+        step's arithmetic, so that the picks are those of decoding alone."""
+        if not self.is_prompt or self.checks:
             return None
         return amx_rows(self.meta.valid.sum(-1) if self.prompt_lengths is None
                         else self.prompt_lengths)

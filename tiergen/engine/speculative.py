@@ -126,7 +126,8 @@ class AutoLength:
     from one proposal to the next (the draft model's steps, the checking pass, and what else
     the block does), which is flat while streaming the weights binds and grows with k when
     computing does. ``a`` is counted from the rows' steps, more recent ones weighing more;
-    t(k) is a line through the mean times of the lengths tried. It first tries 4 and 16
+    t(k) is a line through the mean times of the lengths tried, and t(0) that of plain
+    steps where there were some (a checking step may take a slower path than decoding). It first tries 4 and 16
     proposals, then takes the best length of its estimates; where no length beats plain
     decoding (k = 0), it decodes plainly for a while, then tries one proposal again.
     """
@@ -155,6 +156,8 @@ class AutoLength:
         intercept, slope = self._line()
         rates = [(1 - a ** (k + 1)) / (1 - a) / max(intercept + slope * k, 1e-9)
                  for k in range(self.most + 1)]
+        if 0 in self.times:  # a plain step may take another path than a checking one
+            rates[0] = 1 / max(self.times[0], 1e-9)
         return max(range(self.most + 1), key=rates.__getitem__)
 
     def timed(self, k: int, seconds: float) -> None:
@@ -175,10 +178,10 @@ class AutoLength:
         self.missed = self.missed * self.DECAY + (kept < proposed)
 
     def _line(self) -> tuple[float, float]:
-        """t(k) = intercept + slope * k, least squares over the lengths tried (one length:
-        flat)."""
-        ks = np.array(list(self.times), dtype=float)
-        ts = np.array(list(self.times.values()))
+        """t(k) = intercept + slope * k, least squares over the lengths of proposals tried
+        (one length: flat)."""
+        ks = np.array([k for k in self.times if k], dtype=float)
+        ts = np.array([t for k, t in self.times.items() if k])
         if len(ks) < 2:
             return float(ts.mean()), 0.0
         slope, intercept = np.polyfit(ks, ts, 1)
