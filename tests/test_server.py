@@ -121,6 +121,18 @@ def test_completion_equals_generate(client, expected):
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_a_request_asks_for_speculative_decoding_in_extra_body(base_url, client, llm):
+    """On a server without a speculative_config, a request's num_speculative_tokens decodes
+    it by prompt lookup: the same text as without, and /metrics counts the checking steps."""
+    prompt = "Copy the list: red, green, blue, red, green, blue, red, green, blue. Copy:"
+    want = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0].text
+    before = metrics(base_url)["tiergen_speculative_checking_steps_total"]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                  extra_body={"num_speculative_tokens": 4})
+    assert r.choices[0].text == want
+    assert metrics(base_url)["tiergen_speculative_checking_steps_total"] > before
+
+
 def test_completion_of_token_ids_and_of_a_batch(client, llm, expected):
     ids = llm.encode(PARIS)
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
@@ -388,6 +400,8 @@ OK = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     (COMPLETIONS, {**OK, "n": 0}, 400, "n", "'n' must be between"),
     (COMPLETIONS, {**OK, "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
     (COMPLETIONS, {**OK, "stream": "yes"}, 400, "stream", "valid boolean"),
+    (COMPLETIONS, {**OK, "num_speculative_tokens": -1}, 400, "num_speculative_tokens",
+     "from 0 (off) to 64"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages", "'messages' is empty"),
     (CHAT, {"model": MODEL}, 400, "messages", "'messages' is required"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0]",

@@ -113,6 +113,27 @@ def test_penalties_bias_and_lengths_keep_their_meaning(models):
     assert spec.last_stats.proposed_tokens > 0
 
 
+def test_a_prompt_turns_speculation_on_or_off_for_itself(models, monkeypatch):
+    """num_speculative_tokens per prompt: 0 turns the LLM's off; k on an LLM without a
+    speculative_config decodes that prompt by prompt lookup; rows of both in one batch."""
+    path = models("llama-gqa-tied")
+    plain = LLM(path, dtype="float32")
+    want = plain.generate(PROMPTS, GREEDY)
+    propose_from(monkeypatch, PROMPTS, [w.token_ids for w in want])
+    off = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=0)
+    spec = LLM(path, dtype="float32", speculative_config=ngram(3))
+    assert [g.token_ids for g in spec.generate(PROMPTS, off)] == [w.token_ids for w in want]
+    assert spec.last_stats.proposed_tokens == 0
+    on = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, num_speculative_tokens=3)
+    got = plain.generate(PROMPTS, [on, GREEDY, on])
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert plain.last_stats.proposed_tokens > 0
+    with pytest.raises(TiergenError, match="sliding window"):
+        LLM(models("mistral-window"), dtype="float32").generate(PROMPTS[0], on)
+    with pytest.raises(TiergenError, match="num_speculative_tokens must be"):
+        SamplingParams(num_speculative_tokens=-1)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_continuous_batching_gives_each_request_its_own_output(models, method):
     """Requests arrive while others decode, so that micro-batches merge (a draft model's

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -23,7 +24,8 @@ from tiergen.engine.generate import (MicroBatchState, Sequence, StepEvent, chunk
 from tiergen.engine.pipeline import (Replica, micro_batch_size, run_pipelined, stage_forward,
                                      start_ranks, step_ranks)
 from tiergen.engine.sampler import SamplingParams
-from tiergen.engine.speculative import DraftModel, Guesser, check_speculation, check_vocabularies
+from tiergen.engine.speculative import (DraftModel, Guesser, SpeculativeConfig, check_speculation,
+                                        check_vocabularies)
 from tiergen.errors import TiergenError
 from tiergen.models import ModelFamily, build_model
 from tiergen.models.layers import use_compiled_gemv
@@ -57,6 +59,11 @@ class Runner:
         spec = config.speculative_config
         check_speculation(files.config, spec, config.batch_invariant, config.parallel)
         self.guesser = spec and Guesser(spec, draft)  # every sequence's, unless it says
+        # a prompt's own num_speculative_tokens -> its guesser (the LLM's method, else ngram)
+        self._guessers: dict[int | str, Guesser] = {}
+        self._can_speculate = partial(check_speculation, files.config,
+                                      batch_invariant=config.batch_invariant,
+                                      parallel=config.parallel)
 
     @property
     def block_size(self) -> int:
@@ -76,8 +83,21 @@ class Runner:
                   ) -> list[Sequence]:
         seqs = make_sequences(prompt_ids, params, self.eos_token_ids, self.tokenizer)
         for s in seqs:
-            s.guesser = self.guesser
+            s.guesser = self._guesser(s.params.num_speculative_tokens)
         return seqs
+
+    def _guesser(self, k: int | str | None) -> Guesser | None:
+        """The guesser of a prompt that asks for ``k`` proposals a step (SamplingParams)."""
+        if k is None or k == 0:
+            return self.guesser if k is None else None
+        if k not in self._guessers:
+            base = self.guesser.config if self.guesser else SpeculativeConfig("ngram")
+            spec = replace(base, num_speculative_tokens=k)
+            self._can_speculate(spec)
+            same = self.guesser is not None and spec == self.guesser.config
+            self._guessers[k] = self.guesser if same else Guesser(
+                spec, self.guesser and self.guesser.draft)
+        return self._guessers[k]
 
     def blocks(self, seqs: list[Sequence]) -> Iterator[list[Sequence]]:
         """Blocks of num_gpu_batches micro-batches, prompts of similar length together so

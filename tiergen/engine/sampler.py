@@ -39,6 +39,11 @@ class SamplingParams:
     (Lark syntax, as llguidance reads it), at most one, limits every token to those that keep
     the output on course; once the output is complete the sequence stops ("stop"). JSON is
     compact (no whitespace between tokens) unless ``flexible_json``.
+
+    ``num_speculative_tokens`` changes the LLM's speculative decoding for this prompt: 0
+    turns it off, k proposes at most k tokens a step, "auto" lets the run choose; with the
+    LLM's draft model, or else by prompt lookup ("ngram"). None (the default) keeps the
+    LLM's ``speculative_config``.
     """
 
     max_tokens: int = 256
@@ -58,6 +63,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     flexible_json: bool = False
+    num_speculative_tokens: int | str | None = None
     # the constraint compiled for llguidance (None: unconstrained)
     compiled_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -94,6 +100,10 @@ class SamplingParams:
              f"logit_bias must map token ids to numbers between -100 and 100, got {bias!r}"),
             (self.seed is None or integer(self.seed), f"seed must be an integer, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (self.num_speculative_tokens in (None, "auto") or (
+                integer(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= 64),
+             "num_speculative_tokens must be an integer from 0 (off) to 64 or \"auto\", got "
+             f"{self.num_speculative_tokens!r}"),
         ]
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

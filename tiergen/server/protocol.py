@@ -65,6 +65,7 @@ class GenerationRequest(_Strict):
     ignore_eos: bool | None = None
     response_format: dict | None = None
     flexible_json: bool | None = None  # JSON output with free whitespace (default: compact)
+    num_speculative_tokens: int | str | None = None  # 0: no speculative decoding (SamplingParams)
 
     def refused(self) -> dict[str, bool]:
         """Unsupported fields and whether this request sets them."""
@@ -160,7 +161,8 @@ class GenerationRequest(_Strict):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0, logit_bias=bias,
                 logprobs=top, prompt_logprobs=top if self.echo_prompt else None,
-                json_schema=schema, flexible_json=bool(self.flexible_json))
+                json_schema=schema, flexible_json=bool(self.flexible_json),
+                num_speculative_tokens=self.num_speculative_tokens)
                 for i in range(self.num_choices)]
         except TiergenError as e:
             raise sampling_error(e) from None
