@@ -192,3 +192,36 @@ def test_a_decode_steps_layers_in_one_call_equal_them_one_by_one(micro, tmp_path
             [{t: p.logprob for t, p in x.items()} for x in b.logprobs]
     monkeypatch.setattr(executor.Executor, "_chained", real_chained)
     assert [c.token_ids for c in llm.generate(prompts, params)] == [c.token_ids for c in chained]
+
+
+def test_a_speculative_steps_checks_take_a_decode_steps_numbers(tmp_path, monkeypatch):
+    """A checking step's tokens go through the native layer together (each token one row of
+    its own, at its own slot, with its own mask), and each takes what a decode step of it
+    gives: plain decoding's tokens and log-probabilities, rows of different lengths."""
+    from test_speculative import PROMPTS, propose_from
+
+    from tiergen import SamplingParams
+
+    hf = build("llama-gqa-tied", tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_model_gguf(hf, "llama", path, gguf.GGMLQuantizationType.Q8_0)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    want = LLM(path, dtype="float32", activations="float32").generate(PROMPTS, params)
+    propose_from(monkeypatch, PROMPTS, [w.token_ids for w in want])
+    widths, real = [], layers.decode_step
+
+    def counted(*args, **kw):
+        out = real(*args, **kw)
+        widths.append(args[2].shape[1] if out is not None else 0)
+        return out
+    monkeypatch.setattr(layers, "decode_step", counted)
+    spec = LLM(path, dtype="float32", activations="float32",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    got = spec.generate(PROMPTS, params)
+    assert max(widths) > 1  # checks went through the native layer
+    assert spec.last_stats.accepted_tokens > 0
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(w.logprobs, g.logprobs):
+            for t in a:
+                assert abs(b[t].logprob - a[t].logprob) < 1e-5

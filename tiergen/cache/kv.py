@@ -45,9 +45,11 @@ class KVView:
 
     def decode_slots(self, meta: StepMeta) -> tuple[int, torch.Tensor] | None:
         """For a step of one new token per row that attends to the buffers as they are once
-        it is written (what a fused decode layer does itself): the slot it is written to and
-        the mask (B, 1, 1, S) of the slots it sees. None for any other step."""
-        if meta.start == 0 or meta.positions.shape[1] != 1 or self.sparsity < 1:
+        it is written (what a fused decode layer does itself), or a speculative step's T
+        checks: the slot its first token is written to and the mask (B, 1, T, S) of the
+        slots each sees. None for any other step."""
+        if (meta.start == 0 or (meta.positions.shape[1] != 1 and not meta.checks)
+                or self.sparsity < 1):
             return None
         return self._decode_slot(meta)
 

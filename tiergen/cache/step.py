@@ -36,6 +36,7 @@ class StepMeta:
     valid: torch.Tensor  # (B, capacity) bool: which timeline slots hold real tokens
     # what the layers derive from the above once per step and share (a ring's mask)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
+    checks: bool = False  # a speculative step's: T new tokens a row, each decode's arithmetic
 
     @property
     def end(self) -> int:
@@ -43,7 +44,8 @@ class StepMeta:
 
     def to(self, device: torch.device) -> StepMeta:
         mask = None if self.mask is None else self.mask.to(device)
-        return StepMeta(self.start, self.positions.to(device), mask, self.valid.to(device))
+        return StepMeta(self.start, self.positions.to(device), mask, self.valid.to(device),
+                        checks=self.checks)
 
     @staticmethod
     def build(valid: torch.Tensor, start: int, num_tokens: int) -> StepMeta:

@@ -392,13 +392,13 @@ class Executor:
         and kept (:class:`_Chain`) while its weights and cache views stay the same."""
         decode_step = getattr(self.model, "decode_step", None)
         if (decode_step is None or self.device.type != "cpu" or not self.weights.in_place()
-                or any(mb.is_prompt or mb.checks for mb in block)):
+                or any(mb.is_prompt and not mb.checks for mb in block)):
             return False
         n, start = self.cfg.num_layers, self._clock()
         hs = [acts.take(k) for k in range(len(block))]
         chains = []
         for k, (mb, h, sh) in enumerate(zip(block, hs, shared)):
-            key = (k, h.shape[0], kernels.activations(), kernels.batch_invariant())
+            key = (k, h.shape[:2], kernels.activations(), kernels.batch_invariant())
             known = self._chains.get(key)
             chain = _Chain([], [], [])
             for j in range(n):

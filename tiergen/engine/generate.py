@@ -521,8 +521,9 @@ class MicroBatchState:
                 self._draft_logits = logits.new_empty(len(rows), 1 + k, logits.shape[-1])
             self._draft_logits[:, at:at + logits.shape[1]] = logits
 
-        return MicroBatch(ids, StepMeta.build(self.valid, self.start, 1 + k), self.cache,
-                          PositionLogits(rows, take), checks=True)
+        meta = StepMeta.build(self.valid, self.start, 1 + k)
+        meta.checks = True
+        return MicroBatch(ids, meta, self.cache, PositionLogits(rows, take), checks=True)
 
     def _keep_agreed(self) -> Iterator[StepEvent]:
         """Pick each row's tokens position by position from a speculative step's logits,

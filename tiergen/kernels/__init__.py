@@ -784,6 +784,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if lib.tg_decode_attention(qf.data_ptr(), k.data_ptr(), v.data_ptr(),
                                None if mask is None else mask.data_ptr(), B, H, kvh, S, D,
                                v.shape[-1], strides, ctypes.byref(strides, 24), D**-0.5,
-                               kv, out.data_ptr()):
+                               kv, 1, out.data_ptr()):
         raise MemoryError("decode attention: out of memory for its score buffer")
     return out.to(q.dtype)

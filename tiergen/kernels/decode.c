@@ -275,8 +275,9 @@ static inline void prefetch_row(const void *base, int64_t at, int64_t bytes) {
 /* One query token per row: out[b, h] = softmax_s(scale * q[b, h] . k[b, g, s]) v[b, g, s]
  * over the slots s < S that mask[b, s] allows (every slot when mask is NULL), where the query
  * heads h of a group share the K/V head g = h / (H / KVH). q (B, H, D) and out (B, H, Dv) are
- * contiguous; a K (V) row starts at k + b * ks[0] + g * ks[1] + s * ks[2] (numbers in format
- * kv: KV_F32, KV_F16 or KV_BF16). The heads
+ * contiguous; a K (V) row starts at k + (b / T) * ks[0] + g * ks[1] + s * ks[2] (numbers in
+ * format kv: KV_F32, KV_F16 or KV_BF16; T query rows per cache row, each with its own mask
+ * row: a speculative step's checks). The heads
  * of a group are scored together, so every K and V row is read once per group. A row with no
  * allowed slot gets zeros. Returns nonzero when out of memory.
  *
@@ -292,7 +293,7 @@ static inline void prefetch_row(const void *base, int64_t at, int64_t bytes) {
 static inline __attribute__((always_inline)) int
 attend(const int KV, const float *q, const void *k, const void *v, const uint8_t *mask,
        int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv, const int64_t *ks,
-       const int64_t *vs, float scale, float *out) {
+       const int64_t *vs, float scale, int64_t T, float *out) {
     const int64_t G = H / KVH;
     /* fewer groups than threads (one row of a model with one K/V head): each group's heads
      * split over tasks; a head's numbers are the same in any of them */
@@ -305,12 +306,12 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
         const int64_t b = task / parts / KVH, g = task / parts % KVH, h0 = task % parts * per;
         const int64_t GL = G - h0 < per ? G - h0 : per;
         if (GL <= 0) continue;
-        const int64_t kb = b * ks[0] + g * ks[1], vb = b * vs[0] + g * vs[1];  /* (numbers) */
+        const int64_t kb = b / T * ks[0] + g * ks[1], vb = b / T * vs[0] + g * vs[1];
         const float *qg = q + (b * H + g * G + h0) * D;
         float *og = out + (b * H + g * G + h0) * Dv;
         const uint8_t *mb = mask ? mask + b * S : NULL;
         const int64_t next = task / parts + 1, size = KV == KV_F32 ? 4 : 2;
-        const int64_t next_k = next / KVH * ks[0] + next % KVH * ks[1];
+        const int64_t next_k = next / KVH / T * ks[0] + next % KVH * ks[1];
         int64_t o = 0;  /* the row's first allowed slot: p[j * SP + i] is slot o + i's */
         while (mb && o < S && !mb[o]) o++;
         const int64_t SP = (S - o + VW - 1) / VW * VW;
@@ -419,10 +420,11 @@ attend(const int KV, const float *q, const void *k, const void *v, const uint8_t
 
 int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
                         int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
-                        const int64_t *ks, const int64_t *vs, float scale, int kv, float *out) {
-    if (kv == KV_F16) return attend(KV_F16, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
-    if (kv == KV_BF16) return attend(KV_BF16, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
-    return attend(KV_F32, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, out);
+                        const int64_t *ks, const int64_t *vs, float scale, int kv, int64_t T,
+                        float *out) {
+    if (kv == KV_F16) return attend(KV_F16, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, T, out);
+    if (kv == KV_BF16) return attend(KV_BF16, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, T, out);
+    return attend(KV_F32, q, k, v, mask, B, H, KVH, S, D, Dv, ks, vs, scale, T, out);
 }
 
 /* n float32 values as float16, rounded to nearest even as torch's .half() rounds: how the

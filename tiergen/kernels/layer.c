@@ -64,11 +64,14 @@ static void put_kv(int kv16, void *dst, int64_t at, const float *src, int64_t n)
 /* h (B, hidden) advances through the layer in place. cos, sin (B, rotary): this token's
  * rotation per row. The cache (float32, or float16 where kv16 is set): k (v) row of batch
  * row b, head g, slot s at kc + b ks[0] + g ks[1] + s ks[2] (numbers); the new token goes to
- * slot `slot`, attention reads slots [0, S) where mask (B, S) allows. Returns 0, 1 for a
- * weight type without a kernel, 2 when out of memory. */
+ * slot `slot`, attention reads slots [0, S) where mask (B, S) allows. With T > 1 the rows are
+ * T new tokens of each cache row (a speculative step's checks): row b is the token of cache
+ * row b / T at slot `slot` + b % T, every row's K/V written before any row attends, so each
+ * row takes the numbers of a decode step of its token. Returns 0, 1 for a weight type without
+ * a kernel, 2 when out of memory. */
 int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, const float *sin,
                     void *kc, void *vc, const int64_t *ks, const int64_t *vs, int64_t slot,
-                    int64_t S, const uint8_t *mask, int kv16) {
+                    int64_t S, const uint8_t *mask, int kv16, int64_t T) {
     const int64_t H = L->hidden, D = L->head_dim, NQ = L->heads * D, NKV = L->kv_heads * D;
     const int64_t NQKV = NQ + 2 * NKV, I = L->inter;
     int64_t widest = H > NQ ? H : NQ;
@@ -100,11 +103,12 @@ int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, co
         for (int64_t i = 0; i < B * NQ; i++) q[i] *= L->q_scale;
     for (int64_t b = 0; b < B; b++)
         for (int64_t g = 0; g < L->kv_heads; g++) {
-            put_kv(kv16, kc, b * ks[0] + g * ks[1] + slot * ks[2], kr + (b * L->kv_heads + g) * D, D);
-            put_kv(kv16, vc, b * vs[0] + g * vs[1] + slot * vs[2], qkv + b * NQKV + NQ + NKV + g * D, D);
+            const int64_t c = b / T, at = slot + b % T;  /* its cache row and slot */
+            put_kv(kv16, kc, c * ks[0] + g * ks[1] + at * ks[2], kr + (b * L->kv_heads + g) * D, D);
+            put_kv(kv16, vc, c * vs[0] + g * vs[1] + at * vs[2], qkv + b * NQKV + NQ + NKV + g * D, D);
         }
     if (tg_decode_attention(q, kc, vc, mask, B, L->heads, L->kv_heads, S, D, D, ks, vs,
-                            1.0f / sqrtf((float)D), kv16, o)) {
+                            1.0f / sqrtf((float)D), kv16, T, o)) {
         err = 2;
         goto done;
     }
@@ -130,7 +134,7 @@ int tg_decode_layers(const tg_step *steps, int64_t n, float *h, int64_t B) {
     for (int64_t i = 0; i < n; i++) {
         const tg_step *s = steps + i;
         int err = tg_decode_layer(s->layer, h, B, s->cos, s->sin, s->kc, s->vc, s->strides,
-                                  s->strides + 3, s->slot, s->slots, s->mask, s->kv16);
+                                  s->strides + 3, s->slot, s->slots, s->mask, s->kv16, s->tokens);
         if (err) return err;
     }
     return 0;
@@ -338,7 +342,7 @@ int tg_mla_attention(const tg_mla *L, float *h, int64_t B, const float *cos, con
             memcpy(qa + (b * NH + g) * D, lat + (g * B + b) * R, sizeof(float) * R);
             memcpy(qa + (b * NH + g) * D + R, ol + (b * NH + g) * P, sizeof(float) * P);
         }
-    if (tg_decode_attention(qa, cache, cache, mask, B, NH, 1, S, D, R, cs, cs, L->scale, kv16,
+    if (tg_decode_attention(qa, cache, cache, mask, B, NH, 1, S, D, R, cs, cs, L->scale, kv16, 1,
                             ol)) {
         err = 2;
         goto done;

@@ -130,7 +130,7 @@ class Step(ctypes.Structure):
 
     _fields_ = [("layer", _ptr), ("cos", _ptr), ("sin", _ptr), ("kc", _ptr), ("vc", _ptr),
                 ("strides", _ptr), ("mask", _ptr), ("slot", ctypes.c_int64),
-                ("slots", ctypes.c_int64), ("kv16", ctypes.c_int32)]
+                ("slots", ctypes.c_int64), ("kv16", ctypes.c_int32), ("tokens", ctypes.c_int64)]
 
 
 def _inputs_usable(cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> bool:
@@ -141,10 +141,12 @@ def _inputs_usable(cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | No
 def decode_step(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int,
                 mask: torch.Tensor, known: Step | None = None) -> Step | None:
-    """A decode layer for :func:`run_steps`: h (B, 1, hidden) through it, the new token's K/V
-    written to the cache k, v (B, KVH, S, D; float32 or float16) at ``slot``, attention over
-    the slots ``mask`` (B, 1, 1, S) allows; cos, sin (B, 1, 1, rotary). None where the C
-    layer cannot run it (see the module docstring). The tensors must outlive the run.
+    """A decode layer for :func:`run_steps`: h (B, T, hidden) through it, the new tokens' K/V
+    written to the cache k, v (B, KVH, S, D; float32 or float16) at slots ``slot`` onwards,
+    token t attending over the slots that ``mask`` (B, 1, T, S') allows (S' <= S); cos, sin
+    (B, 1, T, rotary). T > 1 for a speculative step's checks, each token with a decode step's
+    numbers. None where the C layer cannot run it (see the module docstring). The tensors
+    must outlive the run.
 
     ``known``: this layer's step of an earlier decode step of as many rows, with the same
     weights, cache tensors and activations (the caller's promise): only what changes from
@@ -153,9 +155,9 @@ def decode_step(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
         if not _inputs_usable(cos, sin, mask):
             return None
         known.cos, known.sin, known.mask = cos.data_ptr(), sin.data_ptr(), mask.data_ptr()
-        known.slot = slot
+        known.slot, known.slots = slot, mask.shape[-1]
         return known
-    B = h.shape[0]
+    B = h.shape[0] * h.shape[1]
     fmt = kernels.ACTIVATION_FORMATS.get(kernels.activations())
     kv16 = kernels.kv_format(k, v)  # (the layer writes float32 and float16 caches)
     if (_too_many(B, fmt) or not _usable(h) or not _inputs_usable(cos, sin, mask)
@@ -172,17 +174,18 @@ def decode_step(kind: LayerKind, w: dict, h: torch.Tensor, cos: torch.Tensor,
         return None
     strides = (ctypes.c_int64 * 6)(*k.stride()[:3], *v.stride()[:3])
     step = Step(ctypes.addressof(layer), cos.data_ptr(), sin.data_ptr(), k.data_ptr(),
-                v.data_ptr(), ctypes.addressof(strides), mask.data_ptr(), slot, k.shape[2], kv16)
+                v.data_ptr(), ctypes.addressof(strides), mask.data_ptr(), slot, mask.shape[-1],
+                kv16, h.shape[1])
     step.keep = strides, layer  # what it points to lives as long as it does
     return step
 
 
 def run_steps(steps: list[Step], h: torch.Tensor) -> torch.Tensor:
-    """h (B, 1, hidden) through the layers ``steps`` describe, in order, in one native call:
+    """h (B, T, hidden) through the layers ``steps`` describe, in order, in one native call:
     a decode step's Python then costs the layers once, not once a layer."""
     out = h.clone()
     err = kernels.library().tg_decode_layers((Step * len(steps))(*steps), len(steps),
-                                             out.data_ptr(), h.shape[0])
+                                             out.data_ptr(), h.shape[0] * h.shape[1])
     if err:
         raise MemoryError("decode layer: out of memory for its buffers")
     return out

@@ -40,6 +40,7 @@ typedef struct {
     const uint8_t *mask;
     int64_t slot, slots;
     int32_t kv16;
+    int64_t tokens;      /* new tokens per cache row (a speculative step's checks: 1 + k) */
 } tg_step;
 
 /* DeepSeek's latent attention (layer.c's tg_mla_attention; kernels/layer.py's _Mla). */
@@ -117,7 +118,8 @@ void tg_rope(const float *x, const int64_t *xs, int64_t B, int64_t H, int64_t T,
              int64_t rotary, const float *cos, const float *sin, int pairs, float *out);
 int tg_decode_attention(const float *q, const void *k, const void *v, const uint8_t *mask,
                         int64_t B, int64_t H, int64_t KVH, int64_t S, int64_t D, int64_t Dv,
-                        const int64_t *ks, const int64_t *vs, float scale, int kv, float *out);
+                        const int64_t *ks, const int64_t *vs, float scale, int kv, int64_t T,
+                        float *out);
 void tg_delta_step(float *S, const int64_t *ss, const float *q, const float *k, const float *v,
                    const float *g, int64_t gw, const float *beta, int64_t B, int64_t H,
                    int64_t dk, int64_t dv, float *out);
@@ -130,7 +132,7 @@ void tg_glu_row(const float *gate, const float *up, int64_t I, int gelu, void *o
 /* layer.c: a whole layer, or most of one, in one call */
 int tg_decode_layer(const tg_layer *L, float *h, int64_t B, const float *cos, const float *sin,
                     void *kc, void *vc, const int64_t *ks, const int64_t *vs, int64_t slot,
-                    int64_t S, const uint8_t *mask, int kv16);
+                    int64_t S, const uint8_t *mask, int kv16, int64_t T);
 int tg_decode_layers(const tg_step *steps, int64_t n, float *h, int64_t B);
 int tg_experts_row(const tg_layer *L, const int64_t *const *mats, int64_t E, const float *mix,
                    const float *x, float *out);

@@ -111,7 +111,7 @@ class Gemma3:
                     shared: dict[bool, CosSin],
                     known: Step | None = None) -> Step | None:
         """Layer i of a decode step as the native layer runs it, or None (see fused_step)."""
-        if h.shape[1] != 1 or self.reduce is not no_reduce:
+        if (h.shape[1] != 1 and not meta.checks) or self.reduce is not no_reduce:
             return None
         return fused_step(self.kind, FUSED_NAMES, w, h, meta, cache,
                           shared[bool(self.cfg.window(i))], known)

@@ -147,7 +147,8 @@ def fused_step(kind: LayerKind, names: dict[str, str], w: dict, h: torch.Tensor,
     """A decode step's layer as the native layer runs it (:func:`run_steps`), or None where
     that cannot run it. ``names`` maps the names of :mod:`tiergen.kernels.layer` to the
     family's own in ``w``; ``known``: as :func:`tiergen.kernels.layer.decode_step` takes it."""
-    if h.shape[1] != 1 or h.device.type != "cpu" or cache.k.device.type != "cpu":
+    if ((h.shape[1] != 1 and not meta.checks) or h.device.type != "cpu"
+            or cache.k.device.type != "cpu"):
         return None  # a CPU kernel: activations and cache both in host RAM
     slots = cache.decode_slots(meta)
     if slots is None:

@@ -124,7 +124,7 @@ class Llama:
                     known: Step | None = None) -> Step | None:
         """Layer i of a decode step as the native layer runs it, or None (see fused_step)."""
         c = self.cfg
-        if (h.shape[1] != 1 or self.reduce is not no_reduce or c.is_moe_layer(i)
+        if ((h.shape[1] != 1 and not meta.checks) or self.reduce is not no_reduce or c.is_moe_layer(i)
                 or c.attention_sinks or c.qk_norm_across_heads):
             return None
         return fused_step(self.kind, FUSED_NAMES, w, h, meta, cache, shared, known)
