@@ -329,9 +329,6 @@ class MicroBatchState:
     def close(self) -> None:
         """Free its cache (and a draft model's)."""
         self.cache.close()
-        self._drop_draft()
-
-    def _drop_draft(self) -> None:
         if self._draft_cache is not None:
             self._draft_cache.cache.close()
             self._draft_cache = None

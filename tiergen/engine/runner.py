@@ -332,7 +332,7 @@ def _open_draft(config: EngineConfig, files: ModelFiles) -> DraftModel | None:
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
-    check_speculation(files.config, spec, config.batch_invariant, config.parallel)
+    check_speculation(files.config, spec, config.batch_invariant, config.parallel)  # (first)
     own = EngineConfig(model=spec.model, device=config.device,
                        max_batch_size=config.max_batch_size, device_memory=config.device_memory,
                        host_memory=config.host_memory, prefill_chunk_size=config.prefill_chunk_size)

@@ -236,7 +236,7 @@ class DraftModel:
     def propose(self, state: MicroBatchState, draft: DraftCache, k: int) -> list[list[int]]:
         """k greedy tokens for every row of ``state``, whose input at ``state.start`` is in
         its timeline."""
-        ex, start = self.executor, state.start
+        start = state.start
         valid = state.valid.clone()
         valid[:, start:start + k] = True  # the draft's own inputs, while it proposes
         logits = None
