@@ -490,7 +490,8 @@ class MicroBatchState:
         if drafter is not None and max(ks) > 0:
             if self._draft_cache is None:
                 self._draft_cache = drafter.new_cache(len(self.live), self.slots, self.chunk)
-            drafted = drafter.propose(self, self._draft_cache, max(ks))
+            drafted = drafter.propose(self._draft_cache, self.timeline, self.valid, self.start,
+                                      self.chunk, max(ks))
         drafts = [[] if not n else drafted[r][:n] if s.guesser.draft else lookup(
             s.prompt_ids + s.token_ids, n, s.guesser.config.prompt_lookup_max)
             for r, (s, n) in enumerate(zip(self.live, ks))]

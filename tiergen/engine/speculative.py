@@ -30,11 +30,10 @@ import torch
 
 from tiergen.cache.step import StepMeta
 from tiergen.config import ModelConfig
+from tiergen.engine.executor import Executor, MicroBatch
 from tiergen.errors import TiergenError
 
 if TYPE_CHECKING:
-    from tiergen.engine.executor import Executor
-    from tiergen.engine.generate import MicroBatchState
     from tiergen.offload.kv import TieredKV
 
 METHODS = ("ngram", "draft_model")
@@ -233,16 +232,17 @@ class DraftModel:
         self.executor.check_block([(rows, slots)], chunk, "the draft model's cache")
         return DraftCache(self.executor.new_cache(rows, slots))
 
-    def propose(self, state: MicroBatchState, draft: DraftCache, k: int) -> list[list[int]]:
-        """k greedy tokens for every row of ``state``, whose input at ``state.start`` is in
-        its timeline."""
-        start = state.start
-        valid = state.valid.clone()
+    def propose(self, draft: DraftCache, timeline: torch.Tensor, valid: torch.Tensor,
+                start: int, chunk: int, k: int) -> list[list[int]]:
+        """k greedy tokens for every row of a micro-batch whose next input, at slot
+        ``start``, is in its ``timeline`` (every slot's input token); ``valid`` its valid
+        slots, ``chunk`` its prefill chunk."""
+        valid = valid.clone()
         valid[:, start:start + k] = True  # the draft's own inputs, while it proposes
         logits = None
         while draft.filled <= start:  # what it has not seen, in prefill chunks
-            end = min(start + 1, draft.filled + state.chunk)
-            logits = self._step(state.timeline[:, draft.filled:end], valid, draft, end)
+            end = min(start + 1, draft.filled + chunk)
+            logits = self._step(timeline[:, draft.filled:end], valid, draft, end)
         picks = [logits.argmax(-1)]
         for j in range(1, k):
             logits = self._step(picks[-1][:, None], valid, draft, start + j + 1)
@@ -251,7 +251,6 @@ class DraftModel:
 
     def _step(self, ids: torch.Tensor, valid: torch.Tensor, draft: DraftCache, end: int
               ) -> torch.Tensor:
-        from tiergen.engine.executor import MicroBatch
         ex, T = self.executor, ids.shape[1]
         meta = StepMeta.build(valid.to(ex.device), end - T, T)
         logits = ex.forward_block([MicroBatch(ids.to(ex.device), meta, draft.cache)])[0]
