@@ -95,14 +95,20 @@ def _mlp_width(cfg: ModelConfig) -> int:
     return width
 
 
+# float32 copies of a decode step's absorbed MLA queries and outputs (per row, head and
+# latent + rope channel), by how the matrix library multiplies them: packing the operands;
+# bfloat16 on AMX tiles, as they lie; bfloat16 widened on a CPU without native bfloat16
+# (measured on the test models' decode steps: tests/test_device_budget.py)
+ABSORBED_COPIES = {"packed": 20, "tiles": 8, "widened": 4}
+
+
 def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: int,
-                     packs: bool = True) -> int:
+                     products: str = "packed") -> int:
     """Bytes attention itself makes for one step: the decode path's scores and probabilities,
     or a prompt step's mask in the compute dtype, K/V repeated for the query heads of a
     group, a ring's K/V joined with the step's own, gpt-oss's spelled-out scores, the float32
     partial outputs a chunk merges, and MLA's latents expanded into per-head keys and values.
-    ``packs``: the matrix library packs a decode step's absorbed products (all but bfloat16
-    on a CPU without native bfloat16, which multiplies the operands as they lie)."""
+    ``products``: how a decode step's absorbed products multiply (:data:`ABSORBED_COPIES`)."""
     q, _ = _attention_widths(cfg)
     parts, heads, width = cfg.kv_layout()
     expanded = 0
@@ -110,7 +116,7 @@ def _attention_bytes(cfg: ModelConfig, dt: int, rows: int, tokens: int, keys: in
         m = cfg.mla  # or a decode step's absorbed queries, outputs and their float32 copies
         expanded = (rows * keys * cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim
                                                    + m.v_head_dim) * dt if tokens > 1 else
-                    (20 if packs else 4) * rows * cfg.num_heads
+                    ABSORBED_COPIES[products] * rows * cfg.num_heads
                     * (m.kv_lora_rank + m.qk_rope_head_dim) * 4)
     if cfg.mla is not None and cfg.mla.index_heads:  # sparse attention's pieces of queries
         expanded += 2 * SPARSE_PIECE_BYTES
@@ -164,23 +170,25 @@ def step_transient(cfg: ModelConfig, dtype: torch.dtype, rows: int, tokens: int,
     # a CPU without native bfloat16 widens products of many rows (layers._widened_linear)
     # and packs none
     widens = device_type == "cpu" and dtype == torch.bfloat16 and not cpu_has_fast_bfloat16()
+    # Few bfloat16 rows multiply on AMX tiles with the matrix as it lies (layers.linear), not
+    # packed. gpt-oss's step holds more than the moments below count where its biased expert
+    # products go to torch (addmm; the test model's experts are 48 wide, not whole tile
+    # steps): the packing's bytes still cover that there.
+    tiles = (dtype == torch.bfloat16 and n <= kernels.AMX_DENSE_ROWS and not cfg.attention_sinks
+             and kernels.amx_engine())
     held = n * (hidden * dt + 2 * (q + kv) * dt + 2 * q * dt + hidden * 4)
     held += rows * tokens * (keys + 2 * cfg.head_dim * dt)  # the step's mask, RoPE's tables
     moments = [n * hidden * (8 + dt),  # a norm: float32 copy, its squares, the result
                3 * n * q * dt,  # RoPE
                n * (hidden * dt + 4 * _mlp_width(cfg) * dt),  # normed input, gate|up, act, product
                n * hidden * (dt + 4),  # down's output, the new residual
-               _attention_bytes(cfg, dt, rows, tokens, keys, not widens) if attends else 0]
+               _attention_bytes(cfg, dt, rows, tokens, keys,
+                                "widened" if widens else "tiles" if tiles else "packed")
+               if attends else 0]
     if cfg.moe is not None:  # router scores, and the float32 sum the experts add into
         moments.append(n * (cfg.moe.num_experts * 8 + hidden * 8))
     head = rows * (hidden * (4 + dt) + cfg.vocab_size * (dt + 4))
     extra = 0
-    # Few bfloat16 rows multiply on AMX tiles with the matrix as it lies (layers.linear), not
-    # packed. gpt-oss's step holds more than the moments above count where its biased expert
-    # products go to torch (addmm; the test model's experts are 48 wide, not whole tile
-    # steps): the packing's bytes still cover that there.
-    tiles = (dtype == torch.bfloat16 and n <= kernels.AMX_DENSE_ROWS and not cfg.attention_sinks
-             and kernels.amx_engine())
     if device_type == "cpu" and dtype.itemsize < 4 and not tiles:
         if widens:
             # From UPCAST_ROWS rows, products widen to float32: the input rows and output of
