@@ -1,5 +1,5 @@
-"""tiergen against llama.cpp on a DeepSeek-V3-shaped Q4_0 GGUF whose routed experts (over
-10 GB) do not fit the host budget: each engine runs in a memory cgroup of --host-memory (page
+"""tiergen against llama.cpp on a DeepSeek-V3-shaped or GLM-4.5-Air-shaped (--shape) Q4_0 GGUF
+whose routed experts (over 10 GB) do not fit the host budget: each engine runs in a memory cgroup of --host-memory (page
 cache included), with the file's pages evicted every 0.2 s as ``bench_scale.py`` does.
 
 tiergen keeps attention, shared experts and the dense layer resident and reads the routed
@@ -9,10 +9,12 @@ the file (``use_mmap``), with its default repacking of Q4_0 weights into anonymo
 and without it (``--no-repack``). Reported: decode tokens/s of one prompt, bytes read per
 decode step, minor page faults per step (memory touched for the first time, or a mapped
 file's pages), and for tiergen the bytes of the experts its tokens routed to and its cache's
-hits. The file (random weights, a placeholder vocabulary, llama.cpp's deepseek2 layout) is
-built once in --dir; its attention's k_b and v_b are Q8_0, or float32 with --kb-type F32.
+hits. The file (random weights, a placeholder vocabulary, llama.cpp's deepseek2 or glm4moe
+layout) is built once in --dir; DeepSeek's attention's k_b and v_b are Q8_0, or float32 with
+--kb-type F32.
 
-    python benchmarks/bench_moe_gguf.py [--dir /var/tmp/tiergen-v3-gguf] [--host-memory 4G]
+    python benchmarks/bench_moe_gguf.py [--shape deepseek-v3|glm-4.5-air]
+        [--dir /var/tmp/tiergen-v3-gguf] [--host-memory 4G]
         [--prompt-len 16] [--gen-len 16] [--repeat 3] [--engines tiergen llamacpp-no-repack]
         [--kb-type Q8_0|F32] [--llamacpp-python .peers/llamacpp-venv/bin/python]
 
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,53 +42,121 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_scale import prompts, read_bytes, rss_peak  # noqa: E402
 
-# DeepSeek-V3's architecture at this machine's size: 11 MoE layers of 192 experts of 4.9 MB
-# (Q4_0), 6 chosen of 8 groups' best 4, two shared experts, one dense layer first.
-H, LAYERS, VOCAB, HEADS = 2048, 12, 32000, 16
-DENSE, EXPERT, EXPERTS, USED, SHARED = 5632, 1408, 192, 6, 2
+@dataclass(frozen=True)
+class Shape:
+    """A model's architecture at this machine's size: one dense layer, then MoE layers whose
+    routed experts (Q4_0) are over 10 GB; a 32,000-token placeholder vocabulary."""
+
+    arch: str  # llama.cpp's architecture
+    hidden: int
+    layers: int
+    heads: int
+    dense: int  # the dense layer's intermediate size
+    expert: int  # a routed expert's intermediate size
+    experts: int
+    used: int
+    shared: int
+    scale: float  # routed_scaling_factor
+    groups: tuple[int, int] = (1, 1)  # (n_group, topk_group)
+    kv_heads: int = 0  # grouped attention (GLM, MiniMax): its K/V heads, head size, rotary part
+    head_dim: int = 0
+    rotary: int = 0
+    qk_norm: str = ""  # "head": q and k normalised per head (GLM-4.5); "all": over all heads
+    vocab: int = 32000
+
+    @property
+    def grouped(self) -> bool:
+        return self.arch != "deepseek2"
+
+
+SHAPES = {
+    # DeepSeek-V3: 11 MoE layers of 192 experts of 4.9 MB, 6 chosen of 8 groups' best 4, two
+    # shared experts; latent attention (Q_RANK, KV_RANK, NOPE, ROPE, V below)
+    "deepseek-v3": Shape("deepseek2", hidden=2048, layers=12, heads=16, dense=5632, expert=1408,
+                         experts=192, used=6, shared=2, scale=2.5, groups=(8, 4)),
+    # GLM-4.5-Air's own widths (hidden 4096, 96 heads of 128 with 8 K/V heads, half of each
+    # head rotating, q/k/v biases, 128 experts of 1408 choosing 8, one shared): 10 MoE layers
+    # of 8.7 MB experts. (The file has no multi-token-prediction layer.)
+    "glm-4.5-air": Shape("glm4moe", hidden=4096, layers=11, heads=96, dense=10944, expert=1408,
+                         experts=128, used=8, shared=1, scale=1.0, kv_heads=8, head_dim=128,
+                         rotary=64),
+    # for --resident-batch, in three layers (4-6 GB): GLM-4.5 (hidden 5120, 96 heads of 128
+    # with 8 K/V heads normalised per head, half rotating, 160 experts of 1536 choosing 8, one
+    # shared) and MiniMax-M2 (hidden 3072, 48 heads of 128 with 8 K/V heads normalised over
+    # all heads, 64 channels rotating, 256 experts of 1536 choosing 8; no shared expert and no
+    # dense layer)
+    "glm-4.5": Shape("glm4moe", hidden=5120, layers=3, heads=96, dense=12288, expert=1536,
+                     experts=160, used=8, shared=1, scale=2.5, kv_heads=8, head_dim=128,
+                     rotary=64, qk_norm="head"),
+    "minimax-m2": Shape("minimax-m2", hidden=3072, layers=3, heads=48, dense=0, expert=1536,
+                        experts=256, used=8, shared=0, scale=1.0, kv_heads=8, head_dim=128,
+                        rotary=64, qk_norm="all"),
+}
 Q_RANK, KV_RANK, NOPE, ROPE, V = 768, 512, 128, 64, 128
 
 
 Q4, Q8 = "Q4_0", "Q8_0"
 
 
-def file_name(kb_type: str = Q8) -> str:
-    """The file whose attention's k_b and v_b are ``kb_type`` (Q8_0 by default, as those who
-    quantise these models keep them: the absorbed attention multiplies them at every token;
-    or F32), the rest Q4_0."""
+def file_name(shape: str = "deepseek-v3", kb_type: str = Q8) -> str:
+    """The file of ``shape``, for DeepSeek-V3 whose attention's k_b and v_b are ``kb_type``
+    (Q8_0 by default, as those who quantise these models keep them: the absorbed attention
+    multiplies them at every token; or F32), the rest Q4_0."""
+    if shape != "deepseek-v3":
+        return f"{shape}-q4_0.gguf"
     return f"model-kb-{kb_type.lower()}.gguf"
 
 
-def tensors(kb_type: str = Q8) -> list[tuple[str, tuple[int, ...], str | None]]:
-    """(GGUF name, torch shape, block type or None for float32) in file order."""
+def attention_tensors(m: Shape, b: str, kb_type: str) -> list[tuple[str, tuple[int, ...], str | None]]:
+    H = m.hidden
+    if m.grouped:
+        q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        biases = m.arch == "glm4moe"
+        out = [(b + "attn_q.weight", (q, H), Q4), (b + "attn_q.bias", (q,), None),
+               (b + "attn_k.weight", (kv, H), Q4), (b + "attn_k.bias", (kv,), None),
+               (b + "attn_v.weight", (kv, H), Q4), (b + "attn_v.bias", (kv,), None),
+               (b + "attn_output.weight", (H, q), Q4)]
+        out = [t for t in out if biases or not t[0].endswith("bias")]
+        if m.qk_norm:
+            per = m.qk_norm == "head"
+            out += [(b + "attn_q_norm.weight", (m.head_dim if per else q,), None),
+                    (b + "attn_k_norm.weight", (m.head_dim if per else kv,), None)]
+        norm = "post_attention_norm" if m.arch == "glm4moe" else "ffn_norm"
+        return out + [(b + f"{norm}.weight", (H,), None)]
     kb = None if kb_type == "F32" else kb_type
-    out = [("token_embd.weight", (VOCAB, H), Q4)]
-    for j in range(LAYERS):
+    return [(b + "attn_q_a.weight", (Q_RANK, H), Q4), (b + "attn_q_a_norm.weight", (Q_RANK,), None),
+            (b + "attn_q_b.weight", (m.heads * (NOPE + ROPE), Q_RANK), Q4),
+            (b + "attn_kv_a_mqa.weight", (KV_RANK + ROPE, H), Q4),
+            (b + "attn_kv_a_norm.weight", (KV_RANK,), None),
+            (b + "attn_k_b.weight", (m.heads, KV_RANK, NOPE), kb),
+            (b + "attn_v_b.weight", (m.heads, V, KV_RANK), kb),
+            (b + "attn_output.weight", (H, m.heads * V), Q4),
+            (b + "ffn_norm.weight", (H,), None)]
+
+
+def tensors(m: Shape, kb_type: str = Q8) -> list[tuple[str, tuple[int, ...], str | None]]:
+    """(GGUF name, torch shape, block type or None for float32) in file order."""
+    H = m.hidden
+    out = [("token_embd.weight", (m.vocab, H), Q4)]
+    for j in range(m.layers):
         b = f"blk.{j}."
-        out += [(b + "attn_norm.weight", (H,), None), (b + "attn_q_a.weight", (Q_RANK, H), Q4),
-                (b + "attn_q_a_norm.weight", (Q_RANK,), None),
-                (b + "attn_q_b.weight", (HEADS * (NOPE + ROPE), Q_RANK), Q4),
-                (b + "attn_kv_a_mqa.weight", (KV_RANK + ROPE, H), Q4),
-                (b + "attn_kv_a_norm.weight", (KV_RANK,), None),
-                (b + "attn_k_b.weight", (HEADS, KV_RANK, NOPE), kb),
-                (b + "attn_v_b.weight", (HEADS, V, KV_RANK), kb),
-                (b + "attn_output.weight", (H, HEADS * V), Q4),
-                (b + "ffn_norm.weight", (H,), None)]
-        if j == 0:
-            out += [(b + "ffn_gate.weight", (DENSE, H), Q4),
-                    (b + "ffn_up.weight", (DENSE, H), Q4),
-                    (b + "ffn_down.weight", (H, DENSE), Q4)]
+        out += [(b + "attn_norm.weight", (H,), None), *attention_tensors(m, b, kb_type)]
+        if j == 0 and m.dense:
+            out += [(b + "ffn_gate.weight", (m.dense, H), Q4),
+                    (b + "ffn_up.weight", (m.dense, H), Q4),
+                    (b + "ffn_down.weight", (H, m.dense), Q4)]
             continue
-        s = SHARED * EXPERT
-        out += [(b + "ffn_gate_inp.weight", (EXPERTS, H), None),
-                (b + "exp_probs_b.bias", (EXPERTS,), None),
-                (b + "ffn_gate_exps.weight", (EXPERTS, EXPERT, H), Q4),
-                (b + "ffn_up_exps.weight", (EXPERTS, EXPERT, H), Q4),
-                (b + "ffn_down_exps.weight", (EXPERTS, H, EXPERT), Q4),
-                (b + "ffn_gate_shexp.weight", (s, H), Q4),
-                (b + "ffn_up_shexp.weight", (s, H), Q4),
-                (b + "ffn_down_shexp.weight", (H, s), Q4)]
-    return out + [("output_norm.weight", (H,), None), ("output.weight", (VOCAB, H), Q4)]
+        s, E = m.shared * m.expert, m.experts
+        out += [(b + "ffn_gate_inp.weight", (E, H), None),
+                (b + "exp_probs_b.bias", (E,), None),
+                (b + "ffn_gate_exps.weight", (E, m.expert, H), Q4),
+                (b + "ffn_up_exps.weight", (E, m.expert, H), Q4),
+                (b + "ffn_down_exps.weight", (E, H, m.expert), Q4)]
+        if s:
+            out += [(b + "ffn_gate_shexp.weight", (s, H), Q4),
+                    (b + "ffn_up_shexp.weight", (s, H), Q4),
+                    (b + "ffn_down_shexp.weight", (H, s), Q4)]
+    return out + [("output_norm.weight", (H,), None), ("output.weight", (m.vocab, H), Q4)]
 
 
 def random_q4_0(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -108,7 +179,7 @@ def random_q8_0(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     return out.reshape(*shape[:-1], shape[-1] // 32 * 34)
 
 
-def build(path: Path, kb_type: str = Q8) -> Path:
+def build(path: Path, m: Shape, kb_type: str = Q8) -> Path:
     """Write the GGUF once (under a temporary name, renamed when complete)."""
     if path.exists():
         return path
@@ -119,36 +190,44 @@ def build(path: Path, kb_type: str = Q8) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    w = gguf.GGUFWriter(str(tmp), "deepseek2")
+    w = gguf.GGUFWriter(str(tmp), m.arch)
     w.add_context_length(4096)
-    w.add_embedding_length(H)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(DENSE)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(1)  # as llama.cpp's converter: MLA as one latent KV head
-    w.add_key_length(KV_RANK + ROPE)
-    w.add_value_length(KV_RANK)
-    w.add_key_length_mla(NOPE + ROPE)
-    w.add_value_length_mla(V)
+    w.add_embedding_length(m.hidden)
+    w.add_block_count(m.layers)
+    w.add_feed_forward_length(m.dense or m.expert)
+    w.add_head_count(m.heads)
+    if m.grouped:
+        w.add_head_count_kv(m.kv_heads)
+        w.add_key_length(m.head_dim)
+        w.add_value_length(m.head_dim)
+        w.add_rope_dimension_count(m.rotary)
+    else:
+        w.add_head_count_kv(1)  # as llama.cpp's converter: MLA as one latent KV head
+        w.add_key_length(KV_RANK + ROPE)
+        w.add_value_length(KV_RANK)
+        w.add_key_length_mla(NOPE + ROPE)
+        w.add_value_length_mla(V)
+        w.add_rope_dimension_count(ROPE)
+        w.add_q_lora_rank(Q_RANK)
+        w.add_kv_lora_rank(KV_RANK)
     w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(ROPE)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(VOCAB)
-    w.add_q_lora_rank(Q_RANK)
-    w.add_kv_lora_rank(KV_RANK)
-    w.add_leading_dense_block_count(1)
-    w.add_expert_feed_forward_length(EXPERT)
-    w.add_expert_count(EXPERTS)
-    w.add_expert_used_count(USED)
-    w.add_expert_shared_count(SHARED)
-    w.add_expert_weights_scale(2.5)
-    w.add_expert_weights_norm(True)
+    w.add_vocab_size(m.vocab)
+    w.add_expert_feed_forward_length(m.expert)
+    w.add_expert_count(m.experts)
+    w.add_expert_used_count(m.used)
+    if m.arch != "minimax-m2":  # (MiniMax-M2: no dense layer, no shared expert, renormalised)
+        w.add_leading_dense_block_count(1)
+        w.add_expert_shared_count(m.shared)
+        w.add_expert_weights_scale(m.scale)
+        w.add_expert_weights_norm(True)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_expert_group_count(8)
-    w.add_expert_group_used_count(4)
+    if m.groups[0] > 1:
+        w.add_expert_group_count(m.groups[0])
+        w.add_expert_group_used_count(m.groups[1])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    _write_vocab(w, VOCAB)
-    for name, shape, qtype in tensors(kb_type):
+    _write_vocab(w, m.vocab)
+    for name, shape, qtype in tensors(m, kb_type):
         if qtype:
             t = gguf.GGMLQuantizationType[qtype]
             nbytes = gguf.quant_shape_to_byte_shape(shape, t)
@@ -159,7 +238,7 @@ def build(path: Path, kb_type: str = Q8) -> Path:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
-    for name, shape, qtype in tqdm(tensors(kb_type), desc="writing the GGUF", unit="tensor"):
+    for name, shape, qtype in tqdm(tensors(m, kb_type), desc="writing the GGUF", unit="tensor"):
         if qtype:
             data = (random_q4_0 if qtype == Q4 else random_q8_0)(shape, rng)
         elif name.endswith("norm.weight"):
@@ -172,8 +251,8 @@ def build(path: Path, kb_type: str = Q8) -> Path:
     return path
 
 
-def expert_nbytes() -> int:
-    return 3 * EXPERT * H // 32 * 18
+def expert_nbytes(m: Shape) -> int:
+    return 3 * m.expert * m.hidden // 32 * 18
 
 
 def child_tiergen(a: argparse.Namespace) -> dict:
@@ -187,7 +266,7 @@ def child_tiergen(a: argparse.Namespace) -> dict:
                     expert_cache=0 if a.child == "tiergen-no-cache" else None)
     llm = LLM(a.gguf, policy=policy, host_memory=a.host_memory)
     load = time.perf_counter() - t
-    routed = count_routed(expert_nbytes())
+    routed = count_routed(expert_nbytes(SHAPES[a.shape]))
     # bytes read and routed from the first decode step on (the prompt's step is the first
     # call of forward_block)
     marks, forward = [], llm.executor.forward_block
@@ -197,7 +276,7 @@ def child_tiergen(a: argparse.Namespace) -> dict:
         return forward(*args, **kwargs)
 
     llm.executor.forward_block = marking
-    out = llm.generate(prompts(1, a.prompt_len, VOCAB),
+    out = llm.generate(prompts(1, a.prompt_len, SHAPES[a.shape].vocab),
                        SamplingParams(max_tokens=a.gen_len, temperature=0, ignore_eos=True))
     steps = a.gen_len - 1
     read = (read_bytes() - marks[1][0]) / steps
@@ -228,7 +307,7 @@ def child_llamacpp(a: argparse.Namespace) -> dict:
                           n_threads=os.cpu_count(), n_batch=512, use_mmap=True, verbose=False,
                           logits_all=True)  # (without it, 0.3.36 leaves scores at zero)
     load = time.perf_counter() - t
-    llm.eval(prompts(1, a.prompt_len, VOCAB)[0])
+    llm.eval(prompts(1, a.prompt_len, SHAPES[a.shape].vocab)[0])
     tokens = [int(llm.scores[llm.n_tokens - 1].argmax())]
     before, faults, t = read_bytes(), minor_faults(), time.perf_counter()
     for _ in range(a.gen_len - 1):
@@ -269,7 +348,7 @@ def run(a: argparse.Namespace, engine: str, group: str | None) -> dict:
     python = a.llamacpp_python if engine.startswith("llamacpp") else sys.executable
     cmd = [python, str(HERE / "bench_moe_gguf.py"), "--child", engine, "--dir", a.dir,
            "--host-memory", a.host_memory, "--prompt-len", str(a.prompt_len),
-           "--gen-len", str(a.gen_len), "--kb-type", a.kb_type]
+           "--gen-len", str(a.gen_len), "--kb-type", a.kb_type, "--shape", a.shape]
 
     def enter_group() -> None:
         if group:
@@ -298,14 +377,27 @@ def median_run(results: list[dict]) -> dict:
         "reads": [round(r["read_per_step"] / 1e6, 1) for r in results]}
 
 
+def resident(a: argparse.Namespace) -> None:
+    """The file's experts resident in both engines: ``tiergen bench --against llama.cpp`` at
+    a.resident_batch prompts (of 128 tokens and 64 new by default), a.repeat turns."""
+    cmd = [sys.executable, "-m", "tiergen.cli", "bench", "--model", a.gguf, "--batch",
+           str(a.resident_batch), "--against", "llama.cpp", "--turns", str(max(a.repeat, 1))]
+    if a.prompt_len != 16 or a.gen_len != 16:  # (this script's defaults are the disk run's)
+        cmd += ["--prompt-len", str(a.prompt_len), "--gen-len", str(a.gen_len)]
+    subprocess.run(cmd, check=True, cwd=HERE.parent)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="deepseek-v3", choices=SHAPES)
     p.add_argument("--dir", default="/var/tmp/tiergen-v3-gguf")
     p.add_argument("--host-memory", default="4G")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--gen-len", type=int, default=16)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--resident-batch", type=int, help="instead: experts resident, a batch of "
+                   "this many prompts, through `tiergen bench --against llama.cpp`")
     p.add_argument("--kb-type", default=Q8, choices=(Q8, "F32"),
                    help="the type of the attention's k_b and v_b in the file")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
@@ -313,17 +405,20 @@ def main() -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     a.dir = str(Path(a.dir).resolve())
-    a.gguf = str(Path(a.dir) / file_name(a.kb_type))
+    a.gguf = str(Path(a.dir) / file_name(a.shape, a.kb_type))
     if a.child:
         fn = child_llamacpp if a.child.startswith("llamacpp") else child_tiergen
         print(json.dumps(fn(a)))
         return
     from bench_scale import machine
 
-    build(Path(a.gguf), a.kb_type)
+    m = SHAPES[a.shape]
+    build(Path(a.gguf), m, a.kb_type)
+    if a.resident_batch:
+        return resident(a)
     group = in_cgroup(a.host_memory)
-    experts = (LAYERS - 1) * EXPERTS * expert_nbytes()
-    print(f"{machine()}; {Path(a.gguf).stat().st_size / 1e9:.1f} GB Q4_0 GGUF, "
+    experts = (m.layers - 1) * m.experts * expert_nbytes(m)
+    print(f"{machine()}; {a.shape}-shaped {Path(a.gguf).stat().st_size / 1e9:.1f} GB Q4_0 GGUF, "
           f"{experts / 1e9:.1f} GB of routed experts; host budget {a.host_memory} "
           f"({'memory cgroup' if group else 'no cgroup: page cache evicted only'}); one prompt "
           f"of {a.prompt_len} tokens, {a.gen_len} new; page cache evicted every 0.2 s")
